@@ -1,0 +1,150 @@
+"""Paged KV block allocator with reference counts and a prefix cache over full blocks.
+
+A full block is named by a chained hash: sha256(parent block's hash + this block's token ids), so equal
+hashes mean equal whole prefixes (sha256 makes accidental collisions impossible in practice, unlike
+Python's hash()). Freed blocks keep their hash and stay findable until they are reused for other
+tokens; the free queue is LRU, so the blocks used longest ago are evicted first.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+
+from llmserve_core.engine.request import Request
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+class NoFreeBlocks(Exception):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}                    # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0      # of those, tokens found
+
+    # ---- accounting -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------------
+    def admit(self, req: Request) -> int:
+        """Attach the longest cached prefix of a newly scheduled request; return the tokens it covers.
+
+        The last prompt token is always recomputed: its logits are needed to sample.
+        """
+        assert not req.block_ids
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = req.token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        parent = b""
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        for b in range(max_blocks):
+            h = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(h)
+            parent = h
+        for block in hits:
+            self._ref(block)
+        req.block_ids = hits
+        req.block_hashes = hashes
+        return len(hits) * self.block_size
+
+    def count_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += min(num_hit_tokens, num_prompt_tokens)
+
+    def can_allocate(self, req: Request, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(req.block_ids) <= len(self.free)
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        """Grow the request's block table to hold num_tokens tokens."""
+        need = self.blocks_needed(num_tokens) - len(req.block_ids)
+        if need > len(self.free):
+            raise NoFreeBlocks
+        for _ in range(need):
+            block, _ = self.free.popitem(last=False)
+            old = self.block_hash[block]
+            if old is not None:                       # evict: this block's old content is gone
+                if self.cached.get(old) == block:
+                    del self.cached[old]
+                self.block_hash[block] = None
+            self.ref_counts[block] = 1
+            req.block_ids.append(block)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Publish every block of the request that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        tokens = req.token_ids
+        for b in range(len(req.block_hashes), num_full):
+            parent = req.block_hashes[-1] if req.block_hashes else b""
+            h = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            req.block_hashes.append(h)
+            block = req.block_ids[b]
+            if h not in self.cached:                  # a twin block may already hold the same prefix
+                self.cached[h] = block
+                self.block_hash[block] = h
+
+    def release(self, req: Request) -> None:
+        """Drop the request's references. Tail blocks go to the free queue first, so they are evicted
+        before the shared prefix blocks that other requests are more likely to hit again."""
+        for block in reversed(req.block_ids):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self.free[block] = None
+                    self.free.move_to_end(block, last=False)  # uncached: reuse it first
+                else:
+                    self.free[block] = None
+        req.block_ids = []
+        req.block_hashes = []
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def reset_prefix_cache(self) -> None:
+        for h, block in list(self.cached.items()):
+            if self.ref_counts[block] == 0:
+                del self.cached[h]
+                self.block_hash[block] = None
+
+    def check_invariants(self) -> None:
+        """Every block is either referenced or in the free queue, never both; cache entries are consistent."""
+        for block in range(self.num_blocks):
+            in_free = block in self.free
+            assert (self.ref_counts[block] == 0) == in_free, f"block {block}: ref {self.ref_counts[block]}, free {in_free}"
+        for h, block in self.cached.items():
+            assert self.block_hash[block] == h

@@ -1,0 +1,80 @@
+"""Per-request state the scheduler, block manager and model runner share."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve_proto import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    # All tokens so far (prompt, then outputs); the KV of the first num_computed_tokens is in the cache.
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of this request's full blocks
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None  # per-request stream for seeded sampling
+    # Set by the speculative executor for requests that draft; None for plain decoding.
+    spec_state: object | None = None
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token still lacks KV: a (possibly chunked, possibly recomputed) prefill."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> str | None:
+        """Add a sampled token and return the finish reason it causes, if any."""
+        self.token_ids.append(token_id)
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in p.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,119 @@
+"""Batched sampling with per-row parameters.
+
+Greedy rows take the argmax of the raw logits. Other rows go through temperature, top-k, top-p and min-p
+(`sampling_probs`, which speculative verification reuses so both see the same distribution), then
+draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
+Rows with a seed draw E from their own generator, so their tokens do not depend on batch company.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters, built once per step by the model runner."""
+    temperature: torch.Tensor          # [N] float32; 0 = greedy
+    top_k: torch.Tensor                # [N] int64; <= 0 = disabled
+    top_p: torch.Tensor                # [N] float32
+    min_p: torch.Tensor                # [N] float32
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_num_logprobs: int | None       # None: no row asked for logprobs
+
+    @classmethod
+    def from_params(cls, params_list, generators, device) -> "SamplingTensors":
+        temps = [p.temperature for p in params_list]
+        top_ks = [p.top_k for p in params_list]
+        top_ps = [p.top_p for p in params_list]
+        min_ps = [p.min_p for p in params_list]
+        logprobs = [p.logprobs for p in params_list if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            generators=list(generators),
+            all_greedy=all(t == 0.0 for t in temps),
+            need_top_k=any(k > 0 for k in top_ks),
+            need_top_p=any(p < 1.0 for p in top_ps),
+            need_min_p=any(m > 0.0 for m in min_ps),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def rows(self, index: torch.Tensor) -> "SamplingTensors":
+        """The parameters of a subset (or repetition) of rows, e.g. one row per verified draft position."""
+        idx = index.tolist()
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
+                               [self.generators[i] for i in idx], self.all_greedy, self.need_top_k,
+                               self.need_top_p, self.need_min_p, self.max_num_logprobs)
+
+
+def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution each row samples from: float32 [N, V] after temperature, top-k, top-p, min-p.
+    Greedy rows get a temperature of 1 here; callers take their argmax instead."""
+    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    logits = logits.float() / temp[:, None]
+    if st.need_top_k or st.need_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        if st.need_top_k:
+            k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
+            kth = sorted_logits.gather(1, (k - 1)[:, None])
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if st.need_top_p:
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Drop a token once the mass before it already reaches top_p; the first token always stays.
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_logits = sorted_logits.masked_fill(mass_before >= st.top_p[:, None], float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if st.need_min_p:
+        floor = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def exponential_noise(shape, generators, device) -> torch.Tensor:
+    """Exp(1) noise; rows with their own generator draw from it so they are independent of the batch."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def draw(probs: torch.Tensor, generators) -> torch.Tensor:
+    """One token per row from probs [N, V] (the exponential race)."""
+    noise = exponential_noise(probs.shape, generators, probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                    # [N] int64
+    logprobs: torch.Tensor | None = None       # [N] float32, of the sampled token
+    top_logprobs: torch.Tensor | None = None   # [N, k] float32
+    top_token_ids: torch.Tensor | None = None  # [N, k] int64
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        tokens = greedy_tokens
+    else:
+        tokens = torch.where(st.temperature == 0, greedy_tokens, draw(sampling_probs(logits, st), st.generators))
+    out = SamplerOutput(tokens)
+    if st.max_num_logprobs is not None:
+        # Log-probabilities of the model's own distribution (before temperature and filters), as vLLM reports.
+        logp = logits.float().log_softmax(dim=-1)
+        out.logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
+        if st.max_num_logprobs > 0:
+            out.top_logprobs, out.top_token_ids = logp.topk(st.max_num_logprobs, dim=-1)
+    return out
