@@ -1,7 +1,21 @@
 """llmserve wire protocol: the only contract between llmserve-core and its clients.
 
-Import name `llmserve_proto` (the folder is `proto/`). Nothing here imports torch.
+Import name `llmserve_proto` (the folder is `proto/`). Nothing here imports torch. PROTOCOL.md
+describes sockets, framing, message order and error semantics.
 """
 from llmserve_proto.sampling import SamplingParams, ValidationError
+from llmserve_proto.messages import (
+    FINISH_REASONS, PROTOCOL_VERSION, Abort, ClientMessage, CoreMessage, EngineError, Generate, Goodbye,
+    Heartbeat, Hello, Logprobs, ModelInfo, OutputBatch, Ping, RequestError, RequestMetrics, RequestOutput,
+    Shutdown, StatsReply, StatsRequest, Welcome,
+)
+from llmserve_proto.codec import BadMessage, decode_client, decode_client_checked, decode_core, encode
+from llmserve_proto.endpoint import default_endpoint
 
-__all__ = ["SamplingParams", "ValidationError"]
+__all__ = [
+    "SamplingParams", "ValidationError", "PROTOCOL_VERSION", "FINISH_REASONS",
+    "Hello", "Generate", "Abort", "StatsRequest", "Ping", "Goodbye", "ClientMessage",
+    "ModelInfo", "Welcome", "Logprobs", "RequestMetrics", "RequestOutput", "OutputBatch", "RequestError",
+    "EngineError", "StatsReply", "Heartbeat", "Shutdown", "CoreMessage",
+    "encode", "decode_client", "decode_client_checked", "decode_core", "BadMessage", "default_endpoint",
+]

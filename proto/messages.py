@@ -1,0 +1,146 @@
+"""Messages between llmserve-core and its clients (see PROTOCOL.md for sockets, order and semantics).
+
+Every message is a msgspec Struct encoded as one msgpack array whose first element is the tag string
+(`array_like=True`, `tag=...`). Fields may only ever be appended at the end, with a default, so an
+older peer can still decode a newer message (trailing defaults are omitted on the wire).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from llmserve_proto.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _msg(tag: str):
+    """Struct options shared by every wire message."""
+    return dict(tag=tag, array_like=True, omit_defaults=True, kw_only=True)
+
+
+# ---------------------------------------------------------------- client -> core
+
+class Hello(msgspec.Struct, **_msg("hello")):
+    """First message of a session. The core answers with Welcome once the model is loaded."""
+    protocol_version: int = PROTOCOL_VERSION
+    client_name: str = ""
+
+
+class Generate(msgspec.Struct, **_msg("generate")):
+    """Start one request. `request_id` is chosen by the client and unique among its live requests."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class Abort(msgspec.Struct, **_msg("abort")):
+    """Stop requests early; each live one gets a final output with finish_reason "abort"."""
+    request_ids: list[str]
+
+
+class StatsRequest(msgspec.Struct, **_msg("stats")):
+    """Ask for engine counters; answered by StatsReply carrying the same nonce."""
+    nonce: int = 0
+
+
+class Ping(msgspec.Struct, **_msg("ping")):
+    """Client heartbeat. A client silent for longer than Welcome.client_timeout_s is treated as gone."""
+    time: float = 0.0
+
+
+class Goodbye(msgspec.Struct, **_msg("goodbye")):
+    """Client is closing: abort its live requests and forget it."""
+
+
+ClientMessage = Hello | Generate | Abort | StatsRequest | Ping | Goodbye
+
+
+# ---------------------------------------------------------------- core -> client
+
+class ModelInfo(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """What a client needs to know about the served model."""
+    model: str                       # model directory (tokenizer lives there) as the core was given it
+    name: str = ""                   # short display name (directory base name)
+    vocab_size: int = 0
+    max_model_len: int = 0
+    eos_token_ids: list[int] = []
+    speculative: bool = False        # EAGLE-3 speculative decoding is on
+    speculative_model: str | None = None
+
+
+class Welcome(msgspec.Struct, **_msg("welcome")):
+    """Answer to Hello: the engine is loaded and accepts requests from now on."""
+    protocol_version: int
+    model_info: ModelInfo
+    heartbeat_interval_s: float      # the core sends Heartbeat at least this often
+    client_timeout_s: float          # the core drops a client silent for this long (send Ping well within it)
+    core_pid: int = 0
+    max_request_tokens: int = 0      # prompt + max_tokens may not exceed this (max_model_len)
+
+
+class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """Log-probabilities at one generated position."""
+    logprob: float                   # of the sampled token
+    top_token_ids: list[int] = []    # the n most likely tokens (n = SamplingParams.logprobs), best first
+    top_logprobs: list[float] = []
+
+
+class RequestMetrics(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """Per-request accounting, sent with the request's final output. Times are the core's
+    time.monotonic() (CLOCK_MONOTONIC: comparable with a client's on the same host)."""
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float = 0.0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """New tokens of one request from one engine step. finish_reason set = last output of the request."""
+    request_id: str
+    token_ids: list[int] = []
+    finish_reason: str | None = None          # None | "stop" | "length" | "abort"
+    logprobs: list[Logprobs] | None = None    # one per token in token_ids when requested
+    metrics: RequestMetrics | None = None     # only on the final output
+
+
+class OutputBatch(msgspec.Struct, **_msg("outputs")):
+    """Everything one engine step produced for one client."""
+    outputs: list[RequestOutput]
+    step: int = 0
+    time: float = 0.0                # core monotonic time the step finished
+
+
+class RequestError(msgspec.Struct, **_msg("request_error")):
+    """A request was rejected (or failed). It is finished: no further output for this id."""
+    request_id: str
+    field: str                       # offending field, e.g. "params.temperature", "prompt_token_ids"
+    message: str
+
+
+class EngineError(msgspec.Struct, **_msg("engine_error")):
+    """A message not tied to a request: malformed frame, protocol violation, or engine failure.
+    fatal=True: the core is going away (or has dropped this client); every live request is lost."""
+    message: str
+    fatal: bool = False
+
+
+class StatsReply(msgspec.Struct, **_msg("stats_reply")):
+    nonce: int
+    stats: dict[str, int | float | str | bool | None]
+
+
+class Heartbeat(msgspec.Struct, **_msg("heartbeat")):
+    """Core liveness, sent to every known client at least every heartbeat_interval_s."""
+    time: float = 0.0
+
+
+class Shutdown(msgspec.Struct, **_msg("shutdown")):
+    """The core is exiting (after draining). Sent once; the session is over."""
+    reason: str = ""
+
+
+CoreMessage = Welcome | OutputBatch | RequestError | EngineError | StatsReply | Heartbeat | Shutdown
