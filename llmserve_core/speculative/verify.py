@@ -1,0 +1,136 @@
+"""Chain verification: which draft tokens the target keeps, and the one token it adds.
+
+Layout shared by both rules. Request b proposed num_draft[b] tokens (0 allowed), padded into
+draft_token_ids [B, K]. The verify forward ran 1 + num_draft[b] query tokens for it (the last
+accepted token, then the drafts), so its target rows are packed: request b owns rows
+target_start[b] : target_start[b] + num_draft[b] + 1 of the [sum(n_b + 1), V] tensor, row j
+predicting the token after draft j (row 0: after the last accepted token). Draft distributions, when
+given, are packed the same way without the extra row: [sum(n_b), V].
+
+Every request emits num_accepted + 1 tokens: the accepted drafts, then the target's correction at
+the first rejection or, when all drafts pass, the bonus token from the last row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve_core.speculative.filters import sample_from_probs
+
+
+@dataclass
+class VerifyOutput:
+    token_ids: torch.Tensor     # [B, K + 1] int64, emitted tokens, padded with -1
+    num_accepted: torch.Tensor  # [B] int64, accepted draft tokens (emitted = num_accepted + 1)
+
+    def token_lists(self) -> list[list[int]]:
+        counts = (self.num_accepted + 1).tolist()
+        return [row[:c] for row, c in zip(self.token_ids.tolist(), counts)]
+
+
+def _offsets(num_draft: torch.Tensor, extra: int) -> torch.Tensor:
+    """Start row of each request in a packed tensor where request b owns num_draft[b] + extra rows."""
+    sizes = num_draft + extra
+    return torch.cumsum(sizes, 0) - sizes
+
+
+def _padded_rows(num_draft: torch.Tensor, width: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed row index of (b, j) for j < width, and whether that (b, j) exists."""
+    starts = _offsets(num_draft, extra)
+    j = torch.arange(width, device=num_draft.device)
+    valid = j[None, :] < (num_draft + extra)[:, None]
+    rows = torch.where(valid, starts[:, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
+    return rows, valid
+
+
+def _check(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_rows: int) -> None:
+    if draft_token_ids.dim() != 2 or num_draft.dim() != 1 or draft_token_ids.shape[0] != num_draft.shape[0]:
+        raise ValueError("draft_token_ids: expected [B, K] with num_draft [B]")
+    if bool((num_draft < 0).any()) or bool((num_draft > draft_token_ids.shape[1]).any()):
+        raise ValueError("num_draft: each entry must be in [0, K]")
+    if int((num_draft + 1).sum()) != target_rows:
+        raise ValueError(f"target rows: expected sum(num_draft + 1) = {int((num_draft + 1).sum())}, got {target_rows}")
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: torch.Tensor) -> VerifyOutput:
+    """Accept the longest prefix of drafts equal to the target's argmax, then emit the argmax after it."""
+    num_draft = num_draft.to(device=target_logits.device, dtype=torch.long)
+    draft_token_ids = draft_token_ids.to(target_logits.device)
+    _check(draft_token_ids, num_draft, target_logits.shape[0])
+    k = draft_token_ids.shape[1]
+    rows, valid = _padded_rows(num_draft, k + 1, extra=1)
+    target_ids = target_logits.argmax(dim=-1)[rows]                        # [B, K + 1]
+    matches = (draft_token_ids == target_ids[:, :k]) & valid[:, 1:]        # draft j exists iff row j + 1 does
+    num_accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    keep = torch.arange(k + 1, device=rows.device)[None, :] <= num_accepted[:, None]
+    # Accepted drafts equal the target's argmax, so the emitted tokens are just the argmax rows.
+    return VerifyOutput(torch.where(keep, target_ids, torch.full_like(target_ids, -1)), num_accepted)
+
+
+def rejection_sample_verify(
+    target_probs: torch.Tensor,          # [sum(n_b + 1), V], already through apply_sampling_filters
+    draft_token_ids: torch.Tensor,       # [B, K]
+    num_draft: torch.Tensor,             # [B]
+    draft_probs: torch.Tensor | None,    # [sum(n_b), V] the distribution each draft was drawn from; None: argmax drafts
+    generators: list[torch.Generator | None] | None = None,
+) -> VerifyOutput:
+    """The standard speculative sampling rule (Leviathan et al., Chen et al.): accept draft x with
+    probability min(1, p(x) / q(x)); at the first rejection emit a sample from norm(max(0, p - q));
+    when every draft passes emit a sample from the last target row. The emitted tokens are then
+    distributed exactly as if drawn one by one from p. draft_probs None means the drafts were
+    chosen deterministically (q is one-hot at the draft), which the same rule covers.
+    Each seeded request draws its uniforms and its final sample only from its own generator."""
+    device = target_probs.device
+    num_draft = num_draft.to(device=device, dtype=torch.long)
+    draft_token_ids = draft_token_ids.to(device)
+    _check(draft_token_ids, num_draft, target_probs.shape[0])
+    if draft_probs is not None and draft_probs.shape[0] != int(num_draft.sum()):
+        raise ValueError(f"draft_probs: expected sum(num_draft) = {int(num_draft.sum())} rows, got {draft_probs.shape[0]}")
+    if generators is not None and len(generators) != num_draft.shape[0]:
+        raise ValueError("generators: expected one entry (or None) per request")
+    batch, k = draft_token_ids.shape
+    t_rows, t_valid = _padded_rows(num_draft, k + 1, extra=1)
+    valid = t_valid[:, 1:]                                                 # [B, K] draft j exists
+    safe_ids = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
+    p_x = target_probs[t_rows[:, :k], safe_ids].float()                    # [B, K]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        d_rows, _ = _padded_rows(num_draft, k, extra=0)
+        q_x = draft_probs[d_rows, safe_ids].float()
+
+    uniform = torch.rand(batch, k, device=device)
+    if generators is not None and any(g is not None for g in generators):
+        counts = num_draft.tolist()
+        for b, g in enumerate(generators):
+            if g is not None and counts[b]:
+                # Exactly n_b draws, so a seeded request's stream does not depend on the batch's K.
+                uniform[b, :counts[b]] = torch.rand(counts[b], device=device, generator=g)
+    # u < p/q written without the division; u < 1 so p == q > 0 always accepts, p == 0 never does.
+    accepted = (uniform * q_x < p_x) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+
+    # One final draw per request: the residual at the first rejection, or the bonus row.
+    final_row = t_rows.gather(1, num_accepted[:, None]).squeeze(1)
+    dist = target_probs[final_row].float()
+    rejected = num_accepted < num_draft
+    if bool(rejected.any()):
+        rb = rejected.nonzero().squeeze(1)
+        pos = num_accepted[rb]
+        if draft_probs is None:
+            q = torch.zeros_like(dist[rb])
+            q.scatter_(1, draft_token_ids[rb, pos][:, None], 1.0)
+        else:
+            q = draft_probs[_offsets(num_draft, 0)[rb] + pos].float()
+        residual = (dist[rb] - q).clamp_min(0.0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        # Rounding can leave no residual mass only where p <= q everywhere, i.e. p == q: then p itself is right.
+        dist[rb] = torch.where(mass > 0, residual / mass.clamp_min(1e-30), dist[rb])
+    final = sample_from_probs(dist, generators)
+
+    token_ids = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)
+    keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]
+    token_ids[:, :k] = torch.where(keep, draft_token_ids.long(), token_ids[:, :k])
+    token_ids.scatter_(1, num_accepted[:, None], final[:, None])
+    return VerifyOutput(token_ids, num_accepted)
