@@ -1,4 +1,4 @@
-"""Speculative decoding algorithms that do not need the engine: filters, verification, trees, metrics,
+"""Speculative decoding algorithms that do not need the engine: verification, trees, metrics,
 and the EAGLE-3 draft model in the speculators format."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from llmserve_core.speculative.filters import apply_sampling_filters, sample_from_probs
+from llmserve_core.layers.sampler import SamplingTensors, sampling_probs
+from llmserve_proto import SamplingParams
 from llmserve_core.speculative.types import SpecMetrics, SpecStepResult, results_from_verify
-from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify
+from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
 
 
 def chi2_critical(df: int, z: float = 3.5) -> float:
@@ -34,35 +35,20 @@ def one_hot_logits(ids, vocab):
     return logits
 
 
-# ---- filters -----------------------------------------------------------------------------------
+# ---- target distribution for verification ------------------------------------------------------
 
-def test_filters_greedy_rows_are_one_hot_and_others_softmax():
+def sampling_tensors(params_list):
+    return SamplingTensors.from_params(params_list, [None] * len(params_list), "cpu")
+
+
+def test_verify_probs_match_sampler_and_make_greedy_rows_one_hot():
     logits = torch.randn(3, 11)
-    t = torch.tensor([0.0, 1.0, 0.5])
-    off_k, off_p, off_min = torch.tensor([-1, -1, 0]), torch.ones(3), torch.zeros(3)
-    probs = apply_sampling_filters(logits, t, off_k, off_p, off_min)
+    st = sampling_tensors([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=4),
+                           SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05)])
+    probs = verify_probs(logits, st)
     assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), 11).float())
-    torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
-    torch.testing.assert_close(probs[2], torch.softmax(logits[2] / 0.5, -1))
-
-
-def test_filters_top_k_top_p_min_p():
-    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3))
-    ones = torch.ones(3)
-    probs = apply_sampling_filters(logits, ones, torch.tensor([2, -1, -1]), torch.tensor([1.0, 0.6, 1.0]),
-                                   torch.tensor([0.0, 0.0, 0.6]))
-    torch.testing.assert_close(probs[0], torch.tensor([4 / 7, 3 / 7, 0, 0]))
-    torch.testing.assert_close(probs[1], torch.tensor([4 / 7, 3 / 7, 0, 0]))   # 0.4 < 0.6, 0.7 >= 0.6
-    torch.testing.assert_close(probs[2], torch.tensor([4 / 7, 3 / 7, 0, 0]))   # keep p >= 0.6 * 0.4
-
-
-def test_sample_from_probs_seeded_rows_ignore_batch():
-    probs = torch.softmax(torch.randn(4, 50), -1)
-    a = sample_from_probs(probs, [torch.Generator().manual_seed(7), None, None, None])
-    b = sample_from_probs(probs[:1], [torch.Generator().manual_seed(7)])
-    assert a[0] == b[0]
-    samples = sample_from_probs(probs[:1].expand(20000, -1).contiguous())
-    assert_distribution(samples, probs[0])
+    torch.testing.assert_close(probs[1:], sampling_probs(logits, st)[1:])
+    assert int((probs[1] > 0).sum()) == 4
 
 
 # ---- greedy verification --------------------------------------------------------------------------
@@ -97,7 +83,7 @@ def test_rejection_sampling_with_greedy_rows_equals_greedy_verify():
     # Make some drafts right so acceptance paths are exercised.
     drafts[0, :2] = logits[:2].argmax(-1)
     n = len(logits)
-    probs = apply_sampling_filters(logits, torch.zeros(n), torch.full((n,), -1), torch.ones(n), torch.zeros(n))
+    probs = verify_probs(logits, sampling_tensors([SamplingParams(temperature=0.0)] * n))
     q = torch.softmax(torch.randn(int(num_draft.sum()), vocab), -1)
     greedy = greedy_verify(logits, drafts, num_draft)
     for draft_probs in (None, q):

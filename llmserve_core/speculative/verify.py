@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve_core.speculative.filters import sample_from_probs
+from llmserve_core.layers.sampler import SamplingTensors, draw, sampling_probs
 
 
 @dataclass
@@ -27,6 +27,18 @@ class VerifyOutput:
     def token_lists(self) -> list[list[int]]:
         counts = (self.num_accepted + 1).tolist()
         return [row[:c] for row, c in zip(self.token_ids.tolist(), counts)]
+
+
+def verify_probs(target_logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The target distribution each verify row is judged against: the plain sampler's own
+    `sampling_probs`, with greedy rows made one-hot at the argmax. Rejection sampling against a
+    one-hot row is greedy verification, so greedy and sampled requests can share one verify call."""
+    probs = sampling_probs(target_logits, st)
+    greedy = st.temperature == 0
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, target_logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
 
 
 def _offsets(num_draft: torch.Tensor, extra: int) -> torch.Tensor:
@@ -69,7 +81,7 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, nu
 
 
 def rejection_sample_verify(
-    target_probs: torch.Tensor,          # [sum(n_b + 1), V], already through apply_sampling_filters
+    target_probs: torch.Tensor,          # [sum(n_b + 1), V], from verify_probs
     draft_token_ids: torch.Tensor,       # [B, K]
     num_draft: torch.Tensor,             # [B]
     draft_probs: torch.Tensor | None,    # [sum(n_b), V] the distribution each draft was drawn from; None: argmax drafts
@@ -127,7 +139,7 @@ def rejection_sample_verify(
         mass = residual.sum(dim=-1, keepdim=True)
         # Rounding can leave no residual mass only where p <= q everywhere, i.e. p == q: then p itself is right.
         dist[rb] = torch.where(mass > 0, residual / mass.clamp_min(1e-30), dist[rb])
-    final = sample_from_probs(dist, generators)
+    final = draw(dist, generators or [None] * batch)
 
     token_ids = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)
     keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]
