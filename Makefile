@@ -1,0 +1,29 @@
+# Two commands matter: `make demo` and `make test`. Both install what is missing into .venv first.
+# Without an NVIDIA GPU the CPU build of torch is installed, so a fresh CI machine never pulls CUDA wheels.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+TINY ?= .tiny-model
+
+.PHONY: install demo test test-fast tiny-model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*; touch $@
+
+tiny-model: $(STAMP)
+	test -f $(TINY)/config.json || $(PY) -m llmserve_core make-tiny-model $(TINY)
+
+demo: tiny-model
+	$(PY) scripts/demo.py --model $(TINY)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(TINY) .pytest_cache

@@ -1,0 +1,231 @@
+"""The in-process engine: validation, the step loop's bookkeeping, and results.
+
+`Engine.step()` schedules one batch, runs one forward, appends sampled tokens and reports what changed.
+The daemon drives the same object from its busy loop; tests and embedders call it directly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from llmserve_core.config import EngineConfig
+from llmserve_core.engine.block_manager import BlockManager
+from llmserve_core.engine.model_runner import ModelRunner
+from llmserve_core.engine.request import Request
+from llmserve_core.engine.scheduler import Scheduler
+from llmserve_core.models.config import ModelConfig
+from llmserve_proto import SamplingParams, ValidationError
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float                                                   # of the sampled token
+    top: list[tuple[int, float]] = field(default_factory=list)       # (token id, logprob), most likely first
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None          # None while running; "stop", "length" or "abort" at the end
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    speculative: bool = False
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model_config = ModelConfig.from_hf_dir(config.model)
+        max_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_len:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings {max_len}")
+        self.max_model_len = config.max_model_len or max_len
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {config.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
+                "without chunked prefill a whole prompt must fit one step. Raise it, lower max_model_len, "
+                "or enable chunked prefill")
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.model_info = ModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
+                                    tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[StepOutput] = []     # abort notices, reported by the next step
+        self.num_steps = 0
+        self.num_tokens_scheduled = 0            # in the last step
+        self.total_prompt_tokens = 0
+        self.total_generated_tokens = 0
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValidationError naming the bad field; the engine is unchanged then."""
+        params = SamplingParams() if params is None else params
+        self._validate(request_id, prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, frozenset(self.model_info.eos_token_ids),
+                      self.max_model_len)
+        if params.seed is not None:
+            req.generator = self.runner.make_generator(params.seed)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate(self, request_id, prompt, params) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValidationError("request_id", "must be a non-empty string")
+        if request_id in self.requests:
+            raise ValidationError("request_id", f"{request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("params", f"must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise ValidationError("prompt_token_ids", "must be a non-empty list of token ids")
+        vocab = self.model_info.vocab_size
+        for i, t in enumerate(prompt):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValidationError("prompt_token_ids", f"token {t!r} at index {i} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValidationError("prompt_token_ids",
+                                  f"prompt of {len(prompt)} tokens leaves no room under max_model_len {self.max_model_len}")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValidationError("max_tokens", f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                                                f"max_model_len {self.max_model_len}")
+        need = self.block_manager.blocks_needed(len(prompt) + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValidationError("max_tokens", f"needs {need} KV blocks, the whole pool has {self.block_manager.num_blocks}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValidationError("stop_token_ids", f"must be below the vocabulary size {vocab}")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        self._pending.append(StepOutput(request_id, [], "abort", None, req.num_prompt_tokens, req.num_cached_tokens))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self.num_tokens_scheduled = sched.total_tokens
+        if not sched.requests:
+            return outputs
+        self.num_steps += 1
+        sampled_reqs, sampled = self.runner.execute(sched)
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        if sampled is None:
+            return outputs
+        tokens = sampled.token_ids.tolist()
+        logprobs = self._logprobs_lists(sampled, sampled_reqs)
+        now = time.monotonic()
+        for i, (req, tok) in enumerate(zip(sampled_reqs, tokens)):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            finish = req.append_token(tok)
+            self.total_generated_tokens += 1
+            outputs.append(StepOutput(req.request_id, [tok], finish, logprobs[i] if logprobs else None,
+                                      req.num_prompt_tokens, req.num_cached_tokens))
+            if finish is not None:
+                req.finish_reason = finish
+                self.scheduler.finish(req)
+                del self.requests[req.request_id]
+        return outputs
+
+    @staticmethod
+    def _logprobs_lists(sampled, reqs) -> list[list[TokenLogprobs] | None] | None:
+        if sampled.logprobs is None:
+            return None
+        lp = sampled.logprobs.tolist()
+        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        out = []
+        for i, req in enumerate(reqs):
+            n = req.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[i][:n], top_lp[i][:n])) if n and top_ids is not None else []
+            out.append([TokenLogprobs(lp[i], top)])
+        return out
+
+    # ---- conveniences ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        """Run prompts to completion; results in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValidationError("params", f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"generate-{self.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
+        results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+        added = []
+        try:
+            for rid, p, sp in zip(ids, prompts, params_list):
+                self.add_request(rid, p, sp)
+                added.append(rid)
+            pending = set(ids)
+            while pending:
+                for out in self.step():
+                    res = results.get(out.request_id)
+                    if res is None:
+                        continue
+                    res.token_ids.extend(out.new_token_ids)
+                    res.num_cached_tokens = out.num_cached_tokens
+                    if out.logprobs is not None:
+                        res.logprobs = (res.logprobs or []) + out.logprobs
+                    if out.finish_reason is not None:
+                        res.finish_reason = out.finish_reason
+                        pending.discard(out.request_id)
+        finally:
+            for rid in added:
+                self.abort(rid)   # no-op for the finished ones; frees the rest if we were interrupted
+            self._pending = [o for o in self._pending if o.request_id not in results]
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": bm.num_free_blocks,
+            "total_kv_blocks": bm.num_blocks,
+            "cached_kv_blocks": bm.num_cached_blocks,
+            "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "prefix_hit_rate": bm.prefix_hit_rate,
+            "prefix_queries": bm.prefix_queries,
+            "prefix_hits": bm.prefix_hits,
+            "num_tokens_scheduled": self.num_tokens_scheduled,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_generated_tokens": self.total_generated_tokens,
+        }
