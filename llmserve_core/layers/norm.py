@@ -1,0 +1,32 @@
+"""RMSNorm with an optional fused residual add (the vLLM calling convention).
+
+`norm(x)` returns the normalized x. `norm(x, residual)` first forms the residual stream
+x + residual and returns (normalized stream, stream), so a decoder layer never materializes the
+add separately. Statistics are taken in float32 and the result is cast back before the weight
+multiply, exactly as transformers' Qwen3RMSNorm does, so float32 and bf16 both match it bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

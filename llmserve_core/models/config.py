@@ -1,0 +1,154 @@
+"""ModelConfig: the shape of a Qwen3 checkpoint, read from a Hugging Face model directory.
+
+Accepts both config.json dialects transformers has written: the 4.x one (top-level `rope_theta`,
+`rope_scaling`, `torch_dtype`) and the 5.x one (`rope_parameters` holding both, `dtype`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE, else the scaling dict with a normalized "rope_type" key.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    path: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dir(cls, path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model: {str(path)!r} is not a directory")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model: no config.json in {str(path)!r}")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model: {config_file} is not valid JSON: {e}") from None
+        generation = {}
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            generation = json.loads(gen_file.read_text())
+        cfg = cls.from_dict(raw, generation)
+        cfg.path = str(path)
+        return cfg
+
+    @classmethod
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+        model_type = raw.get("model_type")
+        architectures = raw.get("architectures") or []
+        if model_type != "qwen3" or (architectures and not set(architectures) & set(QWEN3_ARCHITECTURES)):
+            raise ValueError(
+                f"model: only Qwen3 checkpoints are supported (model_type 'qwen3', architectures "
+                f"{list(QWEN3_ARCHITECTURES)}), got model_type={model_type!r}, architectures={architectures!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(raw.get(name), int) or raw[name] <= 0:
+                raise ValueError(f"model: config.json field {name} must be a positive integer, got {raw.get(name)!r}")
+        if raw.get("attention_bias"):
+            raise ValueError("model: config.json field attention_bias=true is not supported (Qwen3 has no qkv bias)")
+        if raw.get("use_sliding_window"):
+            raise ValueError("model: config.json field use_sliding_window=true is not supported")
+
+        num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"model: num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads); follow it so a config
+        # without the field means the same model here as there.
+        head_dim = raw.get("head_dim") or 128
+        if head_dim % 2:
+            raise ValueError(f"model: head_dim must be even for rotary embeddings, got {head_dim}")
+
+        rope_theta, rope_scaling = _read_rope(raw)
+        eos = _eos_ids(generation.get("eos_token_id") if generation else None)
+        if not eos:
+            eos = _eos_ids(raw.get("eos_token_id"))
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise ValueError(f"model: eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def _read_rope(raw: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None), whichever dialect config.json uses."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+    else:
+        params = dict(params)
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("model: per-layer-type rope_parameters are not supported")
+    rope_theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    if "partial_rotary_factor" in params or "partial_rotary_factor" in raw:
+        if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("model: partial_rotary_factor other than 1.0 is not supported")
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"model: rope_scaling type {rope_type!r} is not supported, "
+                         f"choose from {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return rope_theta, None
+    need = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor")}[rope_type]
+    for key in need:
+        if params.get(key) is None:
+            raise ValueError(f"model: rope_scaling type {rope_type!r} needs field {key!r}")
+    if rope_type in ("yarn", "llama3"):
+        # As transformers: the pretraining length defaults to max_position_embeddings.
+        params.setdefault("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 32768)))
+    params["rope_type"] = rope_type
+    return rope_theta, params

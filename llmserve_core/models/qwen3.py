@@ -1,0 +1,129 @@
+"""Qwen3 decoder over packed tokens with a paged KV cache.
+
+Parameter names follow the Hugging Face checkpoint, except that q/k/v_proj are packed into one
+qkv_proj and gate/up_proj into one gate_up_proj (one matmul each); loader.py does the packing.
+The constructor allocates weights without initializing them: load them with models.loader.load_model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.activation import silu_and_mul
+from llmserve_core.layers.norm import RMSNorm
+from llmserve_core.layers.rotary import RotaryEmbedding
+from llmserve_core.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen3 normalizes each head of q and k before rotary.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, batch: ForwardBatch, attn_backend) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
+        k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, residual, cos, sin, kv_cache, batch, attn_backend):
+        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, batch, attn_backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_backend, dtype: torch.dtype, device, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_backend = attn_backend
+        # Build on the meta device and allocate uninitialized storage once: no throwaway random init,
+        # which for an 8B model would cost more than loading the checkpoint.
+        with torch.device("meta"):
+            self.model = Qwen3Model(cfg)
+            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.to(dtype).to_empty(device=device)
+        self.requires_grad_(False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, cfg.max_position_embeddings, dtype, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[KVCache],
+                aux_layer_ids: tuple[int, ...] = ()):
+        """input_ids [T] -> final-normed hidden [T, H], plus the aux hidden states when aux_layer_ids is given.
+
+        Aux hidden state i (what EAGLE-3 feeds its draft head, as vLLM's aux_hidden_state_layers) is the
+        residual stream entering decoder layer i, before its input norm: the embeddings for i = 0, else
+        the un-normed output of layer i - 1 (transformers' output_hidden_states[i]). Returned in the order
+        of aux_layer_ids.
+        """
+        num_layers = len(self.model.layers)
+        for i in aux_layer_ids:
+            if not 0 <= i < num_layers:
+                raise ValueError(f"aux_layer_ids: layer {i} out of range [0, {num_layers})")
+        if len(kv_caches) != num_layers:
+            raise ValueError(f"kv_caches: expected {num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        h, residual = self.model.embed_tokens(input_ids), None
+        aux = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layer_ids:
+                aux[i] = h if residual is None else h + residual
+            h, residual = layer(h, residual, cos, sin, kv_caches[i], batch, self.attn_backend)
+        h, _ = self.model.norm(h, residual)
+        if aux_layer_ids:
+            return h, [aux[i] for i in aux_layer_ids]
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (rows already selected) -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head_weight).float()
