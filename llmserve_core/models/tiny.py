@@ -1,0 +1,168 @@
+"""Write a small but real Hugging Face Qwen3 directory: what tests, examples and CPU runs load.
+
+The weights come from transformers' own Qwen3ForCausalLM under a fixed seed and are written by its
+save_pretrained, so the directory is exactly what transformers produces for a Qwen3 checkpoint. The
+tokenizer is a byte-level BPE trained on the shipped corpus with Qwen's special tokens and ChatML
+chat template. Same seed and overrides -> byte-identical files.
+
+    python -m llmserve_core.models.tiny OUT_DIR [--seed 0] [--num-hidden-layers N] [--untied]
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
+TOKENIZER_VOCAB_SIZE = 1024
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TINY_CONFIG = dict(
+    vocab_size=TOKENIZER_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+)
+
+
+def make_tiny_model(out_dir, seed: int = 0, **overrides) -> str:
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer into out_dir.
+
+    overrides are Qwen3Config fields (e.g. num_hidden_layers=4, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0}). vocab_size may exceed the tokenizer's
+    1024 (padded rows, as real checkpoints have) but not fall below it.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    config = {**TINY_CONFIG, **overrides}
+    if config["vocab_size"] < tokenizer.get_vocab_size():
+        raise ValueError(f"vocab_size: {config['vocab_size']} is smaller than the tokenizer's "
+                         f"{tokenizer.get_vocab_size()} tokens")
+    write_random_qwen3(out, seed, **config)
+    write_tokenizer(tokenizer, out)
+    return str(out)
+
+
+def write_random_qwen3(out_dir, seed: int = 0, **config) -> str:
+    """A Qwen3 checkpoint with transformers' own seeded init (normal, std initializer_range; norms at 1)."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    config = dict(config)
+    rope = config.pop("rope_scaling", None)
+    theta = config.pop("rope_theta", 10000.0)
+    config["rope_parameters"] = {"rope_type": "default", **(rope or {}), "rope_theta": theta}
+    config.setdefault("bos_token_id", 0)
+    config.setdefault("eos_token_id", 2)
+    config.setdefault("pad_token_id", 0)
+    hf_config = Qwen3Config(**config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(hf_config)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Qwen3's chat models stop on <|im_end|> and on <|endoftext|>.
+    eos = hf_config.eos_token_id
+    GenerationConfig(bos_token_id=hf_config.bos_token_id, pad_token_id=hf_config.pad_token_id,
+                     eos_token_id=[eos, 0] if eos != 0 else [0]).save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """Byte-level BPE (every byte string encodes, decoding round-trips) trained on the shipped corpus."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from llmserve_core.data import corpus_paragraphs
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_paragraphs(), trainer=trainer)
+    return tokenizer
+
+
+def write_tokenizer(tokenizer, out_dir) -> None:
+    out = Path(out_dir)
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 2048,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    special = {"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": [IM_START, IM_END]}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def write_sharded_copy(src_dir, out_dir, num_shards: int = 2) -> str:
+    """Copy a single-file checkpoint into num_shards files plus model.safetensors.index.json, as
+    transformers writes large checkpoints. Non-weight files are copied unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model.safetensors"):
+            shutil.copyfile(f, out / f.name)
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        names = sorted(f.keys())
+        tensors = {name: f.get_tensor(name) for name in names}
+    per_shard = (len(names) + num_shards - 1) // num_shards
+    weight_map, total = {}, 0
+    for i in range(num_shards):
+        shard_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[i * per_shard:(i + 1) * per_shard]}
+        save_file(part, str(out / shard_name), metadata={"format": "pt"})
+        for n, t in part.items():
+            weight_map[n] = shard_name
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return str(out)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random Qwen3 model directory.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-hidden-layers", type=int, default=TINY_CONFIG["num_hidden_layers"])
+    parser.add_argument("--untied", action="store_true", help="separate lm_head instead of tied embeddings")
+    args = parser.parse_args()
+    path = make_tiny_model(args.out_dir, seed=args.seed, num_hidden_layers=args.num_hidden_layers,
+                           tie_word_embeddings=not args.untied)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
