@@ -1,0 +1,201 @@
+"""The in-process Engine against transformers' own Qwen3ForCausalLM, float32 on CPU.
+
+Greedy outputs must be token-exact whatever the scheduling: prefix caching on or off, chunked prefill
+with tiny budgets, a KV pool small enough to force preemption, each request alone or in a batch.
+"""
+import itertools
+import random
+
+import pytest
+import torch
+
+from llmserve_core import Engine, EngineConfig
+from llmserve_proto import SamplingParams, ValidationError
+
+CONFIGS = {
+    # name: (heads, kv heads, head_dim, tied embeddings)
+    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True),
+    "gqa2-untied": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    "gqa4-odd-headdim": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
+}
+
+SCHEDULES = {
+    "plain": dict(),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "chunked-tiny-budget": dict(max_num_batched_tokens=7, max_num_seqs=3),
+    "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128),
+    "preempting-pool": dict(num_kv_blocks=9, block_size=4),
+}
+
+
+def hf_greedy(hf_model, prompt, max_new):
+    """Greedy continuation by full recomputation: the plainest possible reference."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def make_prompts(vocab, seed):
+    rnd = random.Random(seed)
+    shared = [rnd.randrange(vocab) for _ in range(13)]
+    prompts = [shared + [rnd.randrange(vocab) for _ in range(n)] for n in (1, 6, 19)]   # shared prefix
+    prompts += [[rnd.randrange(vocab) for _ in range(n)] for n in (1, 3, 30)]
+    return prompts
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model_case(request, make_random_qwen3_dir):
+    path = make_random_qwen3_dir(seed=7, **CONFIGS[request.param])
+    from transformers import Qwen3ForCausalLM
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(hf.config.vocab_size, seed=1)
+    max_new = 10
+    expected = [hf_greedy(hf, p, max_new) for p in prompts]
+    return path, prompts, expected, max_new
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_greedy_matches_transformers(model_case, schedule):
+    path, prompts, expected, max_new = model_case
+    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32", **SCHEDULES[schedule]))
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    # Twice: the second pass hits the prefix cache where it is on.
+    for _ in range(2):
+        got = engine.generate(prompts, params)
+        assert [c.token_ids for c in got] == expected
+        assert all(c.finish_reason == "length" for c in got)
+    if schedule == "preempting-pool":
+        assert engine.stats()["num_preemptions"] > 0
+    if schedule == "plain":
+        assert engine.stats()["prefix_hit_rate"] > 0
+    _assert_all_blocks_free(engine)
+
+
+def test_alone_equals_batched(model_case):
+    path, prompts, expected, max_new = model_case
+    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32", enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    assert alone == expected
+
+
+def _assert_all_blocks_free(engine):
+    st = engine.stats()
+    assert st["running"] == 0 and st["waiting"] == 0
+    assert st["free_kv_blocks"] == st["total_kv_blocks"]
+    engine.block_manager.check_invariants()
+
+
+# ---- stopping --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256))
+
+
+def test_stop_token_ids_and_eos(engine):
+    prompt = [5, 6, 7, 8]
+    free_run = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop_at = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_at)
+    got = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    assert got.finish_reason == "stop" and got.token_ids == free_run.token_ids[:first + 1]
+    assert engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].finish_reason in ("length", "stop")
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir):
+    eng = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256))
+    prompt = [5, 6, 7, 8]
+    free_run = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    # Make the 3rd generated token an eos id for this engine and check it stops there.
+    eng.model_info = eng.model_info.__class__(**{**eng.model_info.__dict__, "eos_token_ids": (free_run.token_ids[2],)})
+    got = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    first = free_run.token_ids.index(free_run.token_ids[2])
+    assert got.finish_reason == "stop" and got.token_ids == free_run.token_ids[:first + 1]
+    ignored = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert ignored.token_ids == free_run.token_ids and ignored.finish_reason == "length"
+
+
+def test_max_model_len_stops(tiny_model_dir):
+    eng = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=12))
+    got = eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))[0]
+    assert len(got.token_ids) == 7 and got.finish_reason == "length"
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,prompt,kwargs", [
+    ("prompt_token_ids", [], {}),
+    ("prompt_token_ids", [1, 10**9], {}),
+    ("prompt_token_ids", [1, -1], {}),
+    ("prompt_token_ids", [1] * 256, {}),
+    ("max_tokens", [1] * 250, dict(max_tokens=10)),
+    ("max_tokens", [1], dict(max_tokens=0)),
+    ("temperature", [1], dict(temperature=-0.5)),
+    ("top_p", [1], dict(top_p=0.0)),
+    ("top_p", [1], dict(top_p=1.5)),
+    ("top_k", [1], dict(top_k=-2)),
+    ("min_p", [1], dict(min_p=2.0)),
+    ("logprobs", [1], dict(logprobs=999)),
+])
+def test_bad_requests_name_the_field_and_change_nothing(engine, field, prompt, kwargs):
+    before = engine.stats()
+    with pytest.raises(ValidationError) as e:
+        engine.add_request("bad", prompt, SamplingParams(**kwargs))
+    assert e.value.field == field
+    assert engine.stats() == before and "bad" not in engine.requests
+
+
+def test_duplicate_id_and_unknown_abort(engine):
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValidationError) as e:
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    assert e.value.field == "request_id"
+    engine.abort("no-such-request")
+    engine.abort("dup")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("dup", "abort")]
+    _assert_all_blocks_free(engine)
+
+
+def test_abort_mid_generation_frees_blocks(engine):
+    engine.add_request("a", list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", list(range(2, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["free_kv_blocks"] < engine.stats()["total_kv_blocks"]
+    engine.abort("a")
+    engine.abort("b")
+    engine.step()
+    _assert_all_blocks_free(engine)
+
+
+def test_stats_fields(engine):
+    st = engine.stats()
+    for key in ("running", "waiting", "free_kv_blocks", "total_kv_blocks", "prefix_hit_rate", "num_tokens_scheduled"):
+        assert key in st
+
+
+# ---- sampling ----------------------------------------------------------------------------------------
+
+def test_seeded_sampling_ignores_batch_company(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = engine.generate([[3, 4, 5]], params)[0].token_ids
+    others = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    mixed = engine.generate([[9, 9], [3, 4, 5], [7, 1, 2, 3]], [others, params, SamplingParams(max_tokens=5, temperature=0.0)])
+    assert mixed[1].token_ids == alone
+    again = engine.generate([[3, 4, 5]], params)[0].token_ids
+    assert again == alone
+
+
+def test_logprobs_are_consistent(engine):
+    got = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))[0]
+    assert len(got.logprobs) == 4
+    for tok, lp in zip(got.token_ids, got.logprobs):
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6   # greedy picks the top one
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0.0
