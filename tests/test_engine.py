@@ -24,7 +24,7 @@ SCHEDULES = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "chunked-tiny-budget": dict(max_num_batched_tokens=7, max_num_seqs=3),
     "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128),
-    "preempting-pool": dict(num_kv_blocks=9, block_size=4),
+    "preempting-pool": dict(num_kv_blocks=14, block_size=4),
 }
 
 
