@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import lru_cache
 from pathlib import Path
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -83,6 +84,14 @@ def write_random_qwen3(out_dir, seed: int = 0, **config) -> str:
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
     """Byte-level BPE (every byte string encodes, decoding round-trips) trained on the shipped corpus."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+
+
+@lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    # Training takes about a second; tests write many model dirs with the same tokenizer.
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     from llmserve_core.data import corpus_paragraphs
@@ -98,7 +107,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus_paragraphs(), trainer=trainer)
-    return tokenizer
+    return tokenizer.to_str()
 
 
 def write_tokenizer(tokenizer, out_dir) -> None:

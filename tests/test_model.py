@@ -1,0 +1,193 @@
+"""Qwen3ForCausalLM against transformers' own Qwen3ForCausalLM, float32 on CPU.
+
+Mixed-length prompts are packed into one ForwardBatch over a paged cache with interleaved blocks,
+then extended in a second step that reads the cached KV; every logit row must match a full-sequence
+transformers forward.
+"""
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers import Qwen3ForCausalLM as HFQwen3
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from batch_helpers import allocate_tables, make_batch, make_kv_caches
+from llmserve_core.layers.activation import silu_and_mul
+from llmserve_core.layers.attention import get_backend
+from llmserve_core.layers.norm import RMSNorm
+from llmserve_core.layers.rotary import RotaryEmbedding
+from llmserve_core.models.config import ModelConfig
+from llmserve_core.models.loader import load_model
+
+CONFIGS = {
+    # GQA ratio 1, head_dim == hidden / heads, tied embeddings, plain RoPE.
+    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True),
+    # GQA ratio 2, head_dim 32 != 64 / 4, separate lm_head, linear RoPE scaling.
+    "gqa2-untied-linear": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                               rope_scaling={"rope_type": "linear", "factor": 2.0}, num_hidden_layers=3),
+    # GQA ratio 4, head_dim 16 != 64 / 8, yarn RoPE scaling.
+    "gqa4-yarn": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+}
+PROMPT_LENS = [1, 7, 23, 16, 5]
+BLOCK_SIZE = 4
+
+
+def load_pair(path):
+    cfg = ModelConfig.from_hf_dir(path)
+    ours = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("torch", "cpu"))
+    hf = HFQwen3.from_pretrained(path, dtype=torch.float32).eval()
+    return cfg, ours, hf
+
+
+def random_prompts(vocab, lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(request, make_random_qwen3_dir):
+    path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS[request.param])
+    cfg, ours, hf = load_pair(path)
+    prompts = random_prompts(cfg.vocab_size, PROMPT_LENS, seed=11)
+    with torch.no_grad():
+        ref = [hf(p[None], output_hidden_states=True) for p in prompts]
+    return cfg, ours, prompts, ref
+
+
+@torch.no_grad()
+def test_packed_prefill_matches_transformers(case):
+    cfg, model, prompts, ref = case
+    tables, num_blocks = allocate_tables(PROMPT_LENS, BLOCK_SIZE)
+    kv = make_kv_caches(cfg, num_blocks, BLOCK_SIZE)
+    batch = make_batch([(0, n) for n in PROMPT_LENS], tables, BLOCK_SIZE)
+    hidden = model(torch.cat(prompts), batch, kv)
+    assert hidden.shape == (sum(PROMPT_LENS), cfg.hidden_size)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (sum(PROMPT_LENS), cfg.vocab_size)
+    # The random models must be far from uniform or argmax agreement would prove nothing.
+    assert ref[2].logits.std() > 0.5
+    for rows, r in zip(logits.split(PROMPT_LENS), ref):
+        torch.testing.assert_close(rows, r.logits[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(rows.argmax(-1), r.logits[0].argmax(-1))
+
+
+@torch.no_grad()
+def test_extend_from_cached_prefix_matches_transformers(case):
+    """Step 1 prefills a prefix of each prompt; step 2 brings the rest (one token for some, a chunk
+    for others) and must attend to the cached prefix through the block tables."""
+    cfg, model, prompts, ref = case
+    split = [0, 6, 9, 15, 4]        # 0: the whole prompt arrives in step 2
+    tables, num_blocks = allocate_tables(PROMPT_LENS, BLOCK_SIZE)
+    kv = make_kv_caches(cfg, num_blocks, BLOCK_SIZE)
+    first = [i for i, s in enumerate(split) if s > 0]
+    batch1 = make_batch([(0, split[i]) for i in first], [tables[i] for i in first], BLOCK_SIZE)
+    model(torch.cat([prompts[i][:split[i]] for i in first]), batch1, kv)
+    batch2 = make_batch([(s, n - s) for s, n in zip(split, PROMPT_LENS)], tables, BLOCK_SIZE)
+    hidden = model(torch.cat([p[s:] for p, s in zip(prompts, split)]), batch2, kv)
+    logits = model.compute_logits(hidden)
+    for rows, r, s in zip(logits.split([n - s for s, n in zip(split, PROMPT_LENS)]), ref, split):
+        torch.testing.assert_close(rows, r.logits[0, s:], atol=1e-4, rtol=1e-4)
+        assert torch.equal(rows.argmax(-1), r.logits[0, s:].argmax(-1))
+
+
+@torch.no_grad()
+def test_aux_hidden_states_are_the_layer_inputs(case):
+    """Aux state for layer i is the residual stream entering layer i: transformers' hidden_states[i]."""
+    cfg, model, prompts, ref = case
+    tables, num_blocks = allocate_tables(PROMPT_LENS, BLOCK_SIZE)
+    kv = make_kv_caches(cfg, num_blocks, BLOCK_SIZE)
+    batch = make_batch([(0, n) for n in PROMPT_LENS], tables, BLOCK_SIZE)
+    layer_ids = (cfg.num_hidden_layers - 1, 0, 1)
+    hidden, aux = model(torch.cat(prompts), batch, kv, aux_layer_ids=layer_ids)
+    assert len(aux) == len(layer_ids)
+    for layer, got in zip(layer_ids, aux):
+        want = torch.cat([r.hidden_states[layer][0] for r in ref])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    plain = model(torch.cat(prompts), batch, make_kv_caches(cfg, num_blocks, BLOCK_SIZE))
+    torch.testing.assert_close(hidden, plain, atol=0, rtol=0)
+
+
+def test_bad_aux_layer_and_cache_count(tiny_model_dir):
+    cfg = ModelConfig.from_hf_dir(tiny_model_dir)
+    model = load_model(cfg, tiny_model_dir, "auto", torch.float32, "cpu", get_backend("torch", "cpu"))
+    batch = make_batch([(0, 3)], [[1]], BLOCK_SIZE)
+    ids = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        model(ids, batch, make_kv_caches(cfg, 2, BLOCK_SIZE), aux_layer_ids=(cfg.num_hidden_layers,))
+    with pytest.raises(ValueError, match="kv_caches"):
+        model(ids, batch, make_kv_caches(cfg, 2, BLOCK_SIZE)[:1])
+
+
+@torch.no_grad()
+def test_bfloat16_runs_close_to_float32(tiny_model_dir):
+    cfg = ModelConfig.from_hf_dir(tiny_model_dir)
+    backend = get_backend("torch", "cpu")
+    f32 = load_model(cfg, tiny_model_dir, "auto", torch.float32, "cpu", backend)
+    bf16 = load_model(cfg, tiny_model_dir, "auto", torch.bfloat16, "cpu", backend)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert bf16.rotary.cos.dtype == torch.bfloat16
+    ids = random_prompts(cfg.vocab_size, [12], seed=0)[0]
+    batch = make_batch([(0, 12)], [[1, 2, 3]], BLOCK_SIZE)
+    a = f32.compute_logits(f32(ids, batch, make_kv_caches(cfg, 4, BLOCK_SIZE)))
+    b = bf16.compute_logits(bf16(ids, batch, make_kv_caches(cfg, 4, BLOCK_SIZE, dtype=torch.bfloat16)))
+    assert b.dtype == torch.float32
+    torch.testing.assert_close(b, a, atol=0.05, rtol=0.05)
+
+
+ROPE_CASES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+                    "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rotary_cache_is_bit_identical_to_transformers(name, head_dim):
+    scaling = ROPE_CASES[name]
+    theta, max_pos = 1_000_000.0, 2048
+    hf_cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=max_pos,
+                         rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": theta})
+    hf_rope = Qwen3RotaryEmbedding(hf_cfg)
+    positions = torch.arange(max_pos)
+    cos_ref, sin_ref = hf_rope(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours = ModelConfig.from_dict(hf_cfg.to_dict())
+    rope = RotaryEmbedding(head_dim, max_pos, ours.rope_theta, ours.rope_scaling, max_pos, torch.float32, "cpu")
+    half = head_dim // 2
+    assert torch.equal(rope.cos, cos_ref[0, :, :half]) and torch.equal(rope.cos, cos_ref[0, :, half:])
+    assert torch.equal(rope.sin, sin_ref[0, :, :half])
+    # Applying it: same rotation as transformers' rotate_half formulation.
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+    pos = torch.tensor([0, 5, 2047, 300])
+    q, k = torch.randn(4, 3, head_dim), torch.randn(4, 1, head_dim)
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                        cos_ref[:, pos], sin_ref[:, pos])
+    cos, sin = rope.cos_sin(pos)
+    assert torch.equal(RotaryEmbedding.apply(q, cos, sin), q_ref[0].transpose(0, 1))
+    assert torch.equal(RotaryEmbedding.apply(k, cos, sin), k_ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_with_fused_residual_matches_transformers(dtype):
+    torch.manual_seed(0)
+    x, res = torch.randn(5, 48, dtype=dtype) * 3, torch.randn(5, 48, dtype=dtype)
+    weight = torch.randn(48, dtype=dtype)
+    ref = Qwen3RMSNorm(48, eps=1e-5).to(dtype)
+    ours = RMSNorm(48, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+        ours.weight.copy_(weight)
+        assert torch.equal(ours(x), ref(x))
+        out, stream = ours(x, res)
+        assert torch.equal(stream, x + res)
+        assert torch.equal(out, ref(x + res))
+
+
+def test_silu_and_mul_matches_separate_projections():
+    x = torch.randn(6, 2 * 10)
+    torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(x[:, :10]) * x[:, 10:], atol=0, rtol=0)
