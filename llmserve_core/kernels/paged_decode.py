@@ -1,0 +1,184 @@
+"""Decode attention over the paged KV cache: one query token per sequence, split-KV (flash-decoding).
+
+Stage 1 partitions each sequence's context into `num_splits` contiguous pieces, one program per
+(sequence, KV head, piece); the program holds every query head of its KV group, so each K/V tile is read
+from memory once for the whole group. Stage 2 merges the pieces by their log-sum-exp.
+
+`num_splits` depends only on the batch size (never on the lengths on the device), so the launch shape is
+fixed for a CUDA-graph bucket and nothing here reads a tensor back to the host. Each program sizes its
+piece from the sequence's own length at run time; pieces past the end of a short sequence do nothing.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+                         sm_scale_log2,
+                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_ob, stride_oh,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    # An empty piece (past the end of its sequence) leaves l_i == 0: write zeros and a -inf weight.
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (b * num_heads + heads) * NUM_SPLITS + split            # mid_o [B, H, S, D], mid_lse [B, H, S]
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)      # an empty sequence (graph padding) yields zeros, not NaN
+    w = tl.math.exp2(lse - m)
+    o = tl.load(mid_o_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS) -> int:
+    """Enough pieces that batch x kv_heads x pieces fills every SM about four times over."""
+    want = triton.cdiv(4 * num_sms, max(1, batch_size * num_kv_heads))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
+
+
+class DecodeScratch:
+    """Partial outputs of stage 1, allocated once and only grown, so CUDA graphs keep valid pointers."""
+
+    def __init__(self):
+        self.mid_o: torch.Tensor | None = None
+        self.mid_lse: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []   # old buffers a captured graph may still point at
+
+    def get(self, rows: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mid_o is None or self.mid_o.shape[0] < rows or self.mid_o.shape[1] != head_dim \
+                or self.mid_o.device != torch.device(device):
+            if self.mid_o is not None:
+                self._retired += [self.mid_o, self.mid_lse]
+            rows = max(rows, 4096)
+            self.mid_o = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
+            self.mid_lse = torch.empty(rows, dtype=torch.float32, device=device)
+        return self.mid_o, self.mid_lse
+
+
+_default_scratch = DecodeScratch()
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                 num_splits: int | None = None, scratch: DecodeScratch | None = None,
+                 block_n: int | None = None) -> torch.Tensor:
+    """q: [B, num_heads, head_dim], one token per sequence; seq_lens: [B] context length including it."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads)
+    if block_n is None:
+        block_n = 64 if q.is_cuda else 16
+    scratch = scratch or _default_scratch
+    mid_o, mid_lse = scratch.get(batch * num_heads * num_splits, head_dim, q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits, MIN_SPLIT=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Float32 attention of each sequence's single query over its whole cached context."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            out[b] = 0
+            continue
+        blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
+        probs = torch.softmax(torch.einsum("hd,shd->hs", q[b].float(), k) * scale, dim=-1)
+        out[b] = torch.einsum("hs,shd->hd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,170 @@
+"""Prefill / extend attention over the paged KV cache (varlen, causal, GQA), with an optional tree mask.
+
+Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1], its last query_len positions; the
+first seq_len - query_len positions are a cached prefix every query sees. One program handles BLOCK_M
+query rows of one head and walks K/V tiles through the block table in two phases: tiles every row of the
+program sees in full (no mask, the bulk of the work), then the tiles on the diagonal, masked causally or,
+with a tree mask, by the tree among the step's own tokens.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr,
+                    sm_scale_log2, num_m_tiles,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                    stride_tree,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HAS_TREE: tl.constexpr, PRECISION: tl.constexpr):
+    # The longest (last) query tiles go first so the tail of the grid is short work.
+    mt = num_m_tiles - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len
+    m_lo = mt * BLOCK_M
+    # An empty tile (past this sequence's queries) runs no loop iteration and stores nothing.
+    live = m_lo < q_len
+
+    m = m_lo + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_mask = m < q_len
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    if HAS_TREE:
+        full_end = ctx_len
+        diag_end = seq_len
+    else:
+        full_end = ctx_len + m_lo
+        diag_end = tl.minimum(seq_len, ctx_len + m_lo + BLOCK_M)
+    full_end = tl.where(live, full_end // BLOCK_N * BLOCK_N, 0)
+    diag_end = tl.where(live, diag_end, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    kv_head = kvh * stride_ch
+
+    for n0 in range(0, full_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        phys = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    q_pos = ctx_len + m
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < seq_len
+        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        if HAS_TREE:
+            own = n - ctx_len
+            in_tree = tl.load(tree_ptr + (q_start + m)[:, None].to(tl.int64) * stride_tree + own[None, :],
+                              mask=m_mask[:, None] & (own[None, :] >= 0) & n_mask[None, :], other=0)
+            allowed = ((n[None, :] < ctx_len) | (in_tree != 0)) & n_mask[None, :]
+        else:
+            allowed = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                  tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  block_m: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] packed by query_start_loc; K/V of every position already in the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    if q.is_cuda:
+        block_m = block_m or (64 if tree_mask is not None or max_query_len <= 64 else 128)
+        block_n = block_n or 64
+        num_warps = num_warps or (4 if block_m <= 64 else 8)
+        num_stages = num_stages or 3
+    else:
+        block_m, block_n, num_warps, num_stages = block_m or 16, block_n or 16, 4, 1
+    if tree_mask is not None:
+        assert tree_mask.shape[0] == num_tokens and tree_mask.shape[1] >= max_query_len, \
+            "tree_mask: must be [num_tokens, max_query_len]"
+        tree = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+    else:
+        tree = q  # never read
+    num_m_tiles = triton.cdiv(max_query_len, block_m)
+    _prefill_kernel[(num_m_tiles, batch, num_heads)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tree,
+        scale * 1.4426950408889634, num_m_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        tree.stride(0) if tree_mask is not None else 0,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_TREE=tree_mask is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                            tree_mask=None) -> torch.Tensor:
+    """Float32 softmax attention per sequence: causal, prefix fully visible, tree mask among own tokens."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, q_len = qsl[b], qsl[b + 1] - qsl[b]
+        if q_len == 0:
+            continue
+        blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,shd->hqs", q[start:start + q_len].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        if tree_mask is not None:
+            allowed[:, seq_len - q_len:] = tree_mask[start:start + q_len, :q_len]
+        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+        out[start:start + q_len] = torch.einsum("hqs,shd->qhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,58 @@
+"""FlashAttention over the paged KV cache: FlashAttention-4 (flash_attn.cute) when present, else the
+flash_attn 2/3 paged interface. K/V are stored by our own kernel; a speculative tree mask, which
+FlashAttention cannot express, goes through the Triton prefill kernel.
+
+FlashAttention reads whole pages: cache rows past a sequence's length must hold finite values (allocate the
+cache with zeros), since a masked score times a NaN value row is still NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.kernels.paged_prefill import paged_prefill
+from llmserve_core.kernels.store_kv import store_kv
+
+
+def _load_flash_attn():
+    """('fa4', varlen) or ('fa2', (varlen, with_kvcache)); ImportError naming both when neither exists."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        return "fa4", flash_attn_varlen_func
+    except ImportError as fa4_error:
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+            return "fa2", (flash_attn_varlen_func, flash_attn_with_kvcache)
+        except ImportError as fa2_error:
+            raise ImportError(
+                "attention_backend 'flash-attn' needs FlashAttention: install flash-attn-4 (import flash_attn.cute) "
+                f"or flash-attn 2/3 (import flash_attn); got: {fa4_error}; {fa2_error}. "
+                "Or choose attention_backend 'triton'."
+            ) from fa2_error
+
+
+class FlashAttentionBackend:
+    name = "flash-attn"
+
+    def __init__(self):
+        self.flavor, self._fn = _load_flash_attn()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.tree_mask is not None:
+            return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                 batch.max_query_len, scale, tree_mask=batch.tree_mask)
+        if self.flavor == "fa4":
+            out = self._fn(q, k_cache, v_cache, cu_seqlens_q=batch.query_start_loc, seqused_k=batch.seq_lens,
+                           page_table=batch.block_tables, max_seqlen_q=batch.max_query_len,
+                           softmax_scale=scale, causal=True)
+            return out[0] if isinstance(out, tuple) else out
+        varlen, with_kvcache = self._fn
+        if batch.is_decode:
+            out = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=batch.seq_lens,
+                               block_table=batch.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        cu_seqlens_k = torch.nn.functional.pad(batch.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return varlen(q, k_cache, v_cache, batch.query_start_loc, cu_seqlens_k, batch.max_query_len,
+                      batch.max_seq_len, softmax_scale=scale, causal=True, block_table=batch.block_tables)

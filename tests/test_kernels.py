@@ -1,0 +1,344 @@
+"""Every Triton kernel against its torch reference on fresh random inputs.
+
+Without CUDA the kernels run in Triton's interpreter (llmserve_core.kernels arranges that on import), so
+the tiny-shape tests run everywhere; tests marked gpu repeat them at Qwen3-8B shapes in bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
+from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_reference
+from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
+from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference
+from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
+from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
+from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
+from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
+from batch_helpers import allocate_tables, make_batch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output holds NaN (an unwritten element or a bad mask)"
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen):
+    """Random K/V caches and block tables whose blocks are scattered (and block 0 unused)."""
+    tables, num_blocks = allocate_tables([max(1, s) for s in seq_lens], block_size)
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = [[int(perm[b - 1]) for b in t] for t in tables]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+    vc = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+    return kc, vc, bt
+
+
+# ---------------------------------------------------------------- store_kv
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 16, 4), (3, 8, 16), (1, 32, 8)])
+def test_store_kv(num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(num_kv_heads * 100 + head_dim)
+    num_blocks, t = 6, 9
+    # k and v as views into one packed qkv row, the way the model hands them over.
+    qkv = torch.randn(t, 4 * num_kv_heads * head_dim, generator=gen).to(DEVICE)
+    k = qkv[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(t, num_kv_heads, head_dim)
+    v = qkv[:, 3 * num_kv_heads * head_dim:].view(t, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[[1, 5]] = -1
+    slots = slots.to(DEVICE)
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, slots)
+    store_kv_reference(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+# ---------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size,num_splits", [
+    ([5, 40, 17], 4, 2, 16, 16, None),
+    ([1, 33], 8, 2, 32, 4, 4),
+    ([70], 2, 2, 16, 8, 1),
+    ([0, 20, 3], 4, 1, 16, 16, 8),          # a zero-length row, as CUDA-graph padding leaves it
+    ([100, 64, 7, 50], 6, 2, 16, 32, 2),    # group of 3: padded head rows in the program
+])
+def test_paged_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    gen = torch.Generator().manual_seed(sum(seq_lens) + num_heads)
+    kc, vc, bt = paged_cache(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, DEVICE, gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, bt, lens, 0.3, out=out, num_splits=num_splits)
+    ref = paged_decode_reference(q, kc, vc, bt, lens, 0.3)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_num_splits_fill_the_gpu():
+    assert choose_num_splits(1, 8) == 64
+    assert choose_num_splits(256, 8) == 1
+    for b in (1, 2, 3, 8, 16, 64, 100):
+        s = choose_num_splits(b, 8)
+        assert 1 <= s <= 64 and (s == 64 or b * 8 * s >= 132 * 2)
+
+
+# ---------------------------------------------------------------- prefill / extend
+
+def prefill_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed,
+                 tree=False):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
+    kc, vc, bt = paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    tree_mask = None
+    if tree:
+        tree_mask = torch.zeros(sum(query_lens), max(query_lens), dtype=torch.bool)
+        start = 0
+        for n in query_lens:
+            # A random tree: each token sees some earlier tokens of its sequence and always itself.
+            m = torch.tril(torch.rand(n, n, generator=gen) < 0.5) | torch.eye(n, dtype=torch.bool)
+            tree_mask[start:start + n, :n] = m
+            start += n
+        tree_mask = tree_mask.to(device)
+    return q, kc, vc, bt, qsl, lens, tree_mask
+
+
+@pytest.mark.parametrize("query_lens,ctx_lens,num_heads,num_kv_heads,head_dim,block_size", [
+    ([5, 20, 1], [0, 0, 0], 4, 2, 16, 16),          # plain prefill
+    ([5, 33, 3], [7, 40, 0], 4, 2, 16, 4),          # extend over a cached prefix
+    ([17, 1, 1], [3, 50, 9], 8, 2, 32, 8),          # chunked prefill mixed with decode rows
+    ([40], [0], 3, 1, 16, 32),                      # MQA, tiles wider than a block
+    ([0, 9], [5, 18], 4, 4, 16, 16),                # a sequence without new tokens
+])
+def test_paged_prefill(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size):
+    q, kc, vc, bt, qsl, lens, _ = prefill_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim,
+                                               block_size, torch.float32, DEVICE, sum(query_lens) + head_dim)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 0.25, out=out)
+    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("query_lens,ctx_lens,block_size", [([4, 7], [9, 30], 16), ([6, 5, 1], [0, 13, 2], 4)])
+def test_paged_prefill_tree_mask(query_lens, ctx_lens, block_size):
+    q, kc, vc, bt, qsl, lens, tree = prefill_case(query_lens, ctx_lens, 4, 2, 16, block_size, torch.float32,
+                                                  DEVICE, 7 + block_size, tree=True)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 0.25, tree_mask=tree, out=out)
+    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25, tree_mask=tree)
+    assert rel_err(out, ref) < 1e-5
+    causal = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25)
+    assert rel_err(out, causal) > 1e-3, "the tree mask must change the result"
+
+
+# ---------------------------------------------------------------- small fused ops
+
+@pytest.mark.parametrize("rows,cols,with_residual", [(5, 48, False), (3, 100, True), (1, 16, True)])
+def test_rmsnorm(rows, cols, with_residual):
+    from llmserve_core.layers.norm import RMSNorm
+    gen = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=gen).to(DEVICE)
+    w = torch.randn(cols, generator=gen).to(DEVICE)
+    res = torch.randn(rows, cols, generator=gen).to(DEVICE) if with_residual else None
+    x_before = x.clone()
+    got = rmsnorm(x, w, 1e-6, res)
+    ref = rmsnorm_reference(x, w, 1e-6, res)
+    layer = RMSNorm(cols, eps=1e-6, device=DEVICE)
+    layer.weight.data.copy_(w)
+    eager = layer(x, res) if res is not None else layer(x)
+    assert torch.equal(x, x_before), "inputs must not be modified"
+    for a, b, c in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, eager))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (3, 3, 8)])
+def test_rotary(num_heads, num_kv_heads, head_dim):
+    from llmserve_core.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None, 64, torch.float32, DEVICE)
+    t = 7
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(t, num_kv_heads, head_dim)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    positions = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
+    q_ref, k_ref = rotary_reference(q, k, positions, rope.cos, rope.sin)
+    cos, sin = rope.cos_sin(positions)
+    q_eager, k_eager = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    rotary_inplace(q, k, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, q_eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, k_eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)
+
+
+@pytest.mark.parametrize("rows,d", [(3, 40), (2, 2048 + 3)])
+def test_silu_mul(rows, d):
+    from llmserve_core.layers.activation import silu_and_mul
+    x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)).to(DEVICE)
+    out = silu_mul(x)
+    torch.testing.assert_close(out, silu_mul_reference(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, silu_and_mul(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- backend end to end
+
+def backend_steps(steps, block_size, num_heads, num_kv_heads, head_dim, dtype, device, seed, backends):
+    """Run the same prefill / extend / decode steps through each backend; return outputs and caches."""
+    gen = torch.Generator().manual_seed(seed)
+    final = [sum(new for _, new in seq_steps) for seq_steps in zip(*steps)]
+    tables, num_blocks = allocate_tables(final, block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in backends]
+    outs = [[] for _ in backends]
+    for step in steps:
+        batch = make_batch(step, tables, block_size, device=device)
+        t = batch.num_tokens
+        q = torch.randn(t, num_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+        k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+        v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+        for i, backend in enumerate(backends):
+            outs[i].append(backend.forward(q, k, v, *caches[i], batch, head_dim ** -0.5))
+    return outs, caches
+
+
+STEPS = [
+    [(0, 9), (0, 20), (0, 3)],      # prefill
+    [(9, 4), (20, 1), (3, 12)],     # chunked prefill mixed with a decode row
+    [(13, 1), (21, 1), (15, 1)],    # decode
+    [(14, 1), (22, 1), (16, 1)],    # decode
+]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_triton_backend_matches_torch(block_size):
+    outs, caches = backend_steps(STEPS, block_size, 4, 2, 16, torch.float32, DEVICE, block_size,
+                                 [TorchAttentionBackend(), TritonAttentionBackend()])
+    for ref, got in zip(*outs):
+        assert rel_err(got, ref) < 1e-5
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_triton_backend_tree_verify():
+    q, kc, vc, bt, qsl, lens, tree = prefill_case([4, 3], [6, 11], 4, 2, 16, 4, torch.float32, DEVICE, 3,
+                                                  tree=True)
+    batch = ForwardBatch(positions=torch.zeros(7, dtype=torch.int64, device=DEVICE),
+                         slot_mapping=torch.full((7,), -1, dtype=torch.int64, device=DEVICE),
+                         query_start_loc=qsl, seq_lens=lens, block_tables=bt, max_query_len=4, max_seq_len=14,
+                         tree_mask=tree)
+    k = torch.randn(7, 2, 16, device=DEVICE)
+    got = TritonAttentionBackend().forward(q, k, k, kc.clone(), vc.clone(), batch, 0.25)
+    ref = TorchAttentionBackend().forward(q, k, k, kc.clone(), vc.clone(), batch, 0.25)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_flash_attn_backend_names_what_is_missing():
+    try:
+        import flash_attn  # noqa: F401
+        pytest.skip("flash_attn is installed here")
+    except ImportError:
+        pass
+    from llmserve_core.layers.attention.flash_attn_backend import FlashAttentionBackend
+    with pytest.raises(ImportError, match="flash-attn-4.*triton"):
+        FlashAttentionBackend()
+
+
+# ---------------------------------------------------------------- GPU, Qwen3-8B shapes, bf16
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 4096), (1, 8191), (8, 1000), (64, 513), (256, 300)])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 8), (32, 4)])
+def test_gpu_paged_decode(batch, ctx, block_size, num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(batch + ctx + block_size)
+    seq_lens = (torch.randint(ctx // 2, ctx + 1, (batch,), generator=gen)).tolist()
+    seq_lens[0] = ctx
+    kc, vc, bt = paged_cache(seq_lens, block_size, num_kv_heads, 128, torch.bfloat16, "cuda", gen)
+    q = torch.randn(batch, num_heads, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, out=out)
+    assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("query_lens,ctx_lens", [([512] * 8, [0] * 8), ([1024] * 4, [2048] * 4),
+                                                 ([300, 1, 77, 1000], [0, 900, 4000, 37])])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_paged_prefill(query_lens, ctx_lens, block_size):
+    q, kc, vc, bt, qsl, lens, _ = prefill_case(query_lens, ctx_lens, 32, 8, 128, block_size, torch.bfloat16,
+                                               "cuda", block_size)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 128 ** -0.5, out=out)
+    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_paged_prefill_tree_mask():
+    q, kc, vc, bt, qsl, lens, tree = prefill_case([16, 25, 60], [500, 3000, 7], 32, 8, 128, 16, torch.bfloat16,
+                                                  "cuda", 1, tree=True)
+    out = paged_prefill(q, kc, vc, qsl, lens, bt, 60, 128 ** -0.5, tree_mask=tree)
+    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5, tree_mask=tree)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_small_ops_bf16():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4096, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    r = torch.randn(64, 4096, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(4096, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    for a, b in zip(rmsnorm(x, w, 1e-6, r), rmsnorm_reference(x, w, 1e-6, r)):
+        assert rel_err(a, b) < 1e-2
+    g = torch.randn(64, 2 * 12288, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    assert rel_err(silu_mul(g), silu_mul_reference(g)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_triton_backend_bf16_and_decode_graph():
+    steps = [[(0, 700), (0, 33)], [(700, 1), (33, 1)], [(701, 1), (34, 1)]]
+    outs, _ = backend_steps(steps, 16, 32, 8, 128, torch.bfloat16, "cuda", 0,
+                            [TorchAttentionBackend(), TritonAttentionBackend()])
+    for ref, got in zip(*outs):
+        assert rel_err(got, ref) < 1e-2
+
+    # A captured decode replays correctly after the lengths and tables change on the device.
+    backend = TritonAttentionBackend()
+    gen = torch.Generator().manual_seed(1)
+    kc, vc, bt = paged_cache([3000, 3000, 3000, 3000], 16, 8, 128, torch.bfloat16, "cuda", gen)
+    q = torch.randn(4, 32, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(4, 8, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([100, 200, 300, 400], dtype=torch.int32, device="cuda")
+    batch = ForwardBatch(positions=(lens - 1).long(), slot_mapping=torch.full((4,), -1, dtype=torch.int64,
+                         device="cuda"), query_start_loc=torch.arange(5, dtype=torch.int32, device="cuda"),
+                         seq_lens=lens, block_tables=bt, max_query_len=1, max_seq_len=3000)
+    backend.forward(q, kv, kv, kc, vc, batch, 128 ** -0.5)   # warm up: compile, size the scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, kv, kv, kc, vc, batch, 128 ** -0.5)
+    for new_lens in ([2999, 1, 1500, 64], [3000, 2048, 17, 2500]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.copy_(torch.randn(4, 32, 128, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
