@@ -155,3 +155,182 @@ def test_metrics_accumulate():
     assert d["spec_accepted_tokens_per_step"] == pytest.approx(2.5)
     with pytest.raises(ValueError, match="num_accepted"):
         SpecStepResult([1, 2], 0, 1)
+
+
+# ---- trees -----------------------------------------------------------------------------------------
+
+from llmserve_core.engine.batch import ForwardBatch  # noqa: E402
+from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from llmserve_core.speculative.tree import (  # noqa: E402
+    CandidateTree, batch_tree_mask, compact_kv, fill_level, get_tree, tree_greedy_verify, tree_kv_moves,
+    tree_rejection_verify)
+
+
+@pytest.mark.parametrize("name", ["chain", "eagle-small", "binary"])
+@pytest.mark.parametrize("gamma", [1, 3, 4])
+def test_tree_structure_and_mask(name, gamma):
+    tree = get_tree(name, gamma)
+    assert tree.depth == gamma and tree.parents[0] == -1
+    mask = tree.attention_mask()
+    n = tree.num_nodes
+    assert mask.shape == (n, n) and mask.diagonal().all()
+    assert not mask.triu(1).any()                        # causal: a node never sees a later node
+    assert mask.sum(1).tolist() == [d + 1 for d in tree.depths]
+    for i in range(1, n):
+        assert mask[i, tree.parents[i]]
+        assert torch.equal(mask[i] & ~torch.nn.functional.one_hot(torch.tensor(i), n).bool(), mask[tree.parents[i]])
+    assert tree.position_offsets().tolist() == list(tree.depths)
+    if name == "chain":
+        assert torch.equal(mask, torch.ones(n, n, dtype=torch.bool).tril())
+    if name == "eagle-small" and gamma == 3:
+        assert n == 11 and tree.max_children(0) == 3 and tree.max_children(1) == 2
+
+
+def test_tree_rejects_bad_layouts():
+    with pytest.raises(ValueError, match="unknown tree"):
+        get_tree("nope", 3)
+    with pytest.raises(ValueError, match="no parent"):
+        CandidateTree.from_paths("x", [(0, 0)])
+    with pytest.raises(ValueError, match="ranks"):
+        CandidateTree.from_paths("x", [(1,)])
+
+
+def test_batch_tree_mask_mixes_trees_and_causal_rows():
+    tree = get_tree("binary", 2)
+    m = batch_tree_mask([3, tree.num_nodes, 1], [None, tree.attention_mask(), None], tree.num_nodes)
+    assert m.shape == (3 + tree.num_nodes + 1, tree.num_nodes)
+    assert torch.equal(m[:3, :3], torch.ones(3, 3, dtype=torch.bool).tril()) and not m[:3, 3:].any()
+    assert torch.equal(m[3:3 + tree.num_nodes], tree.attention_mask())
+    assert m[-1].tolist() == [True] + [False] * (tree.num_nodes - 1)
+
+
+def test_tree_attention_equals_each_path_run_as_a_chain():
+    """The tree mask convention: a node's output equals a plain causal run over prefix + its path."""
+    torch.manual_seed(3)
+    tree = get_tree("eagle-small", 3)
+    heads, kv_heads, dim, block, prefix = 4, 2, 8, 4, 5
+    n = tree.num_nodes
+    pre_k, pre_v = torch.randn(prefix, kv_heads, dim), torch.randn(prefix, kv_heads, dim)
+    q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    backend = TorchAttentionBackend()
+
+    def run(idx, tree_mask):
+        k_cache, v_cache = torch.zeros(8, block, kv_heads, dim), torch.zeros(8, block, kv_heads, dim)
+        table = torch.tensor([[3, 1, 6, 0, 2, 5, 7, 4]], dtype=torch.int32)
+        slots = lambda pos: table[0, pos // block].long() * block + pos % block  # noqa: E731
+        flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+        flat_k[slots(torch.arange(prefix))], flat_v[slots(torch.arange(prefix))] = pre_k, pre_v
+        t = len(idx)
+        batch = ForwardBatch(positions=torch.arange(prefix, prefix + t), slot_mapping=slots(torch.arange(prefix, prefix + t)),
+                             query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+                             seq_lens=torch.tensor([prefix + t], dtype=torch.int32), block_tables=table,
+                             max_query_len=t, max_seq_len=prefix + t, query_lens_cpu=[t], seq_lens_cpu=[prefix + t],
+                             tree_mask=tree_mask)
+        return backend.forward(q[idx], k[idx], v[idx], k_cache, v_cache, batch, dim ** -0.5)
+
+    tree_out = run(list(range(n)), batch_tree_mask([n], [tree.attention_mask()], n))
+    for leaf in range(n):
+        path, j = [], leaf
+        while j >= 0:
+            path.insert(0, j)
+            j = tree.parents[j]
+        chain_out = run(path, None)
+        torch.testing.assert_close(tree_out[path], chain_out)
+
+
+def test_fill_level_places_topk_by_rank():
+    tree = get_tree("eagle-small", 3)
+    tokens = torch.zeros(2, tree.num_nodes, dtype=torch.long)
+    topk = torch.tensor([[[10, 11, 12]], [[20, 21, 22]]])
+    fill_level(tree, 0, topk, tokens)
+    for node in tree.level(1):
+        assert tokens[:, node].tolist() == [10 + tree.ranks[node], 20 + tree.ranks[node]]
+
+
+def tree_case():
+    """binary depth 2: root 0; children 1 (rank 0), 2 (rank 1); grandchildren 3, 4 under 1 and 5, 6 under 2."""
+    tree = get_tree("binary", 2)
+    assert tree.children == ((1, 2), (3, 4), (5, 6), (), (), (), ())
+    return tree
+
+
+def test_tree_greedy_verify_paths():
+    tree = tree_case()
+    vocab = 10
+    # node tokens:        root 1  2  3  4  5  6
+    tokens = torch.tensor([[0, 4, 5, 7, 8, 1, 2],
+                           [0, 4, 5, 7, 8, 1, 2],
+                           [0, 4, 5, 7, 8, 1, 2]])
+    # Request 0: argmax at root 5 -> node 2; at node 2 argmax 2 -> node 6 (leaf); bonus = argmax at 6 = 9.
+    # Request 1: argmax at root 4 -> node 1; at node 1 argmax 3 matches no child: correction 3.
+    # Request 2: argmax at root 6: nothing accepted.
+    argmax = [[5, 0, 2, 0, 0, 0, 9], [4, 3, 0, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0, 0]]
+    logits = one_hot_logits(sum(argmax, []), vocab)
+    out = tree_greedy_verify(tree, logits, tokens)
+    assert out.token_lists() == [[5, 2, 9], [4, 3], [6]]
+    assert out.path_lists() == [[0, 2, 6], [0, 1], [0]]
+    assert out.num_accepted.tolist() == [2, 1, 0]
+    # Greedy rows through the sampled path give the same answer.
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+    sampled = tree_rejection_verify(tree, one_hot, tokens)
+    assert sampled.token_lists() == out.token_lists() and sampled.path_lists() == out.path_lists()
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_tree_rejection_sampling_is_lossless(with_q):
+    torch.manual_seed(4)
+    tree = tree_case()
+    vocab, trials, n = 5, 30000, tree.num_nodes
+    p = torch.softmax(torch.randn(n, vocab) * 1.5, -1)
+    q = torch.softmax(torch.randn(n, vocab) * 1.5, -1)
+    tokens = torch.zeros(trials, n, dtype=torch.long)
+    for parent, kids in enumerate(tree.children):
+        if not kids:
+            continue
+        if with_q:   # children drawn from q without replacement
+            picks = torch.multinomial(q[parent].expand(trials, -1), len(kids), replacement=False)
+        else:        # the draft's top-k
+            picks = q[parent].topk(len(kids)).indices.expand(trials, -1)
+        for r, kid in enumerate(kids):
+            tokens[:, kid] = picks[:, r]
+    out = tree_rejection_verify(tree, p.repeat(trials, 1), tokens, q.repeat(trials, 1) if with_q else None)
+    assert_distribution(out.token_ids[:, 0], p[0])
+    for node in (1, 2):
+        at = out.path_nodes[:, 1] == node
+        assert int(at.sum()) > 300
+        assert_distribution(out.token_ids[at, 1], p[node])
+        assert torch.equal(out.token_ids[at, 0], tokens[at, node])
+    leaf = out.path_nodes[:, 2] == 3
+    assert_distribution(out.token_ids[leaf, 2], p[3])
+
+
+def test_tree_rejection_seeded_rows_reproducible():
+    tree = tree_case()
+    p = torch.softmax(torch.randn(tree.num_nodes, 6), -1)
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
+    runs = [tree_rejection_verify(tree, p, tokens, generators=[torch.Generator().manual_seed(s)]).token_lists()
+            for s in (11, 11, 12)]
+    assert runs[0] == runs[1]
+
+
+def test_tree_kv_compaction_commits_the_path():
+    assert tree_kv_moves([0, 2, 6]) == [(2, 1), (6, 2)]
+    assert tree_kv_moves([0, 1, 3]) == [(3, 2)]
+    k_cache = torch.arange(2 * 4 * 1 * 1, dtype=torch.float32).view(2, 4, 1, 1)
+    v_cache = -k_cache.clone()
+    compact_kv([(k_cache, v_cache)], torch.tensor([6, 7]), torch.tensor([1, 2]))
+    assert k_cache.flatten().tolist() == [0, 6, 7, 3, 4, 5, 6, 7]
+    assert v_cache.flatten().tolist() == [0, -6, -7, -3, -4, -5, -6, -7]
+
+
+def test_tree_rejection_many_siblings_drawn_without_replacement():
+    """Four candidates at one node: only exact bookkeeping of p and q across rejections stays lossless."""
+    torch.manual_seed(5)
+    tree = CandidateTree.from_paths("wide", [(0,), (1,), (2,), (3,)])
+    vocab, trials = 5, 60000
+    p = torch.softmax(torch.randn(5, vocab) * 2, -1)
+    q = torch.softmax(torch.randn(5, vocab) * 2, -1)
+    tokens = torch.zeros(trials, 5, dtype=torch.long)
+    tokens[:, 1:] = torch.multinomial(q[0].expand(trials, -1), 4, replacement=False)
+    out = tree_rejection_verify(tree, p.repeat(trials, 1), tokens, q.repeat(trials, 1))
+    assert_distribution(out.token_ids[:, 0], p[0])

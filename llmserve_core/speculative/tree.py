@@ -1,0 +1,293 @@
+"""Static candidate trees: layout, attention mask, verification and the KV moves that commit a path.
+
+A tree is fixed before serving starts. Node 0 is the root: the last accepted token, whose KV is not
+cached yet. Every other node is a draft candidate: the rank-th most likely draft token after its
+parent. Nodes are numbered level by level (parents before children), so a request's verify forward
+carries its nodes as query tokens 0..N-1, node i at position base + depth[i], and sees its cached
+prefix plus its own ancestors. Verification walks down from the root; the accepted path is then
+moved so that path node k sits at query offset k (where a chain would have put it) and the other
+nodes are dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve_core.layers.sampler import draw
+
+
+@dataclass(frozen=True)
+class CandidateTree:
+    name: str
+    parents: tuple[int, ...]          # parents[0] == -1
+    ranks: tuple[int, ...]            # rank among the parent's draft top-k; root 0
+    depths: tuple[int, ...] = field(init=False)
+    children: tuple[tuple[int, ...], ...] = field(init=False)
+
+    def __post_init__(self):
+        if not self.parents or self.parents[0] != -1 or len(self.ranks) != len(self.parents):
+            raise ValueError("tree: node 0 must be the root (parent -1), one rank per node")
+        depths, children = [0], [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"tree: node {i} must come after its parent {p}")
+            depths.append(depths[p] + 1)
+            children[p].append(i)
+        if any(a > b for a, b in zip(depths, depths[1:])):
+            raise ValueError("tree: nodes must be numbered level by level")
+        for kids in children:
+            if sorted(self.ranks[c] for c in kids) != list(range(len(kids))):
+                raise ValueError("tree: a node's children must take ranks 0..k-1")
+        object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "children", tuple(tuple(sorted(c, key=lambda n: self.ranks[n])) for c in children))
+
+    @classmethod
+    def from_paths(cls, name: str, paths) -> "CandidateTree":
+        """Paths of child ranks from the root, e.g. (0,), (1,), (0, 0): the Medusa/EAGLE 'choices' format."""
+        paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parents, ranks = [-1], [0]
+        for p in paths:
+            if not p or p[:-1] not in index:
+                raise ValueError(f"tree {name}: path {p} has no parent path")
+            index[p] = len(parents)
+            parents.append(index[p[:-1]])
+            ranks.append(p[-1])
+        return cls(name, tuple(parents), tuple(ranks))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def level(self, d: int) -> list[int]:
+        return [i for i, x in enumerate(self.depths) if x == d]
+
+    def max_children(self, d: int) -> int:
+        """Top-k the draft must produce at the nodes of level d to fill level d + 1."""
+        return max((len(self.children[i]) for i in self.level(d)), default=0)
+
+    def attention_mask(self, device=None) -> torch.Tensor:
+        """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
+        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
+        for i in range(self.num_nodes):
+            j = i
+            while j >= 0:
+                mask[i, j] = True
+                j = self.parents[j]
+        return mask.to(device)
+
+    def position_offsets(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.depths, dtype=torch.long, device=device)
+
+    def children_table(self, device=None) -> torch.Tensor:
+        """[N, max_children] node ids ordered by rank, padded with -1."""
+        width = max(1, max(len(c) for c in self.children))
+        table = torch.full((self.num_nodes, width), -1, dtype=torch.long)
+        for i, kids in enumerate(self.children):
+            if kids:
+                table[i, :len(kids)] = torch.tensor(kids, dtype=torch.long)
+        return table.to(device)
+
+
+def _chain(depth: int):
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+# A few trees in the spirit of EAGLE's static trees, kept small: on a GPU every extra node costs verify
+# compute at large batch, and acceptance gains beyond ~10 nodes are small for a one-layer draft.
+_TREE_PATHS = {
+    "chain": lambda gamma: _chain(gamma),
+    # Branching 3 / 2 at the first levels, where the draft is least sure, then a chain.
+    "eagle-small": lambda gamma: [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
+                                  (1, 0, 0)] + _chain(gamma),
+    # Top-2 at every level (2^(gamma+1) - 2 candidates): mostly for tests and small gamma.
+    "binary": lambda gamma: [p for d in range(1, gamma + 1) for p in _all_paths(d, 2)],
+}
+TREE_NAMES = tuple(_TREE_PATHS)
+
+
+def _all_paths(depth: int, width: int):
+    if depth == 0:
+        return [()]
+    return [p + (r,) for p in _all_paths(depth - 1, width) for r in range(width)]
+
+
+def get_tree(name: str, gamma: int) -> CandidateTree:
+    """The named tree cut to depth <= gamma (`--speculative-tree NAME`, `--speculative-gamma`)."""
+    if name not in _TREE_PATHS:
+        raise ValueError(f"speculative_tree: unknown tree {name!r}, choose from {', '.join(TREE_NAMES)}")
+    if gamma < 1:
+        raise ValueError("speculative_gamma: must be >= 1")
+    return CandidateTree.from_paths(name, [p for p in _TREE_PATHS[name](gamma) if len(p) <= gamma])
+
+
+def batch_tree_mask(query_lens: list[int], masks: list[torch.Tensor | None], max_query_len: int,
+                    device=None) -> torch.Tensor:
+    """ForwardBatch.tree_mask [T, max_query_len] for a batch mixing tree verifies (their [n, n] mask)
+    with ordinary sequences (None: causal among their own query tokens)."""
+    rows = []
+    for n, m in zip(query_lens, masks):
+        own = torch.ones(n, n, dtype=torch.bool).tril() if m is None else m.to("cpu", torch.bool)
+        if own.shape != (n, n):
+            raise ValueError(f"tree mask: expected [{n}, {n}], got {list(own.shape)}")
+        rows.append(torch.nn.functional.pad(own, (0, max_query_len - n)))
+    if not rows:
+        return torch.zeros(0, max_query_len, dtype=torch.bool, device=device)
+    return torch.cat(rows).to(device)
+
+
+def fill_level(tree: CandidateTree, d: int, topk_ids: torch.Tensor, node_tokens: torch.Tensor) -> None:
+    """Write the candidates of level d + 1 into node_tokens [B, N], given the draft's top-k token ids
+    at each node of level d, topk_ids [B, len(level d), >= max_children(d)]."""
+    parents = tree.level(d)
+    for slot, parent in enumerate(parents):
+        for child in tree.children[parent]:
+            node_tokens[:, child] = topk_ids[:, slot, tree.ranks[child]]
+
+
+@dataclass
+class TreeVerifyOutput:
+    token_ids: torch.Tensor     # [B, depth + 1] emitted tokens, padded with -1
+    num_accepted: torch.Tensor  # [B] accepted candidates (emitted = num_accepted + 1)
+    path_nodes: torch.Tensor    # [B, depth + 1] accepted path, root first, padded with -1
+
+    def token_lists(self) -> list[list[int]]:
+        return [row[:c] for row, c in zip(self.token_ids.tolist(), (self.num_accepted + 1).tolist())]
+
+    def path_lists(self) -> list[list[int]]:
+        return [row[:c] for row, c in zip(self.path_nodes.tolist(), (self.num_accepted + 1).tolist())]
+
+
+def _check_tree_inputs(tree: CandidateTree, rows: int, node_tokens: torch.Tensor) -> int:
+    if node_tokens.dim() != 2 or node_tokens.shape[1] != tree.num_nodes:
+        raise ValueError(f"node_tokens: expected [B, {tree.num_nodes}], got {list(node_tokens.shape)}")
+    batch = node_tokens.shape[0]
+    if rows != batch * tree.num_nodes:
+        raise ValueError(f"target rows: expected B * {tree.num_nodes} = {batch * tree.num_nodes}, got {rows}")
+    return batch
+
+
+def tree_greedy_verify(tree: CandidateTree, target_logits: torch.Tensor, node_tokens: torch.Tensor) -> TreeVerifyOutput:
+    """Walk down from the root, each time into the child whose token is the target's argmax at the
+    current node; emit the argmax along the path plus the one after its last node. target_logits
+    [B * N, V] holds request b's node rows at b * N .. b * N + N - 1."""
+    batch = _check_tree_inputs(tree, target_logits.shape[0], node_tokens)
+    device = target_logits.device
+    target_ids = target_logits.argmax(dim=-1).view(batch, tree.num_nodes)
+    node_tokens = node_tokens.to(device)
+    table = tree.children_table(device)
+    ar = torch.arange(batch, device=device)
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, tree.depth + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    for d in range(1, tree.depth + 1):
+        kids = table[cur]                                              # [B, C]
+        kid_tokens = node_tokens.gather(1, kids.clamp_min(0))
+        match = (kid_tokens == target_ids[ar, cur][:, None]) & (kids >= 0) & active[:, None]
+        found = match.any(dim=1)
+        cur = torch.where(found, kids[ar, match.long().argmax(dim=1)], cur)
+        path[:, d] = torch.where(found, cur, path[:, d])
+        num_accepted += found.long()
+        active &= found
+    emitted = torch.where(path >= 0, target_ids.gather(1, path.clamp_min(0)), torch.full_like(path, -1))
+    return TreeVerifyOutput(emitted, num_accepted, path)
+
+
+def tree_rejection_verify(
+    tree: CandidateTree,
+    target_probs: torch.Tensor,                 # [B * N, V] from verify_probs: p at each node
+    node_tokens: torch.Tensor,                  # [B, N] candidate tokens (node 0 unused)
+    draft_probs: torch.Tensor | None = None,    # [B * N, V] q at each node: what its children were drawn from
+    generators: list[torch.Generator | None] | None = None,
+) -> TreeVerifyOutput:
+    """Lossless multi-candidate verification (recursive rejection sampling, as in SpecInfer / EAGLE):
+    at the current node try its children in rank order; child x is accepted with probability
+    min(1, p(x) / q(x)); after a rejection p becomes norm(max(0, p - q)) and q loses x. When no child
+    is accepted the emitted token is drawn from the remaining p; at a leaf, from the leaf's p.
+
+    draft_probs None means the children are the draft's deterministic top-k (distinct tokens), i.e. q
+    is one-hot at each candidate; otherwise the children must have been drawn from q without
+    replacement. Either way the emitted tokens follow the target distribution exactly."""
+    batch = _check_tree_inputs(tree, target_probs.shape[0], node_tokens)
+    if generators is not None and len(generators) != batch:
+        raise ValueError("generators: expected one entry (or None) per request")
+    device = target_probs.device
+    n = tree.num_nodes
+    node_tokens = node_tokens.to(device)
+    seeded = [(b, g) for b, g in enumerate(generators or []) if g is not None]
+    ar = torch.arange(batch, device=device)
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, tree.depth + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    p = target_probs[ar * n].float()
+    table = tree.children_table(device)
+    for d in range(1, tree.depth + 1):
+        q = draft_probs[ar * n + cur].float() if draft_probs is not None else None
+        kids = table[cur]
+        moved = torch.zeros(batch, dtype=torch.bool, device=device)
+        for r in range(kids.shape[1]):
+            trying = active & ~moved & (kids[:, r] >= 0)
+            if not bool(trying.any()):
+                break
+            child = kids[:, r].clamp_min(0)
+            x = node_tokens[ar, child]
+            u = torch.rand(batch, device=device)
+            for b, g in seeded:
+                if bool(trying[b]):
+                    u[b] = torch.rand((), device=device, generator=g)
+            p_x = p[ar, x]
+            q_x = q[ar, x] if q is not None else torch.ones_like(p_x)
+            accept = trying & (u * q_x < p_x)
+            reject = trying & ~accept
+            # Rejected rows: p <- norm(max(0, p - q)), q <- q without x (renormalized).
+            if bool(reject.any()):
+                q_full = q if q is not None else torch.zeros_like(p).scatter_(1, x[:, None], 1.0)
+                residual = (p - q_full).clamp_min(0.0)
+                mass = residual.sum(dim=-1, keepdim=True)
+                new_p = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+                p = torch.where(reject[:, None], new_p, p)
+                if q is not None:
+                    q_wo = q.scatter(1, x[:, None], 0.0)
+                    q_mass = q_wo.sum(dim=-1, keepdim=True)
+                    q = torch.where(reject[:, None] & (q_mass > 0), q_wo / q_mass.clamp_min(1e-30), q)
+            if bool(accept.any()):
+                cur = torch.where(accept, child, cur)
+                path[:, d] = torch.where(accept, child, path[:, d])
+                num_accepted += accept.long()
+                p = torch.where(accept[:, None], target_probs[ar * n + cur].float(), p)
+                moved |= accept
+        active &= moved
+    final = draw(p, generators or [None] * batch)
+    token_ids = torch.where(path >= 0, node_tokens.gather(1, path.clamp_min(0)), torch.full_like(path, -1))
+    token_ids[:, 0] = -1
+    # Shift: emitted token k is the token of path node k + 1; the last one is the final draw.
+    emitted = torch.full_like(path, -1)
+    emitted[:, :-1] = token_ids[:, 1:]
+    emitted.scatter_(1, num_accepted[:, None], final[:, None])
+    return TreeVerifyOutput(emitted, num_accepted, path)
+
+
+def tree_kv_moves(path_nodes: list[int]) -> list[tuple[int, int]]:
+    """(from, to) query offsets that commit an accepted path: path node k moves to offset k, where the
+    next step expects position base + k. Offsets only move down and never onto a later source."""
+    return [(node, k) for k, node in enumerate(path_nodes) if node != k]
+
+
+def compact_kv(kv_caches, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy each layer's K/V from src slots to dst slots ([num_blocks, block_size, kv_heads, head_dim]
+    caches, slot = block * block_size + offset). Reads happen before writes, so any order is safe."""
+    if src_slots.numel() == 0:
+        return
+    for k_cache, v_cache in kv_caches:
+        for cache in (k_cache, v_cache):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst_slots] = flat[src_slots]
