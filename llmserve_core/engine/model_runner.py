@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.engine.cuda_graphs import DecodeGraphs
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.layers.attention import get_backend
@@ -46,6 +48,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.graphs = self._capture_graphs()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         torch.manual_seed(config.seed)
 
@@ -104,6 +107,13 @@ class ModelRunner:
                  peak / 2**30, others / 2**30, budget / 2**30)
         return max(0, int(budget))
 
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs need a device, a backend that reads lengths from device tensors, and no opt-out."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.attn_backend.name == "torch":
+            return None
+        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
+                            self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
+
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model_config
         shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
@@ -111,55 +121,91 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(m.num_hidden_layers)]
 
     # ---- one step --------------------------------------------------------------------------------
-    def _to_device(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
-        return t.to(self.device, non_blocking=True)
+    def _allocate_staging(self) -> None:
+        """Pinned host buffers the step inputs are written into, reused every step. Reuse is safe: each
+        step ends by reading the sampled tokens back, so the previous step's copies are complete."""
+        t, s = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        def buf(n, dtype, width=None):
+            shape = (n,) if width is None else (n, width)
+            return torch.zeros(shape, dtype=dtype, pin_memory=self.pin)
+        self.h_input_ids = buf(t, torch.int64)
+        self.h_positions = buf(t, torch.int64)
+        self.h_slots = buf(t, torch.int64)
+        self.h_query_start = buf(s + 1, torch.int32)
+        self.h_seq_lens = buf(s, torch.int32)
+        self.h_block_tables = buf(s, torch.int32, self.max_blocks_per_seq)
+        self.n_input_ids, self.n_positions, self.n_slots = (x.numpy() for x in
+                                                            (self.h_input_ids, self.h_positions, self.h_slots))
+        self.n_query_start, self.n_seq_lens, self.n_block_tables = (x.numpy() for x in
+                                                                    (self.h_query_start, self.h_seq_lens,
+                                                                     self.h_block_tables))
+
+    def _dev(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
 
     def prepare(self, sched: ScheduledBatch) -> PreparedBatch:
+        if not hasattr(self, "h_input_ids"):
+            self._allocate_staging()
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
+        ids, pos, slots = self.n_input_ids, self.n_positions, self.n_slots
+        qsl, lens, tables = self.n_query_start, self.n_seq_lens, self.n_block_tables
         query_lens: list[int] = []
+        seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        t = 0
         max_blocks = 0
-        for req, n in zip(sched.requests, sched.num_new_tokens):
-            start = req.num_computed_tokens
-            end = start + n
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
+        qsl[0] = 0
+        for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
             blocks = req.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            query_lens.append(n)
+            if n == 1:                                   # decode: plain ints beat numpy for one token
+                ids[t] = req.token_ids[start]
+                pos[t] = start
+                slots[t] = blocks[start // bs] * bs + start % bs
+            else:
+                ids[t:t + n] = req.token_ids[start:end]
+                p = np.arange(start, end)
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
+            t += n
+            qsl[i + 1] = t
+            lens[i] = end
+            tables[i, :len(blocks)] = blocks
             max_blocks = max(max_blocks, len(blocks))
-            if end == req.num_tokens:          # the chunk reaches the last token: sample the next one
-                sample_rows.append(query_start[-1] - 1)
+            query_lens.append(n)
+            seq_lens.append(end)
+            if end == req.num_tokens:                    # the chunk reaches the last token: sample the next one
+                sample_rows.append(t - 1)
                 sample_requests.append(req)
-        table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in sched.requests]
+        b = len(sched.requests)
         batch = ForwardBatch(
-            positions=self._to_device(positions, torch.int64),
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_start_loc=self._to_device(query_start, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(table, torch.int32),
+            positions=self._dev(self.h_positions[:t]),
+            slot_mapping=self._dev(self.h_slots[:t]),
+            query_start_loc=self._dev(self.h_query_start[:b + 1]),
+            seq_lens=self._dev(self.h_seq_lens[:b]),
+            block_tables=self._dev(self.h_block_tables[:b, :max_blocks]),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        return PreparedBatch(self._to_device(input_ids, torch.int64), batch,
-                             self._to_device(sample_rows, torch.int64), sample_requests)
+        rows = torch.tensor(sample_rows, dtype=torch.int64)
+        return PreparedBatch(self._dev(self.h_input_ids[:t]), batch, rows.to(self.device), sample_requests)
+
+    def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
+        batch = prepared.batch
+        n = batch.num_seqs
+        if self.graphs is not None and batch.is_decode and self.graphs.bucket_for(n) is not None:
+            return self.graphs.run(n, self.h_input_ids[:n], self.h_positions[:n], self.h_slots[:n],
+                                   self.h_seq_lens[:n], self.h_block_tables[:n, :batch.block_tables.shape[1]])
+        return self.model(prepared.input_ids, batch, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
         """Run one forward over the scheduled tokens; sample for requests whose chunk ends their sequence."""
         prepared = self.prepare(sched)
-        hidden = self.model(prepared.input_ids, prepared.batch, self.kv_caches)
+        hidden = self._forward(prepared)
         if not prepared.sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
