@@ -2,7 +2,7 @@
 
 The standard library is distributed under the PSF License Agreement, which allows redistribution of
 derived text with its notice kept; the header of the output says so. Modules are parsed with `ast`,
-never imported, and walked in sorted order, so the same Python version gives the same file.
+never imported, and walked in sorted order, so the same Python release gives the same file.
 Code samples (doctest lines, indented blocks, symbol-heavy lines) are dropped to keep the text prose-like.
 
     python scripts/build_corpus.py [--out llmserve_core/data/corpus.txt] [--max-bytes 400000]
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import platform
 import re
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -72,7 +72,7 @@ def build(max_bytes: int) -> str:
     files = sorted(p for p in stdlib.rglob("*.py")
                    if not SKIP_DIRS & set(p.relative_to(stdlib).parts[:-1]) and "test" not in p.name)
     seen: set[str] = set()
-    out = [header(f"{sys.version_info.major}.{sys.version_info.minor}")]
+    out = [header(platform.python_version())]
     size = len(out[0])
     for file in files:
         try:
