@@ -95,6 +95,8 @@ def decode_client_checked(frame: bytes | memoryview):
         m = re.search(r"at `\$((?:\[\d+\])+)`", str(e))
         if m and tag in _TAGS:
             field = _field_path(_TAGS[tag], [int(x) for x in re.findall(r"\[(\d+)\]", m.group(1))])
+            # Sampling fields are named bare ("temperature"), as SamplingParams.validate() names them.
+            field = field.removeprefix("params.")
         raise BadMessage(f"invalid message: {e}", rid, field) from None
     except msgspec.DecodeError as e:
         raise BadMessage(f"malformed frame: {e}") from None

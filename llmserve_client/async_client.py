@@ -1,0 +1,186 @@
+"""AsyncClient: the asyncio client library. It runs on any loop; `llmserve_client.run(main())` picks uvloop
+when it is installed. It shares the sync client's transport thread and request logic; outputs
+cross into the event loop with call_soon_threadsafe."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from llmserve_proto import Abort, Generate, ModelInfo, default_endpoint
+from llmserve_client.errors import EngineDeadError, RequestError
+from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
+from llmserve_client.request_state import RequestState
+from llmserve_client.transport import Transport
+from llmserve_client.types import Completion, StreamChunk
+
+
+class _LoopSink:
+    """Thread-safe put() into an asyncio.Queue owned by `loop`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass   # the loop is closed: nobody is waiting any more
+
+
+class AsyncClient:
+    """Async twin of Client. Use `async with AsyncClient(endpoint) as c:` or `await c.connect()`; every method
+    also connects on first use. Same arguments as Client."""
+
+    def __init__(self, endpoint: str | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
+                 heartbeat_timeout: float = 5.0, client_name: str = ""):
+        self.endpoint = endpoint or default_endpoint()
+        self.connect_timeout = connect_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self._transport = Transport(self.endpoint, connect_timeout=connect_timeout,
+                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name)
+        self._tokenizer = tokenizer
+        self.model_info: ModelInfo | None = None
+
+    async def connect(self) -> "AsyncClient":
+        """Wait for the handshake (and load the tokenizer unless it was passed as an object)."""
+        if self.model_info is None:
+            loop = asyncio.get_running_loop()
+            welcome = await loop.run_in_executor(None, self._transport.wait_ready, self.connect_timeout + 1.0)
+            self.model_info = welcome.model_info
+        return self
+
+    async def get_tokenizer(self):
+        await self.connect()
+        if self._tokenizer is None or isinstance(self._tokenizer, str):
+            path = self._tokenizer or self.model_info.model
+            self._tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, path)
+        return self._tokenizer
+
+    async def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
+                     skip_special_tokens: bool = True, **sampling) -> "AsyncStream":
+        """Start a request; `async for chunk in await client.stream(...)`. Cancelling the consuming task, or
+        aclose(), aborts the request in the engine."""
+        await self.connect()
+        params = build_params(sampling)
+        if params.stop and not detokenize:
+            raise RequestError("stop", "stop strings need detokenize=True")
+        tok = await self.get_tokenizer() if (detokenize or not _is_ids(prompt)) else None
+        ids = to_token_ids(prompt, lambda: tok)
+        return AsyncStream(self._transport, request_id or new_request_id(), ids, params, tok,
+                           detokenize, skip_special_tokens)
+
+    async def generate(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
+                       skip_special_tokens: bool = True, **sampling) -> Completion:
+        s = await self.stream(prompt, request_id=request_id, detokenize=detokenize,
+                              skip_special_tokens=skip_special_tokens, **sampling)
+        async with s:
+            async for _ in s:
+                pass
+        return s.completion
+
+    async def abort(self, request_id: str) -> None:
+        self._transport.send(Abort(request_ids=[request_id]))
+
+    async def stats(self, timeout: float | None = None) -> dict:
+        await self.connect()
+        sink = _LoopSink(asyncio.get_running_loop())
+        nonce = self._transport.request_stats(sink)
+        try:
+            kind, value = await asyncio.wait_for(sink.queue.get(), timeout or self.heartbeat_timeout + 5.0)
+        finally:
+            self._transport.drop_stats_waiter(nonce)
+        if kind == "dead":
+            raise value
+        return value
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._transport.close)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class AsyncStream:
+    def __init__(self, transport: Transport, request_id: str, ids: list[int], params, tokenizer,
+                 detokenize: bool, skip_special_tokens: bool):
+        self.request_id = request_id
+        self._transport = transport
+        self._state = RequestState(request_id, ids, params, tokenizer, detokenize=detokenize,
+                                   skip_special_tokens=skip_special_tokens)
+        self._sink = _LoopSink(asyncio.get_running_loop())
+        self._done = False
+        try:
+            transport.register(request_id, self._sink)
+        except ValueError as e:
+            raise RequestError("request_id", str(e).split(": ", 1)[-1], request_id) from None
+        self._state.timings.sent = time.monotonic()
+        try:
+            transport.send(Generate(request_id=request_id, prompt_token_ids=ids, params=params))
+        except BaseException:
+            transport.unregister(request_id)
+            self._done = True
+            raise
+
+    @property
+    def completion(self) -> Completion:
+        return self._state.completion()
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        while not self._done:
+            try:
+                kind, *rest = await self._sink.queue.get()
+            except asyncio.CancelledError:
+                self._abort()
+                raise
+            if kind == "output":
+                out, _batch_time, recv_time = rest
+                chunk = self._state.on_output(out, recv_time)
+                if self._state.finished:
+                    self._done = True
+                    if self._state.needs_abort:
+                        self._send_abort()
+                if chunk is not None:
+                    return chunk
+                continue
+            self._done = True
+            if kind == "error":
+                err = rest[0]
+                raise RequestError(err.field, err.message, err.request_id)
+            raise rest[0]
+        raise StopAsyncIteration
+
+    def _send_abort(self) -> None:
+        try:
+            self._transport.send(Abort(request_ids=[self.request_id]))
+        except EngineDeadError:
+            pass
+
+    def _abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._send_abort()
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._abort()
+
+    def __del__(self):
+        if not getattr(self, "_done", True):
+            self._abort()
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)

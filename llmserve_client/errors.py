@@ -1,0 +1,30 @@
+"""Exceptions a client call can raise."""
+from __future__ import annotations
+
+
+class LLMServeError(Exception):
+    """Base of every llmserve_client error."""
+
+
+class EngineDeadError(LLMServeError):
+    """The core is gone (killed, crashed, shut down, or silent past the heartbeat timeout). Every call that
+    was waiting on it raises this; the client is unusable afterwards: make a new one."""
+
+
+class HandshakeTimeoutError(EngineDeadError):
+    """No core answered the handshake at the endpoint within connect_timeout."""
+
+
+class ProtocolError(LLMServeError):
+    """The core speaks another protocol version, or sent something this client cannot read."""
+
+
+class RequestError(LLMServeError, ValueError):
+    """The core (or the client's own checks) rejected a request. `field` names the offending input,
+    e.g. "params.temperature" or "prompt_token_ids"."""
+
+    def __init__(self, field: str, message: str, request_id: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+        self.request_id = request_id

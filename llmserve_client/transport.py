@@ -1,0 +1,240 @@
+"""One DEALER socket to the core, owned by one background thread.
+
+ZMQ sockets are not thread-safe, so callers never touch the socket: they encode on their own thread, queue
+the frame and wake the transport thread through a pipe. The thread receives, decodes and routes each core
+message to the sink registered for its request id (a queue of the sync client, or a bridge into an asyncio
+loop), pings the core, and declares the core dead when (a) the connection drops (socket monitor), (b) the
+core is silent longer than heartbeat_timeout, (c) the core says it is shutting down or has failed. Death is
+delivered to every sink, so no waiting call can hang.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from llmserve_proto import (PROTOCOL_VERSION, EngineError, Goodbye, Heartbeat, Hello, OutputBatch, Ping,
+                            RequestError, Shutdown, StatsReply, StatsRequest, Welcome, decode_core, encode)
+from llmserve_client.errors import EngineDeadError, HandshakeTimeoutError, LLMServeError, ProtocolError
+
+log = logging.getLogger("llmserve_client")
+
+# Items put into sinks: ("output", RequestOutput, batch_time, recv_time) | ("error", RequestError) |
+# ("dead", exception).
+
+
+class Transport:
+    def __init__(self, endpoint: str, *, connect_timeout: float = 60.0, heartbeat_timeout: float = 5.0,
+                 client_name: str = ""):
+        self.endpoint = endpoint
+        self.connect_timeout = connect_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.client_name = client_name
+        self.welcome: Welcome | None = None
+        self.dead: LLMServeError | None = None
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._routes: dict[str, object] = {}
+        self._stats_waiters: dict[int, object] = {}
+        self._nonces = itertools.count(1)
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._closing = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        ctx = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="llmserve-client-io", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread) -----------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> Welcome:
+        """Block until the handshake completed; raise the transport's death otherwise."""
+        self._ready.wait(timeout)
+        if self.dead is not None:
+            raise self.dead
+        if self.welcome is None:
+            raise HandshakeTimeoutError(f"no handshake from a core at {self.endpoint}")
+        return self.welcome
+
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+
+    def send(self, msg) -> None:
+        self.check_alive()
+        self._outbox.append(encode(msg))
+        self._wake()
+
+    def register(self, request_id: str, sink) -> None:
+        """Route this request's outputs to sink.put(item) until its final output or error."""
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            if request_id in self._routes:
+                raise ValueError(f"request_id: {request_id!r} is already in flight on this client")
+            self._routes[request_id] = sink
+
+    def unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._routes.pop(request_id, None)
+
+    def request_stats(self, sink) -> int:
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            nonce = next(self._nonces)
+            self._stats_waiters[nonce] = sink
+        self.send(StatsRequest(nonce=nonce))
+        return nonce
+
+    def drop_stats_waiter(self, nonce: int) -> None:
+        with self._lock:
+            self._stats_waiters.pop(nonce, None)
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._wake()
+        self._thread.join(timeout=2.0)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass   # pipe full (a wakeup is pending anyway) or already closed
+
+    # ---- transport thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:   # a bug here must still release every waiter
+            log.exception("client transport failed")
+            self._die(EngineDeadError(f"client transport failed: {e!r}"))
+        finally:
+            if self.dead is None:
+                self._die(EngineDeadError("client closed"))
+            # A little linger lets a closing client's Goodbye reach the core; a dead core gets none.
+            self._sock.close(linger=200 if self._closing and self.welcome is not None else 0)
+            self._monitor.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _loop(self) -> None:
+        sock, poller = self._sock, zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name)))
+        deadline = time.monotonic() + self.connect_timeout
+        last_recv = last_ping = time.monotonic()
+        ping_every = 1.0
+        while self.dead is None:
+            events = dict(poller.poll(timeout=100))
+            now = time.monotonic()
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while self._outbox:
+                sock.send(self._outbox.popleft(), copy=False)
+            if self._closing:
+                if self.welcome is not None:
+                    sock.send(encode(Goodbye()))
+                return
+            if sock in events:
+                last_recv = now
+                while self.dead is None:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frame.buffer, now)
+            if self._monitor in events:
+                evt = parse_monitor_message(self._monitor.recv_multipart())
+                if evt["event"] == zmq.EVENT_DISCONNECTED and self.welcome is not None:
+                    self._die(EngineDeadError(f"connection to the core at {self.endpoint} was lost"))
+            if self.dead is not None:
+                return
+            if self.welcome is None:
+                if now > deadline:
+                    self._die(HandshakeTimeoutError(
+                        f"no core answered at {self.endpoint} within {self.connect_timeout:.0f} s"))
+                continue
+            if now - last_recv > self.heartbeat_timeout:
+                self._die(EngineDeadError(f"no word from the core for {now - last_recv:.1f} s "
+                                          f"(heartbeat timeout {self.heartbeat_timeout} s)"))
+                return
+            ping_every = min(1.0, self.welcome.client_timeout_s / 4)
+            if now - last_ping >= ping_every:
+                sock.send(encode(Ping(time=now)))
+                last_ping = now
+
+    def _dispatch(self, frame, now: float) -> None:
+        try:
+            msg = decode_core(frame)
+        except Exception as e:
+            log.error("undecodable message from the core: %s", e)
+            return
+        if isinstance(msg, OutputBatch):
+            for out in msg.outputs:
+                with self._lock:
+                    sink = (self._routes.pop(out.request_id, None) if out.finish_reason is not None
+                            else self._routes.get(out.request_id))
+                if sink is not None:
+                    sink.put(("output", out, msg.time, now))
+        elif isinstance(msg, Heartbeat):
+            pass
+        elif isinstance(msg, RequestError):
+            with self._lock:
+                sink = self._routes.pop(msg.request_id, None)
+            if sink is not None:
+                sink.put(("error", msg))
+            else:
+                log.warning("core rejected request %r: %s: %s", msg.request_id, msg.field, msg.message)
+        elif isinstance(msg, StatsReply):
+            with self._lock:
+                sink = self._stats_waiters.pop(msg.nonce, None)
+            if sink is not None:
+                sink.put(("stats", msg.stats))
+        elif isinstance(msg, Welcome):
+            if msg.protocol_version != PROTOCOL_VERSION:
+                self._die(ProtocolError(f"core speaks protocol {msg.protocol_version}, "
+                                        f"this client {PROTOCOL_VERSION}"))
+                return
+            self.welcome = msg
+            self._ready.set()
+        elif isinstance(msg, EngineError):
+            if msg.fatal:
+                cls = EngineDeadError if self.welcome is not None else ProtocolError
+                self._die(cls(f"core: {msg.message}"))
+            else:
+                log.warning("core: %s", msg.message)
+        elif isinstance(msg, Shutdown):
+            self._die(EngineDeadError(f"core shut down{': ' + msg.reason if msg.reason else ''}"))
+
+    def _die(self, exc: LLMServeError) -> None:
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = exc
+            sinks = list(self._routes.values()) + list(self._stats_waiters.values())
+            self._routes.clear()
+            self._stats_waiters.clear()
+        for sink in sinks:
+            sink.put(("dead", exc))
+        self._ready.set()
