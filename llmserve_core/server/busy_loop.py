@@ -1,0 +1,211 @@
+"""The busy loop: the only thread that touches the engine.
+
+Each turn drains the input queue (add/abort requests, forget vanished clients, answer stats), runs one
+engine step when there is work, and queues the step's outputs for the output thread. It never touches a
+socket and never encodes; when idle it blocks on the input queue (with a short timeout to notice shutdown).
+
+Engine request ids are "<client routing id hex>/<client's request id>", so clients may reuse each other's
+ids; `live` maps them back and guarantees each accepted request exactly one final output.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+from llmserve_proto import EngineError, RequestMetrics, Shutdown, ValidationError
+from llmserve_core.server.events import (AbortRequests, Broadcast, ClientGone, ErrorReply, NewRequest, SocketFailed,
+                                         StatsQuery, StatsResult, StepResult)
+
+log = logging.getLogger("llmserve_core.server")
+
+
+@dataclass
+class Live:
+    client: bytes
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    num_generated: int = 0
+
+
+class BusyLoop:
+    def __init__(self, engine, in_q: queue.SimpleQueue, out_q: queue.SimpleQueue, *, log_interval: float = 10.0,
+                 drain_timeout: float = 30.0, num_clients=lambda: 0):
+        self.engine = engine
+        self.in_q, self.out_q = in_q, out_q
+        self.log_interval = log_interval
+        self.drain_timeout = drain_timeout
+        self.num_clients = num_clients
+        self.live: dict[str, Live] = {}
+        self.by_client: dict[bytes, dict[str, str]] = {}     # client -> its request id -> engine id
+        self.stop_reason: str | None = None                  # set (from a signal handler) to start draining
+        self.force_stop = False                              # set by a second signal: stop draining now
+        self.fatal: str | None = None
+        self.counters = dict(requests_received=0, requests_finished=0, requests_rejected=0,
+                             requests_aborted_by_client=0, requests_aborted_disconnect=0,
+                             requests_aborted_shutdown=0, clients_gone=0)
+        self.start_time = time.monotonic()
+        self._last_log = (self.start_time, 0, 0, 0)          # time, prompt tokens, generated tokens, steps
+        self._idle_logged = False
+
+    # ---- inputs -------------------------------------------------------------------------------------
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            item = self.in_q.get(timeout=0.1) if block else self.in_q.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.in_q.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        if isinstance(item, NewRequest):
+            self._add(item)
+        elif isinstance(item, AbortRequests):
+            mine = self.by_client.get(item.client, {})
+            for rid in item.request_ids:
+                eid = mine.get(rid)
+                if eid is not None:
+                    self.counters["requests_aborted_by_client"] += 1
+                    self.engine.abort(eid)      # its final "abort" output comes from the next step
+        elif isinstance(item, ClientGone):
+            self._forget(item.client)
+        elif isinstance(item, StatsQuery):
+            self.out_q.put(StatsResult(item.client, item.nonce, self.stats()))
+        elif isinstance(item, SocketFailed):
+            self.fatal = item.reason
+
+    def _add(self, item: NewRequest) -> None:
+        msg = item.msg
+        mine = self.by_client.setdefault(item.client, {})
+        if msg.request_id in mine:
+            self._reject(item.client, msg.request_id, "request_id", "already in flight on this connection")
+            return
+        eid = f"{item.client.hex()}/{msg.request_id}"
+        try:
+            self.engine.add_request(eid, msg.prompt_token_ids, msg.params)
+        except ValidationError as e:
+            self._reject(item.client, msg.request_id, e.field, e.message)
+            return
+        except Exception as e:      # an engine bug must not take the core down for one request
+            log.exception("add_request failed for %s", eid)
+            self._reject(item.client, msg.request_id, "", f"internal error: {e!r}")
+            return
+        self.counters["requests_received"] += 1
+        mine[msg.request_id] = eid
+        self.live[eid] = Live(item.client, msg.request_id, item.arrival_time, len(msg.prompt_token_ids))
+
+    def _reject(self, client: bytes, rid: str, field: str, message: str) -> None:
+        self.counters["requests_rejected"] += 1
+        self.out_q.put(ErrorReply(client, rid, field, message))
+
+    def _forget(self, client: bytes) -> None:
+        """A client went away: abort its requests so their KV blocks are freed, and send it nothing more."""
+        mine = self.by_client.pop(client, {})
+        self.counters["clients_gone"] += 1
+        for eid in mine.values():
+            self.live.pop(eid, None)
+            self.engine.abort(eid)
+            self.counters["requests_aborted_disconnect"] += 1
+        if mine:
+            log.info("aborted %d request(s) of departed client %s", len(mine), client.hex())
+
+    # ---- stepping -----------------------------------------------------------------------------------
+    def _step(self) -> None:
+        outs = self.engine.step()
+        now = time.monotonic()
+        items = []
+        for so in outs:
+            lv = self.live.get(so.request_id)
+            if lv is None:
+                continue    # its client is gone
+            if so.new_token_ids:
+                lv.num_generated += len(so.new_token_ids)
+                if lv.first_token_time is None:
+                    lv.first_token_time = now
+            metrics = None
+            if so.finish_reason is not None:
+                metrics = RequestMetrics(arrival_time=lv.arrival_time, first_token_time=lv.first_token_time,
+                                         finish_time=now, num_prompt_tokens=so.num_prompt_tokens or lv.num_prompt_tokens,
+                                         num_cached_tokens=so.num_cached_tokens, num_generated_tokens=lv.num_generated)
+                del self.live[so.request_id]
+                mine = self.by_client.get(lv.client)
+                if mine is not None:
+                    mine.pop(lv.request_id, None)
+                    if not mine:
+                        del self.by_client[lv.client]
+                self.counters["requests_finished"] += 1
+            items.append((lv.client, lv.request_id, so, metrics))
+        if items:
+            self.out_q.put(StepResult(getattr(self.engine, "num_steps", 0), now, items))
+
+    def run(self, begin_drain=lambda: None) -> int:
+        """Serve until stop_reason is set and the drain ends; returns the process exit code."""
+        deadline = None
+        while True:
+            if self.fatal is not None:
+                return self._die(self.fatal)
+            self._drain_inputs(block=not self.engine.has_unfinished())
+            if self.stop_reason is not None and deadline is None:
+                log.info("%s: draining %d request(s) for up to %.0f s", self.stop_reason, len(self.live),
+                         self.drain_timeout)
+                begin_drain()
+                deadline = time.monotonic() + self.drain_timeout
+            if deadline is not None and (not self.live or time.monotonic() > deadline or self.force_stop):
+                self._abort_all()
+                self.out_q.put(Broadcast(Shutdown(reason=self.stop_reason or ""), last=True))
+                log.info("shut down")
+                return 0
+            if self.engine.has_unfinished():
+                try:
+                    self._step()
+                except Exception as e:
+                    log.exception("engine step failed")
+                    return self._die(f"engine step failed: {e!r}")
+            self._maybe_log()
+
+    def _abort_all(self) -> None:
+        if self.live:
+            log.info("aborting %d request(s) still running", len(self.live))
+        for eid in list(self.live):
+            self.engine.abort(eid)
+            self.counters["requests_aborted_shutdown"] += 1
+        while self.live and self.engine.has_unfinished():
+            self._step()
+
+    def _die(self, reason: str) -> int:
+        self.out_q.put(Broadcast(EngineError(message=reason, fatal=True), last=True))
+        return 1
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s.update(self.counters)
+        s.update(num_clients=self.num_clients(), live_requests=len(self.live),
+                 uptime_s=round(time.monotonic() - self.start_time, 3))
+        return s
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        t0, p0, g0, n0 = self._last_log
+        if self.log_interval <= 0 or now - t0 < self.log_interval:
+            return
+        s = self.engine.stats()
+        p, g, n = s.get("total_prompt_tokens", 0), s.get("total_generated_tokens", 0), s.get("num_steps", 0)
+        self._last_log = (now, p, g, n)
+        idle = n == n0 and not self.live
+        if idle and self._idle_logged:
+            return      # one line says "idle"; repeating it says nothing
+        self._idle_logged = idle
+        dt = now - t0
+        log.info("prompt %.1f tok/s, generation %.1f tok/s, %.1f steps/s | running %d, waiting %d | "
+                 "KV usage %.1f%% (%d/%d blocks free) | prefix hit rate %.1f%% | clients %d",
+                 (p - p0) / dt, (g - g0) / dt, (n - n0) / dt, s.get("running", 0), s.get("waiting", 0),
+                 100.0 * s.get("kv_usage", 0.0), s.get("free_kv_blocks", 0), s.get("total_kv_blocks", 0),
+                 100.0 * s.get("prefix_hit_rate", 0.0), self.num_clients())

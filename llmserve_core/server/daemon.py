@@ -1,0 +1,125 @@
+"""llmserve-core's process: load the engine, bind the socket, run the three threads, drain on a signal.
+
+Threads: socket thread (owns the ROUTER: recv, decode, check, send, heartbeats, client liveness), busy loop
+(main thread: the engine), output thread (encode per client). Binding happens only after the model is
+loaded, so a client's handshake completing means the core is ready.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from llmserve_proto import PROTOCOL_VERSION, ModelInfo, Welcome
+from llmserve_proto.endpoint import (check_listen_endpoint, default_endpoint, ensure_private_dir, ipc_path,
+                                     runtime_dir)
+from llmserve_core.server.busy_loop import BusyLoop
+from llmserve_core.server.output_thread import OutputThread
+from llmserve_core.server.socket_thread import SocketThread, bind_router
+
+log = logging.getLogger("llmserve_core.server")
+
+
+@dataclass
+class DaemonConfig:
+    listen: str | None = None           # ipc://PATH or tcp://HOST:PORT; None: the default private ipc socket
+    allow_remote: bool = False          # let tcp bind a non-loopback address
+    heartbeat_interval: float = 0.5     # core -> client heartbeat period (s)
+    client_timeout: float = 15.0        # a client silent this long is dropped and its requests aborted (s)
+    drain_timeout: float = 30.0         # on SIGTERM/SIGINT, how long running requests may finish (s)
+    log_interval: float = 10.0          # periodic stats log line; 0 disables
+
+
+def prepare_endpoint(cfg: DaemonConfig) -> str:
+    endpoint = check_listen_endpoint(cfg.listen or default_endpoint(), cfg.allow_remote)
+    path = ipc_path(endpoint)
+    if path is None:
+        return endpoint
+    parent = os.path.dirname(os.path.abspath(path))
+    if cfg.listen is None or parent == runtime_dir():
+        ensure_private_dir(parent)
+    else:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+    if _someone_listening(path):
+        raise RuntimeError(f"listen: another process is already serving at {endpoint}")
+    return endpoint
+
+
+def _someone_listening(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False    # a stale file from a core that died; binding replaces it
+    finally:
+        s.close()
+
+
+def model_info_of(engine) -> ModelInfo:
+    mi, cfg = engine.model_info, engine.config
+    path = os.path.abspath(mi.model)
+    return ModelInfo(model=path, name=os.path.basename(path.rstrip("/")), vocab_size=mi.vocab_size,
+                     max_model_len=mi.max_model_len, eos_token_ids=list(mi.eos_token_ids),
+                     speculative=bool(mi.speculative), speculative_model=cfg.speculative_model)
+
+
+def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
+    """Serve `engine` at `endpoint` until SIGTERM/SIGINT; returns the exit code."""
+    info = model_info_of(engine)
+    welcome = Welcome(protocol_version=PROTOCOL_VERSION, model_info=info, heartbeat_interval_s=cfg.heartbeat_interval,
+                      client_timeout_s=cfg.client_timeout, core_pid=os.getpid(), max_request_tokens=info.max_model_len)
+    ctx = zmq.Context()
+    in_q: queue.SimpleQueue = queue.SimpleQueue()
+    out_q: queue.SimpleQueue = queue.SimpleQueue()
+    router = bind_router(ctx, endpoint)
+    pair_addr = f"inproc://llmserve-outputs-{os.getpid()}"
+    sock_thread = SocketThread(ctx, router, pair_addr, in_q, welcome, cfg.heartbeat_interval, cfg.client_timeout)
+    out_thread = OutputThread(ctx, pair_addr, out_q)
+    busy = BusyLoop(engine, in_q, out_q, log_interval=cfg.log_interval, drain_timeout=cfg.drain_timeout,
+                    num_clients=lambda: len(sock_thread.clients))
+
+    def on_signal(signum, _frame):
+        name = signal.Signals(signum).name
+        if busy.stop_reason is None:
+            busy.stop_reason = f"received {name}"
+        else:
+            log.info("received %s again: aborting what is left now", name)
+            busy.force_stop = True
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    sock_thread.start()
+    out_thread.start()
+    log.info("ready: serving %s (vocab %d, max_model_len %d) at %s", info.model, info.vocab_size,
+             info.max_model_len, endpoint)
+    try:
+        code = busy.run(begin_drain=lambda: setattr(sock_thread, "accepting", False))
+    finally:
+        out_thread.join(timeout=5.0)
+        sock_thread.join(timeout=5.0)
+        router.close(linger=500)
+        ctx.destroy(linger=0)
+        path = ipc_path(endpoint)
+        if path and os.path.exists(path):
+            os.unlink(path)
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    return code
+
+
+def run_daemon(engine_config, cfg: DaemonConfig) -> int:
+    """Resolve the endpoint, load the engine, serve. Endpoint problems surface before the (slow) load."""
+    from llmserve_core import Engine
+    endpoint = prepare_endpoint(cfg)
+    t0 = time.monotonic()
+    engine = Engine(engine_config)
+    log.info("engine loaded in %.1f s: %s", time.monotonic() - t0, engine.stats())
+    return serve(engine, cfg, endpoint)

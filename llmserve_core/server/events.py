@@ -1,0 +1,71 @@
+"""What the daemon's threads hand each other through queues (never over the wire)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve_proto import Generate
+
+# socket thread -> busy loop
+
+
+@dataclass
+class NewRequest:
+    client: bytes
+    msg: Generate
+    arrival_time: float
+
+
+@dataclass
+class AbortRequests:
+    client: bytes
+    request_ids: list[str]
+
+
+@dataclass
+class ClientGone:
+    client: bytes
+    reason: str
+
+
+@dataclass
+class StatsQuery:
+    client: bytes
+    nonce: int
+
+
+@dataclass
+class SocketFailed:
+    reason: str
+
+
+# busy loop -> output thread
+
+
+@dataclass
+class StepResult:
+    step: int
+    time: float
+    # (client, client's request id, StepOutput, RequestMetrics on the final output else None)
+    items: list[tuple]
+
+
+@dataclass
+class ErrorReply:
+    client: bytes
+    request_id: str
+    field: str
+    message: str
+
+
+@dataclass
+class StatsResult:
+    client: bytes
+    nonce: int
+    stats: dict
+
+
+@dataclass
+class Broadcast:
+    """A message for every connected client (Shutdown, fatal EngineError); `last` ends the output thread."""
+    msg: object
+    last: bool = False

@@ -1,0 +1,221 @@
+"""Socket thread: the only owner of the core's ROUTER socket.
+
+It receives, decodes and checks client frames and queues work for the busy loop; it sends the frames the
+output thread encoded (arriving over an inproc PAIR); it keeps the client registry, sends heartbeats, and
+reports clients that vanished: a send that fails with EHOSTUNREACH (ROUTER_MANDATORY: the peer's
+connection is gone, which a killed process triggers at once) or silence longer than client_timeout
+(covers peers that vanish without closing the connection). Bad input is answered to its sender and logged;
+it never reaches the engine.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from llmserve_proto import (PROTOCOL_VERSION, Abort, BadMessage, EngineError, Generate, Goodbye, Heartbeat,
+                            Hello, Ping, RequestError, StatsRequest, ValidationError, Welcome,
+                            decode_client_checked, encode)
+from llmserve_proto.codec import MAX_FRAME_BYTES
+from llmserve_core.server.events import AbortRequests, ClientGone, NewRequest, SocketFailed, StatsQuery
+from llmserve_core.server.output_thread import BROADCAST
+
+log = logging.getLogger("llmserve_core.server")
+
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass
+class ClientInfo:
+    last_seen: float
+    name: str
+
+
+class SocketThread(threading.Thread):
+    def __init__(self, ctx: zmq.Context, router: zmq.Socket, pair_addr: str, in_q: queue.SimpleQueue,
+                 welcome: Welcome, heartbeat_interval: float, client_timeout: float):
+        super().__init__(name="llmserve-socket", daemon=True)
+        self.router = router
+        self.in_q = in_q
+        self.welcome = welcome
+        self.info = welcome.model_info
+        self.heartbeat_interval = heartbeat_interval
+        self.client_timeout = client_timeout
+        self.clients: dict[bytes, ClientInfo] = {}
+        self.accepting = True          # cleared by the daemon when draining: new requests are refused
+        self.pair = ctx.socket(zmq.PAIR)
+        self.pair.setsockopt(zmq.RCVHWM, 0)
+        self.pair.bind(pair_addr)
+        self.num_bad_frames = 0
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _send(self, client: bytes, payload) -> None:
+        try:
+            self.router.send_multipart([client, payload], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            if e.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                self._drop(client, "connection lost" if e.errno == errno.EHOSTUNREACH else "not reading its socket")
+            else:
+                raise
+
+    def _reply(self, client: bytes, msg) -> None:
+        self._send(client, encode(msg))
+
+    def _drop(self, client: bytes, reason: str) -> None:
+        info = self.clients.pop(client, None)
+        if info is not None:
+            log.info("client %s (%s) gone: %s", client.hex(), info.name or "-", reason)
+            self.in_q.put(ClientGone(client, reason))
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pair, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while True:
+                events = dict(poller.poll(timeout=max(1, int(self.heartbeat_interval * 250))))
+                if self.pair in events and self._forward_outputs():
+                    return
+                if self.router in events:
+                    self._receive()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.heartbeat_interval
+                    heartbeat = encode(Heartbeat(time=now))
+                    for client in list(self.clients):
+                        self._send(client, heartbeat)
+                    for client, info in list(self.clients.items()):
+                        if now - info.last_seen > self.client_timeout:
+                            self._drop(client, f"silent for {now - info.last_seen:.1f} s")
+        except Exception:
+            log.exception("socket thread failed")
+            self.in_q.put(SocketFailed("socket thread failed; see the traceback above"))
+        finally:
+            self.pair.close(linger=0)
+
+    def _forward_outputs(self) -> bool:
+        """Send what the output thread encoded; True once it says the core is done."""
+        while True:
+            try:
+                client, payload = self.pair.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            client = client.bytes
+            if client == BROADCAST:
+                if len(payload) == 0:
+                    return True
+                for c in list(self.clients):
+                    self._send(c, payload)
+            elif client in self.clients:
+                self._send(client, payload)
+
+    def _receive(self) -> None:
+        for _ in range(1000):   # bounded, so a flood cannot starve heartbeats and outputs
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            client = frames[0].bytes
+            if len(frames) != 2:
+                self._bad(client, f"expected one frame per message, got {len(frames) - 1}")
+                continue
+            try:
+                msg = decode_client_checked(frames[1].buffer)
+            except BadMessage as e:
+                self._bad(client, e.message, e.request_id, e.field)
+                continue
+            self._handle(client, msg, time.monotonic())
+
+    def _bad(self, client: bytes, message: str, request_id: str | None = None, field: str = "") -> None:
+        self.num_bad_frames += 1
+        log.warning("bad message from client %s: %s", client.hex(), message)
+        info = self.clients.get(client)
+        if info is not None:
+            info.last_seen = time.monotonic()
+        if request_id is not None and info is not None:
+            self._reply(client, RequestError(request_id=request_id, field=field, message=message))
+        else:
+            self._reply(client, EngineError(message=message))
+
+    def _handle(self, client: bytes, msg, now: float) -> None:
+        if isinstance(msg, Hello):
+            if msg.protocol_version != PROTOCOL_VERSION:
+                log.warning("client %s speaks protocol %d, not %d", client.hex(), msg.protocol_version, PROTOCOL_VERSION)
+                self._reply(client, EngineError(message=f"protocol version {msg.protocol_version} not supported; "
+                                                        f"this core speaks {PROTOCOL_VERSION}", fatal=True))
+                return
+            if not self.accepting:
+                self._reply(client, EngineError(message="the core is shutting down", fatal=True))
+                return
+            self.clients[client] = ClientInfo(now, msg.client_name[:100])
+            log.info("client %s (%s) connected", client.hex(), msg.client_name or "-")
+            self._reply(client, self.welcome)
+            return
+        info = self.clients.get(client)
+        if info is None:
+            self._reply(client, EngineError(message="unknown client: send hello first (or it timed out)", fatal=True))
+            return
+        info.last_seen = now
+        if isinstance(msg, Ping):
+            return
+        if isinstance(msg, Generate):
+            error = self._check(msg)
+            if error is not None:
+                field, message = error
+                log.info("rejected request %r of client %s: %s: %s", msg.request_id[:MAX_REQUEST_ID_LEN],
+                         client.hex(), field, message)
+                self._reply(client, RequestError(request_id=msg.request_id, field=field, message=message))
+                return
+            self.in_q.put(NewRequest(client, msg, now))
+        elif isinstance(msg, Abort):
+            self.in_q.put(AbortRequests(client, list(msg.request_ids)))
+        elif isinstance(msg, StatsRequest):
+            self.in_q.put(StatsQuery(client, msg.nonce))
+        elif isinstance(msg, Goodbye):
+            self._drop(client, "said goodbye")
+
+    def _check(self, msg: Generate) -> tuple[str, str] | None:
+        """Cheap checks done here so bad requests never reach the busy loop (the engine checks again)."""
+        if not self.accepting:
+            return "", "the core is shutting down and accepts no new requests"
+        if not msg.request_id or len(msg.request_id) > MAX_REQUEST_ID_LEN:
+            return "request_id", f"must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters"
+        try:
+            msg.params.validate()
+        except ValidationError as e:
+            return e.field, e.message
+        ids, info = msg.prompt_token_ids, self.info
+        if not ids:
+            return "prompt_token_ids", "must be a non-empty list of token ids"
+        if min(ids) < 0 or max(ids) >= info.vocab_size:
+            return "prompt_token_ids", f"token ids must be in [0, {info.vocab_size})"
+        if len(ids) + msg.params.max_tokens > info.max_model_len:
+            return "max_tokens", (f"prompt ({len(ids)}) + max_tokens ({msg.params.max_tokens}) exceeds "
+                                  f"max_model_len {info.max_model_len}")
+        return None
+
+
+def bind_router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """ROUTER socket bound at endpoint; an ipc socket file is created 0600."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    router.setsockopt(zmq.LINGER, 500)
+    old = os.umask(0o177)
+    try:
+        router.bind(endpoint)
+    finally:
+        os.umask(old)
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)
+    return router
