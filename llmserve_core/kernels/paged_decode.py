@@ -22,17 +22,17 @@ MAX_SPLITS = 64
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                          sm_scale_log2,
                          stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-                         stride_ob, stride_oh,
+                         stride_ob, stride_oh, num_splits,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                         SINGLE: tl.constexpr, MIN_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT)
+    split_len = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_SPLIT)
     split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -69,31 +69,30 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
     out_mask = g_mask[:, None] & d_mask[None, :]
     # An empty piece (past the end of its sequence) leaves l_i == 0: write zeros and a -inf weight.
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if NUM_SPLITS == 1:
+    if SINGLE:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        row = (b * num_heads + heads) * NUM_SPLITS + split            # mid_o [B, H, S, D], mid_lse [B, H, S]
+        row = (b * num_heads + heads) * num_splits + split            # mid_o [B, H, S, D], mid_lse [B, H, S]
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
-def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
+    s_mask = s < num_splits
+    lse = tl.load(mid_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)      # an empty sequence (graph padding) yields zeros, not NaN
     w = tl.math.exp2(lse - m)
-    o = tl.load(mid_o_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+    o = tl.load(mid_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                 mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -151,18 +150,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, MIN_SPLIT=block_n,
+        SINGLE=num_splits == 1, MIN_SPLIT=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
 
