@@ -334,3 +334,199 @@ def test_tree_rejection_many_siblings_drawn_without_replacement():
     tokens[:, 1:] = torch.multinomial(q[0].expand(trials, -1), 4, replacement=False)
     out = tree_rejection_verify(tree, p.repeat(trials, 1), tokens, q.repeat(trials, 1))
     assert_distribution(out.token_ids[:, 0], p[0])
+
+
+# ---- EAGLE-3 draft head in the speculators format ------------------------------------------------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from batch_helpers import allocate_tables, make_batch  # noqa: E402
+from llmserve_core.models.config import ModelConfig  # noqa: E402
+from llmserve_core.models.eagle3 import (  # noqa: E402
+    Eagle3Config, default_aux_layer_ids, load_eagle3, make_tiny_draft)
+from llmserve_core.models.loader import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    cfg = ModelConfig.from_hf_dir(tiny_model_dir)
+    return load_model(cfg, tiny_model_dir, attn_backend=TorchAttentionBackend())
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir, tmp_path_factory):
+    return make_tiny_draft(tmp_path_factory.mktemp("draft"), tiny_model_dir, seed=1, aux_layer_ids=[0, 1, 1])
+
+
+def load_draft(path, target):
+    return load_eagle3(path, TorchAttentionBackend(), target_embed=target.model.embed_tokens.weight,
+                       target_lm_head=target.lm_head_weight)
+
+
+def reference_head(tensors, cfg, input_ids, fused, norm_before_residual=True):
+    """Independent float64 EAGLE-3 layer straight from the checkpoint tensors, one sequence, causal."""
+    t = {k: v.double() for k, v in tensors.items()}
+    eps = cfg.rms_norm_eps
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, pos):
+        d = x.shape[-1]
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = pos[:, None].double() * inv[None]
+        cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    p = "layers.0."
+    emb = rms(t["embed_tokens.weight"][input_ids], t[p + "input_layernorm.weight"])
+    hid = fused.double()
+    if norm_before_residual:
+        hid = rms(hid, t[p + "hidden_norm.weight"])
+        res = hid
+    else:
+        res, hid = hid, rms(hid, t[p + "hidden_norm.weight"])
+    x = torch.cat([emb, hid], -1)
+    s, h, kvh, d = len(input_ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pos = torch.arange(s)
+    q = rope((x @ t[p + "self_attn.q_proj.weight"].T).view(s, h, d), pos)
+    k = rope((x @ t[p + "self_attn.k_proj.weight"].T).view(s, kvh, d), pos).repeat_interleave(h // kvh, 1)
+    v = (x @ t[p + "self_attn.v_proj.weight"].T).view(s, kvh, d).repeat_interleave(h // kvh, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    a = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, h * d) @ t[p + "self_attn.o_proj.weight"].T
+    stream = a + res
+    m = rms(stream, t[p + "post_attention_layernorm.weight"])
+    m = (torch.nn.functional.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)) \
+        @ t[p + "mlp.down_proj.weight"].T
+    stream = stream + m
+    return rms(stream, t["norm.weight"]) @ t["lm_head.weight"].T, stream
+
+
+def test_default_aux_layer_ids():
+    assert default_aux_layer_ids(36) == (2, 18, 33)
+    assert default_aux_layer_ids(2) == (1, 1, 0)
+
+
+def test_speculators_config_fields(draft_dir):
+    raw = json.loads(open(f"{draft_dir}/config.json").read())
+    cfg = Eagle3Config.from_dict(raw)
+    assert cfg.norm_before_residual and cfg.aux_layer_ids == (0, 1, 1)
+    assert cfg.draft_vocab_size == cfg.vocab_size // 2 and cfg.speculative_tokens == 3
+    raw.pop("norm_before_residual")
+    assert Eagle3Config.from_dict(raw).norm_before_residual is True        # vLLM: absent means true
+    flat = dict(raw["transformer_layer_config"], draft_vocab_size=cfg.draft_vocab_size)
+    assert Eagle3Config.from_dict(flat).norm_before_residual is False      # older flat EAGLE-3 configs
+    raw["eagle_aux_hidden_state_layer_ids"] = None
+    assert Eagle3Config.from_dict(raw).resolve_aux_layer_ids(36) == (2, 18, 33)
+    with pytest.raises(ValueError, match="out of range"):
+        Eagle3Config.from_dict(dict(raw, eagle_aux_hidden_state_layer_ids=[1, 2, 40])).resolve_aux_layer_ids(36)
+    with pytest.raises(ValueError, match="hidden_size"):
+        Eagle3Config.from_dict(dict(raw, transformer_layer_config=dict(raw["transformer_layer_config"], hidden_size=0)))
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_draft_matches_independent_reference(target, draft_dir, tmp_path, norm_before_residual):
+    path = tmp_path / "d"
+    shutil.copytree(draft_dir, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["norm_before_residual"] = norm_before_residual
+    (path / "config.json").write_text(json.dumps(raw))
+    draft = load_draft(path, target)
+    tensors = load_file(str(path / "model.safetensors"))
+    assert "embed_tokens.weight" not in tensors
+    tensors["embed_tokens.weight"] = target.model.embed_tokens.weight.detach()
+    torch.manual_seed(6)
+    ids = torch.randint(0, draft.cfg.vocab_size, (9,))
+    aux = [torch.randn(9, draft.cfg.target_hidden_size) for _ in range(3)]
+    fused = draft.combine_aux(aux)
+    torch.testing.assert_close(fused.double(), torch.cat(aux, -1).double() @ tensors["fc.weight"].double().T,
+                               rtol=1e-5, atol=1e-5)
+    want_logits, want_pre = reference_head(tensors, draft.cfg, ids, fused, norm_before_residual)
+    normed, pre, _ = draft.forward_dense(ids[None], fused[None])
+    torch.testing.assert_close(pre[0].double(), want_pre, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(draft.compute_logits(normed[0]).double(), want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_draft_paged_forward_matches_dense_including_second_step(target, draft_dir):
+    """Prefill two sequences through the paged cache, then one more draft step fed with the draft's own
+    pre-norm hidden: equal to the dense training-time-test reference (step 1 sees step 0's keys up to
+    its chain start plus its own key)."""
+    draft = load_draft(draft_dir, target)
+    torch.manual_seed(7)
+    block = 4
+    lens = [7, 5]
+    tables, num_blocks = allocate_tables([n + 1 for n in lens], block)
+    kv = (torch.zeros(num_blocks, block, draft.cfg.num_key_value_heads, draft.cfg.head_dim),
+          torch.zeros(num_blocks, block, draft.cfg.num_key_value_heads, draft.cfg.head_dim))
+    ids = [torch.randint(0, draft.cfg.vocab_size, (n,)) for n in lens]
+    fused = [torch.randn(n, draft.cfg.hidden_size) for n in lens]
+    batch = make_batch([(0, n) for n in lens], tables, block)
+    normed, pre = draft(torch.cat(ids), torch.cat(fused), batch, kv)
+    next_ids = torch.randint(0, draft.cfg.vocab_size, (2,))
+    last = torch.tensor([lens[0] - 1, sum(lens) - 1])
+    step_batch = make_batch([(n, 1) for n in lens], tables, block)
+    normed2, pre2 = draft(next_ids, pre[last], step_batch, kv)
+    offset = 0
+    for b, n in enumerate(lens):
+        d_normed, d_pre, kv0 = draft.forward_dense(ids[b][None], fused[b][None])
+        torch.testing.assert_close(normed[offset:offset + n], d_normed[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pre[offset:offset + n], d_pre[0], rtol=1e-5, atol=1e-5)
+        # Dense step 1: row r continues the chain started at row r; the paged step continued row n - 1.
+        ids1 = torch.cat([ids[b][1:], next_ids[b:b + 1]])[None]
+        s_normed, _, _ = draft.forward_dense(ids1, d_pre, step=1, earlier=[kv0])
+        torch.testing.assert_close(normed2[b], s_normed[0, n - 1], rtol=1e-5, atol=1e-5)
+        offset += n
+
+
+def test_draft_loader_names_sharing_and_vocab_mapping(target, draft_dir, tmp_path, tiny_model_dir):
+    draft = load_draft(draft_dir, target)
+    cfg = draft.cfg
+    legacy = make_tiny_draft(tmp_path / "legacy", tiny_model_dir, seed=1, aux_layer_ids=[0, 1, 1], legacy_names=True)
+    assert any(k.startswith("midlayer.") for k in load_file(f"{legacy}/model.safetensors"))
+    old = load_draft(legacy, target)
+    for (n1, p1), (n2, p2) in zip(draft.named_parameters(), old.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert draft.embed_weight is target.model.embed_tokens.weight                 # shared, not copied
+    # d2t: target id = draft id + d2t[draft id]; the tiny draft takes every other target id.
+    assert draft.to_target_ids(torch.tensor([0, 1, 5])).tolist() == [0, 2, 10]
+    assert int(draft.t2d.sum()) == cfg.draft_vocab_size and bool(draft.t2d[10]) and not bool(draft.t2d[11])
+    logits = torch.randn(2, cfg.draft_vocab_size)
+    full = draft.target_space_logits(logits)
+    assert full.shape == (2, cfg.vocab_size) and torch.equal(full[:, 10], logits[:, 5]) and torch.isinf(full[:, 11]).all()
+    with pytest.raises(ValueError, match="embed"):
+        load_eagle3(draft_dir)                                                    # nothing to share
+    # Full-vocabulary draft without its own head borrows the target's.
+    nohead = make_tiny_draft(tmp_path / "nohead", tiny_model_dir, draft_vocab_size=cfg.vocab_size, include_lm_head=False,
+                             include_embed=True)
+    shared = load_draft(nohead, target)
+    assert shared.lm_head_weight is target.lm_head_weight and shared.embed_tokens is not None
+
+
+def test_draft_loader_errors_name_the_tensor(target, draft_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(draft_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors.pop("layers.0.self_attn.k_proj.weight")
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks tensors: layers.0.self_attn.qkv_proj"):
+        load_draft(broken, target)
+    tensors["layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="k_proj.weight.*shape"):
+        load_draft(broken, target)
+    tensors["layers.0.self_attn.k_proj.weight"] = torch.zeros(target.cfg.kv_size, 2 * target.cfg.hidden_size)
+    tensors["layers.0.surprise.weight"] = torch.zeros(1)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="surprise"):
+        load_draft(broken, target)
+
+
+def test_dummy_draft_from_config_alone(draft_dir):
+    draft = load_eagle3(draft_dir, TorchAttentionBackend(), load_format="dummy", seed=3)
+    assert draft.embed_tokens is not None and draft.lm_head is not None
+    assert torch.isfinite(draft.fc.weight).all() and float(draft.fc.weight.std()) > 0
