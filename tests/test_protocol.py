@@ -1,0 +1,169 @@
+"""Wire messages: exact array layout, round trips, bad frames named precisely, default endpoint safety."""
+from __future__ import annotations
+
+import os
+import stat
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmserve_proto import (Abort, BadMessage, EngineError, Generate, Goodbye, Heartbeat, Hello, Logprobs, ModelInfo,
+                            OutputBatch, Ping, RequestError, RequestMetrics, RequestOutput, SamplingParams, Shutdown,
+                            StatsReply, StatsRequest, Welcome, decode_client, decode_client_checked, decode_core,
+                            encode)
+from llmserve_proto import endpoint as ep
+
+CLIENT_MESSAGES = [
+    Hello(client_name="bench"),
+    Generate(request_id="r1", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=5, temperature=0.0,
+                                                                                   stop=["\n\n"], logprobs=2)),
+    Generate(request_id="r2", prompt_token_ids=[7]),
+    Abort(request_ids=["r1", "r2"]),
+    StatsRequest(nonce=7),
+    Ping(time=12.5),
+    Goodbye(),
+]
+CORE_MESSAGES = [
+    Welcome(protocol_version=1, model_info=ModelInfo(model="/m", name="m", vocab_size=10, max_model_len=64,
+                                                     eos_token_ids=[2], speculative=True, speculative_model="/e"),
+            heartbeat_interval_s=0.5, client_timeout_s=15.0, core_pid=42, max_request_tokens=64),
+    OutputBatch(outputs=[
+        RequestOutput(request_id="a", token_ids=[1, 2]),
+        RequestOutput(request_id="b", token_ids=[3], finish_reason="length",
+                      logprobs=[Logprobs(logprob=-0.5, top_token_ids=[3, 4], top_logprobs=[-0.5, -1.5])],
+                      metrics=RequestMetrics(arrival_time=1.0, first_token_time=1.2, finish_time=2.0,
+                                             num_prompt_tokens=5, num_cached_tokens=4, num_generated_tokens=1)),
+    ], step=3, time=9.0),
+    RequestError(request_id="a", field="temperature", message="must be >= 0"),
+    EngineError(message="malformed frame", fatal=False),
+    StatsReply(nonce=7, stats={"running": 1, "kv_usage": 0.5, "name": "x", "flag": True, "none": None}),
+    Heartbeat(time=1.0),
+    Shutdown(reason="received SIGTERM"),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT_MESSAGES, ids=lambda m: type(m).__name__)
+def test_client_messages_round_trip(msg):
+    assert decode_client(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", CORE_MESSAGES, ids=lambda m: type(m).__name__)
+def test_core_messages_round_trip(msg):
+    assert decode_core(encode(msg)) == msg
+
+
+def test_wire_layout_is_a_tagged_array_in_field_order():
+    # PROTOCOL.md promises this layout to clients written in other languages; pin it.
+    raw = msgspec.msgpack.decode(encode(Generate(request_id="r", prompt_token_ids=[5, 6],
+                                                 params=SamplingParams(max_tokens=3, temperature=0.0))))
+    assert raw[:3] == ["generate", "r", [5, 6]]
+    assert raw[3][:2] == [3, 0.0]
+    assert msgspec.msgpack.decode(encode(Goodbye())) == ["goodbye"]
+    assert msgspec.msgpack.decode(encode(Hello(client_name="c"))) == ["hello", 1, "c"]
+
+
+def test_trailing_fields_may_be_left_off():
+    # A minimal foreign client can send just the required fields.
+    msg = decode_client(msgspec.msgpack.encode(["generate", "r", [1, 2]]))
+    assert msg == Generate(request_id="r", prompt_token_ids=[1, 2], params=SamplingParams())
+    params = decode_client(msgspec.msgpack.encode(["generate", "r", [1], [4, 0.0]])).params
+    assert params.max_tokens == 4 and params.temperature == 0.0 and params.top_p == 1.0
+    assert decode_client(msgspec.msgpack.encode(["hello"])) == Hello()
+
+
+def test_the_two_directions_do_not_mix():
+    with pytest.raises(msgspec.ValidationError):
+        decode_client(encode(Heartbeat()))
+    with pytest.raises(msgspec.ValidationError):
+        decode_core(encode(Ping()))
+
+
+@pytest.mark.parametrize("frame, request_id, field", [
+    (msgspec.msgpack.encode(["generate", "r1", [1, 2], [5, "hot"]]), "r1", "temperature"),
+    (msgspec.msgpack.encode(["generate", "r2", [1, "x"]]), "r2", "prompt_token_ids[1]"),
+    (msgspec.msgpack.encode(["generate", "r3", "not a list"]), "r3", "prompt_token_ids"),
+    (msgspec.msgpack.encode(["generate", "r4", [1], [5, 1.0, 1.0, -1, 0.0, None, ["no"]]]), "r4", "stop_token_ids[0]"),
+    (msgspec.msgpack.encode(["generate", 17, [1]]), None, "request_id"),
+    (msgspec.msgpack.encode(["abort", "r1"]), None, "request_ids"),
+    (msgspec.msgpack.encode(["no_such_tag", 1]), None, ""),
+    (msgspec.msgpack.encode({"tag": "hello"}), None, ""),
+    (b"\xc1\xc1garbage", None, ""),
+    (b"", None, ""),
+])
+def test_bad_frames_name_the_request_and_field(frame, request_id, field):
+    with pytest.raises(BadMessage) as e:
+        decode_client_checked(frame)
+    assert e.value.request_id == request_id
+    assert e.value.field == field
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_escape_as_anything_but_bad_message(data):
+    try:
+        decode_client_checked(data)
+    except BadMessage:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(rid=st.text(min_size=1, max_size=50), ids=st.lists(st.integers(0, 2**31), max_size=50),
+       max_tokens=st.integers(1, 10**6), temperature=st.floats(0, 5), seed=st.none() | st.integers(0, 2**63 - 1),
+       stop=st.lists(st.text(min_size=1, max_size=5), max_size=3))
+def test_generate_round_trips_any_values(rid, ids, max_tokens, temperature, seed, stop):
+    msg = Generate(request_id=rid, prompt_token_ids=ids,
+                   params=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop))
+    assert decode_client(encode(msg)) == msg
+
+
+def test_no_pickle_anywhere_on_the_wire():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for pkg in ("proto", "llmserve_client", os.path.join("llmserve_core", "server")):
+        for dirpath, _, files in os.walk(os.path.join(root, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    src = open(os.path.join(dirpath, f)).read()
+                    for banned in ("import pickle", "pickle.", "recv_pyobj", "send_pyobj", "cloudpickle"):
+                        assert banned not in src, (f, banned)
+
+
+# ---- endpoints ----------------------------------------------------------------------------------------
+
+def test_default_endpoint_lives_in_a_private_runtime_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    endpoint = ep.default_endpoint()
+    assert endpoint == f"ipc://{tmp_path}/llmserve/core.sock"
+    ep.ensure_private_dir(ep.runtime_dir())
+    assert stat.S_IMODE(os.stat(ep.runtime_dir()).st_mode) == 0o700
+
+
+def test_private_dir_is_tightened_when_too_open(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    ep.ensure_private_dir(str(d))
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_runtime_dir_falls_back_to_a_per_user_tmp_dir(monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert ep.runtime_dir().endswith(f"llmserve-{os.getuid()}")
+
+
+@pytest.mark.parametrize("endpoint, ok", [
+    ("ipc:///tmp/x.sock", True), ("tcp://127.0.0.1:5555", True), ("tcp://localhost:1", True), ("tcp://[::1]:80", True),
+    ("tcp://0.0.0.0:5555", False), ("tcp://10.1.2.3:5555", False), ("tcp://127.0.0.1", False),
+    ("tcp://127.0.0.1:99999", False), ("ipc://", False), ("http://127.0.0.1:80", False),
+])
+def test_listen_endpoints_are_checked(endpoint, ok):
+    if ok:
+        assert ep.check_listen_endpoint(endpoint) == endpoint
+    else:
+        with pytest.raises(ValueError, match="listen"):
+            ep.check_listen_endpoint(endpoint)
+
+
+def test_remote_tcp_needs_an_explicit_opt_in():
+    assert ep.check_listen_endpoint("tcp://0.0.0.0:5555", allow_remote=True) == "tcp://0.0.0.0:5555"
