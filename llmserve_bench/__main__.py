@@ -1,0 +1,5 @@
+import sys
+
+from llmserve_bench.cli import main
+
+sys.exit(main())

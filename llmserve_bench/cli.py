@@ -1,0 +1,292 @@
+"""`llmserve-bench`: serving benchmarks against llmserve-core over its IPC protocol.
+
+    llmserve-bench run         --endpoint ipc://PATH --num-requests 200 --input-len 512 --output-len 128 --request-rate 8
+    llmserve-bench closed-loop --model DIR --max-concurrency 16 --warmup-seconds 5 --measurement-seconds 30 -- --max-num-seqs 64
+    llmserve-bench compare A.json B.json
+
+With --model the bench starts its own core (flags after `--` go to it) and stops it afterwards; otherwise
+it drives the core at --endpoint (default: the core's default endpoint). Exit codes: 0 done, 1 the run failed,
+2 bad arguments (nothing was started), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+
+from llmserve_bench.metrics import parse_slo
+from llmserve_bench.workload import WorkloadConfig, length_classes, parse_mix
+
+DEFAULT_INPUT_LEN = 128
+DEFAULT_OUTPUT_LEN = 128
+
+
+class ConfigError(ValueError):
+    """A problem with the arguments found once the model is known (exit 2)."""
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not v > 0 or math.isnan(v):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def _nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not v >= 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("core")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--endpoint", help="a running core (ipc://PATH or tcp://HOST:PORT); default: the core's default")
+    src.add_argument("--model", help="start a core on this model directory for the run (its flags after `--`)")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the served model's directory)")
+    g.add_argument("--connect-timeout", type=_positive_float, default=300.0,
+                   help="seconds to wait for the core to be ready (default: 300)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompt-mode", choices=["random", "natural"], default="random",
+                   help="random: random token ids (no special tokens); natural: text from the shipped corpus")
+    w.add_argument("--input-len", type=_positive_int, help=f"prompt tokens (default: {DEFAULT_INPUT_LEN})")
+    w.add_argument("--output-len", type=_positive_int,
+                   help=f"output tokens (default: {DEFAULT_OUTPUT_LEN}; with --dataset: the reply's length)")
+    w.add_argument("--mix", help="weighted length classes WEIGHT:INPUT:OUTPUT,..., e.g. 0.8:128:128,0.2:4096:128")
+    w.add_argument("--dataset", help="ShareGPT-format JSON: first human turn is the prompt, the reply sets the length")
+    w.add_argument("--shared-prefix-len", type=_nonneg_int, default=0,
+                   help="the first N prompt tokens come from one of --num-prefixes shared prefixes")
+    w.add_argument("--num-prefixes", type=_positive_int, default=1)
+    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate exactly the output length (default: on unless lengths come from --dataset)")
+    w.add_argument("--temperature", type=_nonneg_float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, arrivals)")
+    o = p.add_argument_group("output")
+    o.add_argument("--slo", nargs="+", default=[], metavar="NAME:MS",
+                   help="goodput bounds, e.g. --slo ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    o.add_argument("--result-json", metavar="PATH", help="write config, environment, per-request records and summary")
+    o.add_argument("--plot", metavar="PATH.png", help="latency CDFs and throughput over time (needs matplotlib)")
+    o.add_argument("--stats-interval", type=_positive_float, default=0.5, help="seconds between stats() polls")
+    o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmserve-bench", description=__doc__.split("\n\n")[0],
+                                epilog="Flags after `--` go to llmserve-core when --model starts one.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="a finite workload (all at once, or Poisson/gamma arrivals)")
+    r.add_argument("--num-requests", type=_positive_int, default=100)
+    r.add_argument("--arrival", choices=["all", "poisson"],
+                   help="all: send every request at once; poisson: gamma inter-arrivals at --request-rate "
+                        "(default: poisson when --request-rate is given, else all)")
+    r.add_argument("--request-rate", type=_positive_float, help="requests per second (mean)")
+    r.add_argument("--burstiness", type=_positive_float, default=1.0,
+                   help="gamma shape of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular")
+    r.add_argument("--max-concurrency", type=_positive_int, help="cap on requests in flight (default: none)")
+    _common(r)
+    c = sub.add_parser("closed-loop", help="fixed concurrency, a finished request replaced at once")
+    c.add_argument("--max-concurrency", type=_positive_int, default=8)
+    c.add_argument("--warmup-seconds", type=_nonneg_float, default=5.0)
+    c.add_argument("--measurement-seconds", type=_positive_float, default=30.0)
+    _common(c)
+    cmp = sub.add_parser("compare", help="ratios of the main metrics of two result JSONs (B/A)")
+    cmp.add_argument("a", metavar="A.json")
+    cmp.add_argument("b", metavar="B.json")
+    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp}
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args, core_args: list[str]) -> tuple[WorkloadConfig, dict]:
+    """Everything that can be checked before starting anything; parser.error() exits 2."""
+    err = parser.error
+    if args.cmd == "run":
+        if args.arrival == "poisson" and args.request_rate is None:
+            err("--arrival poisson needs --request-rate")
+        if args.arrival == "all" and args.request_rate is not None:
+            err("--arrival all sends everything at once; drop --request-rate or use --arrival poisson")
+        if args.request_rate is None and args.burstiness != 1.0:
+            err("--burstiness shapes arrivals at a --request-rate; give one")
+    try:
+        slo = parse_slo(args.slo)
+    except ValueError as e:
+        err(str(e))
+    mix = []
+    if args.mix is not None:
+        try:
+            mix = parse_mix(args.mix)
+        except ValueError as e:
+            err(str(e))
+        if args.input_len is not None or args.output_len is not None:
+            err("--mix sets input and output lengths; drop --input-len/--output-len")
+    if args.dataset is not None:
+        if not os.path.isfile(args.dataset):
+            err(f"--dataset: {args.dataset}: no such file")
+        if mix:
+            err("--mix and --dataset cannot be combined")
+        if args.shared_prefix_len:
+            err("--shared-prefix-len works with generated prompts, not --dataset")
+        if args.input_len is not None:
+            err("--input-len: prompt lengths come from --dataset")
+    wl = WorkloadConfig(
+        prompt_mode=args.prompt_mode,
+        input_len=args.input_len or DEFAULT_INPUT_LEN,
+        output_len=args.output_len if args.dataset else (args.output_len or DEFAULT_OUTPUT_LEN),
+        mix=mix, dataset=args.dataset, shared_prefix_len=args.shared_prefix_len,
+        num_prefixes=args.num_prefixes, seed=args.seed)
+    if args.num_prefixes > 1 and not args.shared_prefix_len:
+        err("--num-prefixes needs --shared-prefix-len")
+    if args.shared_prefix_len:
+        shortest = min(i for i, _ in length_classes(wl))
+        if args.shared_prefix_len >= shortest:
+            err(f"--shared-prefix-len {args.shared_prefix_len} must be shorter than the input length {shortest}")
+    if args.ignore_eos is None:
+        args.ignore_eos = wl.output_len is not None
+    if core_args and not args.model:
+        err("flags after `--` go to a core the bench starts; they need --model")
+    if args.model:
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            err(f"--model: {args.model}: not a model directory (no config.json)")
+        from llmserve_bench.core_process import model_max_len
+        limit = model_max_len(args.model, core_args)
+        if limit:
+            from llmserve_bench.workload import check_lengths
+            try:
+                check_lengths(wl, limit)
+            except ValueError as e:
+                err(str(e))
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        err(f"--tokenizer: {args.tokenizer}: not a directory")
+    for flag, path in (("--result-json", args.result_json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            err(f"{flag}: the directory of {path} does not exist")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        err("--plot needs matplotlib: pip install matplotlib (or llmserve[bench])")
+    return wl, slo
+
+
+def run_config(args, wl: WorkloadConfig, slo: dict, core_args: list[str]) -> dict:
+    import dataclasses
+    cfg = {k: v for k, v in vars(args).items() if k not in ("slo",)}
+    cfg["workload"] = dataclasses.asdict(wl)
+    cfg["slo"] = slo
+    cfg["core_args"] = core_args
+    return cfg
+
+
+async def _bench(args, endpoint: str, wl: WorkloadConfig, slo: dict, config: dict):
+    from llmserve_client import AsyncClient
+    from llmserve_bench.runner import Sampling, make_workload, run_closed_loop_async, run_finite
+    async with AsyncClient(endpoint, connect_timeout=args.connect_timeout, client_name="llmserve-bench") as client:
+        try:
+            workload = make_workload(wl, client.model_info, args.tokenizer)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from None
+        config["model_info"] = {"model": client.model_info.model, "max_model_len": client.model_info.max_model_len}
+        sampling = Sampling(args.ignore_eos, args.temperature)
+        common = dict(sampling=sampling, slo=slo, stats_interval=args.stats_interval,
+                      progress=not args.no_progress, config=config)
+        if args.cmd == "run":
+            rate = args.request_rate if args.request_rate is not None else float("inf")
+            return await run_finite(client, workload, num_requests=args.num_requests, request_rate=rate,
+                                    burstiness=args.burstiness, max_concurrency=args.max_concurrency, **common)
+        return await run_closed_loop_async(client, workload, max_concurrency=args.max_concurrency,
+                                           warmup_seconds=args.warmup_seconds,
+                                           measurement_seconds=args.measurement_seconds, **common)
+
+
+def _compare_main(args) -> int:
+    from llmserve_bench.compare import compare, load
+    try:
+        a, b = load(args.a), load(args.b)
+    except ValueError as e:
+        print(f"llmserve-bench compare: error: {e}", file=sys.stderr)
+        return 2
+    print(compare(a, b, args.a, args.b)[1])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    core_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, core_args = argv[:i], argv[i + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "compare":
+        return _compare_main(args)
+    wl, slo = check_args(parser.subcommands[args.cmd], args, core_args)   # errors name the subcommand
+    config = run_config(args, wl, slo, core_args)
+    from llmserve_client import EngineDeadError, LLMServeError, run
+    from llmserve_bench.core_process import CoreProcess, CoreStartError
+    core = None
+    try:
+        endpoint = args.endpoint
+        if args.model:
+            core = CoreProcess(args.model, core_args).start()
+            print(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}",
+                  file=sys.stderr)
+            core.wait_socket(args.connect_timeout)
+            endpoint = core.endpoint
+        result = run(_bench(args, endpoint, wl, slo, config))
+    except ConfigError as e:
+        print(f"llmserve-bench {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except CoreStartError as e:
+        print(f"llmserve-bench: {e}", file=sys.stderr)
+        return 2 if e.returncode == 2 else 1
+    except (EngineDeadError, LLMServeError) as e:
+        tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
+        print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nllmserve-bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if core is not None:
+            core.stop()
+    from llmserve_bench.report import write_json, write_plot
+    print(result.table())
+    if args.result_json:
+        write_json(result, args.result_json)
+        print(f"llmserve-bench: results written to {args.result_json}", file=sys.stderr)
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"llmserve-bench: plot written to {args.plot}", file=sys.stderr)
+    failed = result.summary.get("failed", 0)
+    if failed:
+        print(f"llmserve-bench: {failed} requests failed (see --result-json for their errors)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
