@@ -1,0 +1,319 @@
+"""End-to-end speed of llmserve on one GPU, Qwen3-8B shapes with dummy weights, in one run.
+
+Measures, each as a ratio taken in this same run:
+  1. the card's device-to-device copy bandwidth (the roofline every decode number is held against);
+  2. batch-1 decode time per token vs the floor (weight bytes + KV bytes) / copy bandwidth;
+  3. GPU idle share between decode steps at concurrency 64 (torch profiler, kernel intervals);
+  4. closed-loop output throughput over IPC (llmserve-core + llmserve-bench) at several concurrencies;
+  5. the same workloads through transformers' generate and its continuous-batching generate_batch;
+  6. ITL p99 for an 80% 128/128 + 20% 4096/128 mix with chunked prefill on and off.
+Usage: python benchmarks/h200_e2e.py --out DIR [--quick] [--skip SECTION ...]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from qwen3_8b import QWEN3_8B_CONFIG, kv_bytes_per_token, weight_bytes, write_qwen3_8b_dir  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def section(name):
+    def wrap(fn):
+        def run(args, *a):
+            if name in args.skip:
+                return
+            t0 = time.time()
+            try:
+                RESULTS[name] = fn(args, *a)
+            except Exception as e:  # a failed section is reported, the rest still runs
+                import traceback
+                traceback.print_exc()
+                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
+            RESULTS.setdefault("_seconds", {})[name] = round(time.time() - t0, 1)
+            print(f"== {name}: {json.dumps(RESULTS[name])[:600]}", flush=True)
+        return run
+    return wrap
+
+
+@section("copy_bandwidth")
+def copy_bandwidth(args):
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1e3 / reps
+    return {"bytes_moved": 2 * n, "tb_per_s": 2 * n / sec / 1e12}
+
+
+def make_engine(model_dir, **kw):
+    from llmserve_core import Engine, EngineConfig
+    cfg = dict(model=model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=256,
+               max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg))
+
+
+@section("batch1_decode")
+def batch1_decode(args, model_dir):
+    from llmserve_proto import SamplingParams
+    bw = RESULTS.get("copy_bandwidth", {}).get("tb_per_s", 4.2) * 1e12
+    out = {}
+    for backend in ("triton",):
+        engine = make_engine(model_dir, attention_backend=backend, max_num_seqs=64)
+        for ctx in (512, 4096 - 300):
+            engine.add_request(f"r{ctx}", list(range(1000, 1000 + ctx)), SamplingParams(max_tokens=200, ignore_eos=True))
+            engine.step()                              # prefill
+            times = []
+            while engine.has_unfinished():
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            times = sorted(times[5:])
+            per_tok = times[len(times) // 2]
+            floor = (weight_bytes() + kv_bytes_per_token() * (ctx + 100)) / bw
+            out[f"{backend}_ctx{ctx}"] = {"ms_per_token": per_tok * 1e3, "floor_ms": floor * 1e3,
+                                          "fraction_of_floor": floor / per_tok}
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+@section("gpu_idle_c64")
+def gpu_idle(args, model_dir):
+    """Share of wall time between the first and last kernel of 20 decode steps with no kernel running."""
+    from llmserve_proto import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+    engine = make_engine(model_dir, max_num_seqs=64)
+    for i in range(64):
+        engine.add_request(f"r{i}", [1000 + i + j for j in range(512)], SamplingParams(max_tokens=120, ignore_eos=True))
+    while engine.stats()["waiting"] or any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    steps = 20
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in kernels:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += (cur_e - cur_s) if cur_e is not None else 0
+    span = kernels[-1][1] - kernels[0][0]
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"steps": steps, "ms_per_step": wall / steps * 1e3, "gpu_busy_ms": busy / 1e3,
+            "span_ms": span / 1e3, "idle_fraction": 1 - busy / span}
+
+
+def start_core(model_dir, endpoint, extra):
+    cmd = [sys.executable, "-m", "llmserve_core", "--model", model_dir, "--load-format", "dummy", "--listen", endpoint,
+           "--log-interval", "0", "--log-level", "WARNING"] + extra
+    return subprocess.Popen(cmd)
+
+
+def stop_core(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def bench(endpoint, argv, out_json):
+    cmd = [sys.executable, "-m", "llmserve_bench"] + argv + ["--endpoint", endpoint, "--result-json", out_json]
+    subprocess.run(cmd, check=True, timeout=400)
+    with open(out_json) as f:
+        return json.load(f)["summary"]
+
+
+KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+        "median_itl_ms", "p99_itl_ms", "completed", "mean_batch_size")
+
+
+def pick(summary):
+    window = summary.get("window", summary)
+    return {k: window.get(k) for k in KEYS if k in window}
+
+
+@section("closed_loop_ipc")
+def closed_loop(args, model_dir, tmp):
+    endpoint = f"ipc://{tmp}/core.sock"
+    core = start_core(model_dir, endpoint, ["--max-model-len", "4096", "--max-num-seqs", "256",
+                                            "--gpu-memory-utilization", "0.85"])
+    out = {}
+    try:
+        for conc in args.concurrency:
+            secs = "8" if args.quick else "15"
+            out[f"c{conc}"] = pick(bench(endpoint, ["closed-loop", "--max-concurrency", str(conc), "--input-len", "512",
+                                                    "--output-len", "256", "--warmup-seconds", "5",
+                                                    "--measurement-seconds", secs, "--prompt-mode", "random"],
+                                         os.path.join(args.out, f"closed_loop_c{conc}.json")))
+    finally:
+        stop_core(core)
+    return out
+
+
+@section("chunked_prefill_mix")
+def chunked_mix(args, model_dir, tmp):
+    out = {}
+    for chunked in (True, False):
+        endpoint = f"ipc://{tmp}/core-chunk{int(chunked)}.sock"
+        flags = ["--max-model-len", "4400", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.85",
+                 "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", "2048" if chunked else "4400"]
+        core = start_core(model_dir, endpoint, flags)
+        try:
+            out["chunked" if chunked else "whole_prompt"] = pick(bench(
+                endpoint, ["closed-loop", "--max-concurrency", "32", "--mix", "0.8:128:128,0.2:4096:128",
+                           "--warmup-seconds", "5", "--measurement-seconds", "10" if args.quick else "20",
+                           "--prompt-mode", "random"],
+                os.path.join(args.out, f"mix_chunked{int(chunked)}.json")))
+        finally:
+            stop_core(core)
+    c, w = out.get("chunked", {}), out.get("whole_prompt", {})
+    if c.get("p99_itl_ms") and w.get("p99_itl_ms"):
+        out["p99_itl_ratio_whole_over_chunked"] = w["p99_itl_ms"] / c["p99_itl_ms"]
+    return out
+
+
+@section("transformers_peer")
+def transformers_peer(args, model_dir):
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(**{k: v for k, v in QWEN3_8B_CONFIG.items() if k not in ("architectures", "model_type")})
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for batch, new in ((1, 64), (8, 128), (64, 128)):
+        ids = torch.randint(1000, 100000, (batch, 512), generator=g).cuda()
+        gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)   # warm up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, **gen)
+            torch.cuda.synchronize()
+            sec = time.perf_counter() - t0
+        out[f"generate_b{batch}"] = {"output_throughput": batch * new / sec, "seconds": sec, "new_tokens": new}
+    try:
+        ids = torch.randint(1000, 100000, (64, 512), generator=g).tolist()
+        gc_ = GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            res = model.generate_batch(inputs=ids, generation_config=gc_)
+            torch.cuda.synchronize()
+            sec = time.perf_counter() - t0
+        toks = sum(len(r.generated_tokens) for r in res.values())
+        out["generate_batch_c64"] = {"output_throughput": toks / sec, "seconds": sec, "tokens": toks}
+    except Exception as e:
+        out["generate_batch_c64"] = {"error": f"{type(e).__name__}: {e}"}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def summarize():
+    rows = []
+    bw = RESULTS.get("copy_bandwidth", {})
+    rows.append(("copy bandwidth", f"{bw.get('tb_per_s', float('nan')):.2f} TB/s"))
+    for k, v in RESULTS.get("batch1_decode", {}).items():
+        if isinstance(v, dict):
+            rows.append((f"batch-1 decode {k}", f"{v['ms_per_token']:.2f} ms/token, floor {v['floor_ms']:.2f} ms "
+                                                f"({100 * v['fraction_of_floor']:.0f}% of floor)"))
+    idle = RESULTS.get("gpu_idle_c64", {})
+    if "idle_fraction" in idle:
+        rows.append(("GPU idle between decode steps @c64", f"{100 * idle['idle_fraction']:.1f}% "
+                                                            f"({idle['ms_per_step']:.2f} ms/step)"))
+    cl = RESULTS.get("closed_loop_ipc", {})
+    peer = RESULTS.get("transformers_peer", {})
+    for k, v in cl.items():
+        if isinstance(v, dict) and v.get("output_throughput"):
+            rows.append((f"closed-loop IPC {k}", f"{v['output_throughput']:.0f} tok/s, TTFT p99 {v.get('p99_ttft_ms', 0):.0f} ms, "
+                                                 f"TPOT median {v.get('median_tpot_ms', 0):.1f} ms"))
+    for k, v in peer.items():
+        if isinstance(v, dict) and v.get("output_throughput"):
+            rows.append((f"transformers {k}", f"{v['output_throughput']:.0f} tok/s"))
+    ours64 = cl.get("c64", {}).get("output_throughput") if isinstance(cl.get("c64"), dict) else None
+    hf64 = peer.get("generate_b64", {}).get("output_throughput") if isinstance(peer.get("generate_b64"), dict) else None
+    if ours64 and hf64:
+        RESULTS["ratio_c64_vs_transformers_generate"] = ours64 / hf64
+        rows.append(("c64 ours / transformers generate", f"{ours64 / hf64:.1f}x"))
+    mix = RESULTS.get("chunked_prefill_mix", {})
+    for k in ("chunked", "whole_prompt"):
+        if isinstance(mix.get(k), dict):
+            rows.append((f"mix ITL p99 {k}", f"{mix[k].get('p99_itl_ms', float('nan')):.1f} ms"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"| {a.ljust(width)} | {b} |" for a, b in rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--skip", nargs="*", default=[])
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="llmserve-bench-")
+    model_dir = write_qwen3_8b_dir(os.path.join(tmp, "qwen3-8b-dummy"))
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["torch"] = torch.__version__
+    try:
+        RESULTS["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    copy_bandwidth(args)
+    batch1_decode(args, model_dir)
+    gpu_idle(args, model_dir)
+    closed_loop(args, model_dir, tmp)
+    chunked_mix(args, model_dir, tmp)
+    transformers_peer(args, model_dir)
+    table = summarize()
+    with open(os.path.join(args.out, "h200_e2e.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    with open(os.path.join(args.out, "h200_e2e.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

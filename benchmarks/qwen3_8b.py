@@ -1,0 +1,35 @@
+"""The Qwen3-8B shape (config.json only) that every speed benchmark loads with --load-format dummy."""
+from __future__ import annotations
+
+import json
+import os
+
+QWEN3_8B_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+    bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16", hidden_act="silu", attention_bias=False,
+)
+
+
+def write_qwen3_8b_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(QWEN3_8B_CONFIG, f, indent=1)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [151645, 151643]}, f)
+    return path
+
+
+def weight_bytes(dtype_bytes: int = 2) -> int:
+    c = QWEN3_8B_CONFIG
+    h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * c["head_dim"]
+    return dtype_bytes * (L * per_layer + 2 * v * h + h)
+
+
+def kv_bytes_per_token(dtype_bytes: int = 2) -> int:
+    c = QWEN3_8B_CONFIG
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
