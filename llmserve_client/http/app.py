@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP app: one more thin client of llmserve-core, through AsyncClient.
+
+Text lives here as in every client: prompts and chat messages are tokenized here, the core gets token ids,
+and streamed ids come back as text through the client library's detokenizer and stop-string logic.
+A request whose HTTP client goes away is cancelled, and cancelling an AsyncStream aborts it in the core.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from functools import lru_cache
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llmserve_client.async_client import AsyncClient, AsyncStream
+from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
+from llmserve_client.http import schemas
+from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
+from llmserve_client.http.schemas import ApiError
+from llmserve_client.inputs import to_token_ids
+from llmserve_client.types import Completion, StreamChunk
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
+STATS_TIMEOUT_S = 2.0                 # /health and /metrics give up on a core this slow
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+class Frontend:
+    def __init__(self, client: AsyncClient, served_model_names: list[str] | None = None):
+        self.client = client
+        self.names = list(served_model_names or [])
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.created = int(time.time())
+        self.metrics: Metrics | None = None
+
+    async def start(self) -> None:
+        """Wait for the core's handshake and load the tokenizer it names."""
+        await self.client.connect()
+        self.tokenizer = await self.client.get_tokenizer()
+        info = self.client.model_info
+        self.max_model_len = info.max_model_len
+        if not self.names:
+            self.names = [info.name or info.model.rstrip("/").rsplit("/", 1)[-1]]
+        self.metrics = Metrics(self.names[0])
+        self._token_text = lru_cache(maxsize=65536)(
+            lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False))
+
+    # ---------------------------------------------------------------- endpoints
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.names]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in self.names:
+            return self._error(_model_not_found(name))
+        return JSONResponse(self._model_card(name))
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.client.stats(timeout=STATS_TIMEOUT_S)
+        except (LLMServeError, asyncio.TimeoutError) as e:
+            return JSONResponse({"status": "unavailable", "error": str(e) or "the core did not answer"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        try:
+            stats = await self.client.stats(timeout=STATS_TIMEOUT_S)
+        except (LLMServeError, asyncio.TimeoutError):
+            stats = None
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    # ---------------------------------------------------------------- generation
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            req, stream = await self._start(await request.body(), chat)
+        except ApiError as e:
+            return self._error(e)
+        ctx = _Ctx(stream.request_id, self.names[0] if req.model is None else req.model, chat,
+                   req.stream and req.stream_options is not None and req.stream_options.include_usage)
+        try:
+            if not req.stream:
+                completion = await _until_disconnect(request, _drain(stream))
+                self.metrics.on_finished(completion)
+                return JSONResponse(self._full_response(ctx, completion))
+            # The first chunk is awaited before answering, so a request the core rejects still gets a 400.
+            first = await _until_disconnect(request, anext(stream, None))
+        except ClientGone:
+            self.metrics.on_finished(stream.completion)
+            return Response(status_code=499)
+        except LLMServeError as e:
+            await stream.aclose()
+            return self._error(self._api_error(e, chat))
+        return StreamingResponse(self._sse(ctx, stream, first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _start(self, body: bytes, chat: bool):
+        """Parse, validate, tokenize and send the request; ApiError for anything wrong with it."""
+        req = schemas.decode(body, schemas.ChatRequest if chat else schemas.CompletionRequest)
+        if req.model is not None and req.model not in self.names:
+            raise _model_not_found(req.model)
+        try:
+            if chat:
+                sampling = schemas.chat_sampling(req)
+                prompt = schemas.chat_messages(req)
+                max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
+                                     if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+            else:
+                sampling = schemas.completion_sampling(req)
+                prompt = schemas.completion_prompt(req)
+                max_tokens, param = req.max_tokens, "max_tokens"
+            try:
+                ids = to_token_ids(prompt, lambda: self.tokenizer)
+            except RequestError:
+                raise
+            except Exception as e:   # a chat template that refuses these messages
+                raise ApiError(f"the chat template failed on these messages: {e}", "messages") from None
+            sampling["max_tokens"] = self._fit_max_tokens(len(ids), max_tokens, param, chat)
+            prefix = "chatcmpl-" if chat else "cmpl-"
+            stream = await self.client.stream(ids, request_id=prefix + uuid.uuid4().hex,
+                                              skip_special_tokens=req.skip_special_tokens, **sampling)
+        except LLMServeError as e:
+            raise self._api_error(e, chat) from None
+        return req, stream
+
+    def _fit_max_tokens(self, n_prompt: int, max_tokens: int | None, param: str, chat: bool) -> int:
+        limit = self.max_model_len
+        where = "messages" if chat else "prompt"
+        if n_prompt >= limit:
+            raise ApiError(f"This model's maximum context length is {limit} tokens, but the {where} has "
+                           f"{n_prompt} tokens, which leaves no room for a completion. Shorten the {where}.",
+                           where, code="context_length_exceeded")
+        if max_tokens is None:
+            # OpenAI: chat completions run until the context is full; completions default to 16 tokens.
+            return limit - n_prompt if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, limit - n_prompt)
+        if max_tokens < 1:
+            raise ApiError(f"{param} must be at least 1, got {max_tokens}", param)
+        if n_prompt + max_tokens > limit:
+            raise ApiError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{n_prompt + max_tokens} tokens ({n_prompt} in the {where}, {max_tokens} for the "
+                           f"completion). Reduce the length of the {where} or {param}.", param,
+                           code="context_length_exceeded")
+        return max_tokens
+
+    async def _sse(self, ctx: "_Ctx", stream: AsyncStream, first: StreamChunk | None):
+        accounted = False
+        try:
+            if ctx.chat:
+                yield _sse_data(self._chunk(ctx, {"delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}))
+            chunk = first
+            while chunk is not None:
+                choice = self._stream_choice(ctx, chunk)
+                if choice is not None:
+                    yield _sse_data(self._chunk(ctx, choice))
+                chunk = await anext(stream, None)
+            completion = stream.completion
+            self.metrics.on_finished(completion)
+            accounted = True
+            if ctx.include_usage:
+                yield _sse_data({**self._chunk(ctx, None), "choices": [], "usage": _usage(completion)})
+        except LLMServeError as e:
+            err = self._api_error(e, ctx.chat)
+            self.metrics.on_error(err.status)
+            yield _sse_data(err.body())
+        finally:
+            # Reached on normal ends and on cancellation (the HTTP client went away): abort what still runs.
+            await stream.aclose()
+            if not accounted:
+                self.metrics.on_finished(stream.completion)
+        yield "data: [DONE]\n\n"
+
+    def _stream_choice(self, ctx: "_Ctx", chunk: StreamChunk) -> dict | None:
+        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
+            return None
+        logprobs = self._logprobs(ctx, chunk.token_ids, chunk.logprobs)
+        if ctx.chat:
+            return {"delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs,
+                    "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
+        return {"text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
+                "stop_reason": chunk.stop_reason}
+
+    def _chunk(self, ctx: "_Ctx", choice: dict | None) -> dict:
+        out = {"id": ctx.id, "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+               "created": ctx.created, "model": ctx.model,
+               "choices": [] if choice is None else [{"index": 0, **choice}]}
+        if ctx.include_usage:
+            out["usage"] = None
+        return out
+
+    def _full_response(self, ctx: "_Ctx", c: Completion) -> dict:
+        logprobs = self._logprobs(ctx, c.token_ids, c.logprobs)
+        if ctx.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        else:
+            choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+        return {"id": ctx.id, "object": "chat.completion" if ctx.chat else "text_completion",
+                "created": ctx.created, "model": ctx.model, "choices": [choice], "usage": _usage(c)}
+
+    def _logprobs(self, ctx: "_Ctx", token_ids: list[int], logprobs) -> dict | None:
+        """OpenAI's chat shape ({"content": [...]}) or the legacy completions shape (parallel lists)."""
+        if logprobs is None:
+            return None
+        pairs = list(zip(token_ids, logprobs))
+        text = self._token_text
+        if ctx.chat:
+            return {"content": [
+                {"token": text(t), "logprob": lp.logprob, "bytes": list(text(t).encode()),
+                 "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                                  for a, b in zip(lp.top_token_ids, lp.top_logprobs)]}
+                for t, lp in pairs]}
+        offsets = []
+        for t, _ in pairs:
+            offsets.append(ctx.text_offset)
+            ctx.text_offset += len(text(t))
+        return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [lp.logprob for _, lp in pairs],
+                "top_logprobs": [{text(a): b for a, b in zip(lp.top_token_ids, lp.top_logprobs)} for _, lp in pairs],
+                "text_offset": offsets}
+
+    # ---------------------------------------------------------------- helpers
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "llmserve",
+                "root": self.client.model_info.model, "max_model_len": self.max_model_len}
+
+    def _api_error(self, e: LLMServeError, chat: bool) -> ApiError:
+        if isinstance(e, RequestError):
+            return ApiError(e.message, schemas.param_name(e.field, chat) or None)
+        if isinstance(e, EngineDeadError):
+            return ApiError(f"the engine is unavailable: {e}", None, status=503, type="server_error",
+                            code="engine_unavailable")
+        return ApiError(str(e), None, status=500, type="server_error")
+
+    def _error(self, e: ApiError) -> Response:
+        if self.metrics is not None:
+            self.metrics.on_error(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+
+class _Ctx:
+    """What the response builders need to know about one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool):
+        self.id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
+        self.created = int(time.time())
+        self.text_offset = 0   # legacy completions logprobs: character offset of the next token
+
+
+def _model_not_found(name: str) -> ApiError:
+    return ApiError(f"The model `{name}` does not exist.", "model", status=404, code="model_not_found")
+
+
+def _usage(c: Completion) -> dict:
+    u = c.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _sse_data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _drain(stream: AsyncStream) -> Completion:
+    async with stream:
+        async for _ in stream:
+            pass
+    return stream.completion
+
+
+async def _until_disconnect(request: Request, awaitable):
+    """Await `awaitable` unless the HTTP client disconnects first: then cancel it (which aborts the
+    request in the core) and raise ClientGone."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(client: AsyncClient, served_model_names: list[str] | None = None) -> Starlette:
+    """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected)."""
+    fe = Frontend(client, served_model_names)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await fe.start()
+        yield
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        err = ApiError(exc.detail or "error", None, status=exc.status_code,
+                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    routes = [
+        Route("/v1/completions", fe.completions, methods=["POST"]),
+        Route("/v1/chat/completions", fe.chat_completions, methods=["POST"]),
+        Route("/v1/models", fe.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", fe.model, methods=["GET"]),
+        Route("/health", fe.health, methods=["GET"]),
+        Route("/metrics", fe.prometheus, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.frontend = fe
+    return app

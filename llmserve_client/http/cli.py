@@ -1,0 +1,184 @@
+"""`llmserve-serve`: the OpenAI-compatible HTTP frontend.
+
+    llmserve-serve --endpoint ipc:///run/llmserve/core.sock          # a core that is already running
+    llmserve-serve --model DIR [core flags ...]                      # start (and later stop) its own core
+
+With --model, every flag this parser does not know is handed to llmserve-core (e.g. --max-model-len 4096
+--enable-prefix-caching); the core checks them and a bad one ends both with exit status 2. The core
+listens on a socket in a fresh private directory unless a --listen is among those flags.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+log = logging.getLogger("llmserve_client.http")
+
+CORE_STOP_TIMEOUT_S = 30.0     # how long the core may drain on SIGTERM before it is killed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmserve-serve",
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+                    "/health, /metrics) in front of llmserve-core. Flags not listed here are passed to "
+                    "llmserve-core when --model is given.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT of a running llmserve-core "
+                                        "(default, without --model: the core's default socket)")
+    src.add_argument("--model", help="model directory: start llmserve-core on it as a child process")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="name(s) clients use in `model`; the first is reported (default: the model dir's name)")
+    p.add_argument("--connect-timeout", type=float, default=None,
+                   help="seconds to wait for the core's handshake (default: 60 with --endpoint, 900 with --model)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: list[str]):
+    """(args, core_flags); exits 2 with a message on bad input."""
+    parser = build_parser()
+    args, core_flags = parser.parse_known_args(argv)
+    if core_flags and args.model is None:
+        parser.error(f"unrecognized arguments: {' '.join(core_flags)} (engine flags need --model)")
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model: {args.model!r} is not a directory")
+    if args.endpoint is not None and not args.endpoint.startswith(("ipc://", "tcp://")):
+        parser.error(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port: {args.port} is not a port number")
+    if args.connect_timeout is not None and not args.connect_timeout > 0:
+        parser.error("--connect-timeout: must be > 0")
+    if args.served_model_name is None and args.model is not None:
+        args.served_model_name = [os.path.basename(os.path.abspath(args.model))]
+    return args, core_flags
+
+
+def _listen_flag(core_flags: list[str]) -> str | None:
+    for i, flag in enumerate(core_flags):
+        if flag == "--listen" and i + 1 < len(core_flags):
+            return core_flags[i + 1]
+        if flag.startswith("--listen="):
+            return flag.split("=", 1)[1]
+    return None
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if this frontend dies without stopping it (Linux only)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start_core(model: str, core_flags: list[str]) -> tuple[subprocess.Popen, str, str | None]:
+    """Start llmserve-core; returns (process, endpoint, private dir to remove afterwards)."""
+    endpoint, tmpdir = _listen_flag(core_flags), None
+    if endpoint is None:
+        tmpdir = tempfile.mkdtemp(prefix="llmserve-serve-")   # 0700
+        endpoint = f"ipc://{tmpdir}/core.sock"
+        core_flags = [*core_flags, "--listen", endpoint]
+    cmd = [sys.executable, "-m", "llmserve_core", "--model", model, *core_flags]
+    log.info("starting llmserve-core: %s", " ".join(cmd))
+    # Its own session: a terminal's Ctrl-C reaches only us, and we stop the core after the HTTP side.
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    return proc, endpoint, tmpdir
+
+
+def stop_core(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(CORE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("llmserve-core did not stop within %.0f s; killing it", CORE_STOP_TIMEOUT_S)
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: list[int]) -> int:
+    import uvicorn
+
+    from llmserve_client.async_client import AsyncClient
+    from llmserve_client.errors import LLMServeError
+    from llmserve_client.http.app import build_app
+
+    timeout = args.connect_timeout or (900.0 if core is not None else 60.0)
+    client = AsyncClient(endpoint, connect_timeout=timeout, client_name="llmserve-serve")
+    try:
+        app = build_app(client, args.served_model_name)
+        starting = asyncio.ensure_future(app.state.frontend.start())
+        while not starting.done():
+            await asyncio.wait({starting}, timeout=0.2)
+            if core is not None and core.poll() is not None:
+                starting.cancel()
+                log.error("llmserve-core exited with status %d before it was ready", core.returncode)
+                return core.returncode or 1
+            if stopping:
+                starting.cancel()
+                return 0
+        try:
+            starting.result()
+        except LLMServeError as e:
+            log.error("cannot reach llmserve-core at %s: %s", endpoint, e)
+            return 1
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=CORE_STOP_TIMEOUT_S)
+        server = uvicorn.Server(config)
+        watcher = asyncio.ensure_future(_watch_core(core, server)) if core is not None else None
+        await server.serve()
+        if watcher is not None:
+            watcher.cancel()
+        if not server.started:
+            return 1
+        return 1 if core is not None and core.poll() not in (None, 0) and not stopping else 0
+    finally:
+        await client.close()
+
+
+async def _watch_core(core: subprocess.Popen, server) -> None:
+    """The core is ours: when it exits on its own, so does the frontend."""
+    while core.poll() is None:
+        await asyncio.sleep(0.5)
+    log.error("llmserve-core exited with status %d; shutting down", core.returncode)
+    server.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, core_flags = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from llmserve_client import run
+    from llmserve_proto import default_endpoint
+
+    # Until uvicorn takes over the signals (and after it hands them back), a signal only asks us to stop.
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    core, tmpdir = None, None
+    endpoint = args.endpoint or default_endpoint()
+    if args.model is not None:
+        core, endpoint, tmpdir = start_core(args.model, core_flags)
+    try:
+        return run(_serve(args, endpoint, core, stopping))
+    finally:
+        if core is not None:
+            code = stop_core(core)
+            log.info("llmserve-core exited with status %d", code)
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""OpenAI request bodies as msgspec Structs, and their translation into the protocol's SamplingParams.
+
+Decoding is strict: an unknown field, a wrong type or a value out of range becomes an ApiError naming the
+field, which the app turns into OpenAI's 400 shape. Fields that OpenAI defines but this engine cannot honour
+(penalties, logit_bias, best_of, echo, suffix, n > 1) are accepted only at their neutral values, so a client
+never silently gets something other than what it asked for.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by both endpoints. top_k, min_p, stop_token_ids, ignore_eos and skip_special_tokens
+    are vLLM's extensions, with vLLM's meaning."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def decode(body: bytes, kind: type[_Request]) -> _Request:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise ApiError(f"invalid request: {e}", _param_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def _param_of(message: str) -> str | None:
+    """msgspec says "... - at `$.messages[0].content`" or "unknown field `foo`" / "missing required field `x`"."""
+    m = re.search(r"field `([^`]+)`", message)
+    at = re.search(r"at `\$\.?([^`]*)`", message)
+    path = at.group(1) if at else ""
+    if m and ("unknown field" in message or "missing required field" in message):
+        return f"{path}.{m.group(1)}" if path else m.group(1)
+    return path or None
+
+
+def _reject_unsupported(req: _Request) -> None:
+    if req.n != 1:
+        raise ApiError(f"only n=1 is supported, got {req.n}", "n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise ApiError(f"{name} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise ApiError("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options is only allowed when stream is true", "stream_options")
+
+
+def sampling_fields(req: _Request) -> dict:
+    """The SamplingParams fields both endpoints map the same way (max_tokens is decided by the caller)."""
+    _reject_unsupported(req)
+    out: dict = {"ignore_eos": req.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            out[name] = value
+    if req.stop is not None:
+        out["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return out
+
+
+def completion_sampling(req: CompletionRequest) -> dict:
+    out = sampling_fields(req)
+    if req.best_of not in (None, 1):
+        raise ApiError(f"only best_of=1 is supported, got {req.best_of}", "best_of")
+    if req.echo:
+        raise ApiError("echo is not supported", "echo")
+    if req.suffix:
+        raise ApiError("suffix is not supported", "suffix")
+    if req.logprobs is not None:
+        out["logprobs"] = req.logprobs
+    return out
+
+
+def chat_sampling(req: ChatRequest) -> dict:
+    out = sampling_fields(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
+    if req.logprobs:
+        out["logprobs"] = req.top_logprobs or 0
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt: a string or a list of token ids (or a batch holding exactly one of those)."""
+    p = req.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise ApiError("prompt must not be empty", "prompt")
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise ApiError("batched prompts are not supported; send one request per prompt", "prompt")
+    raise ApiError("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """Messages as plain dicts for the chat template; text content parts are joined."""
+    if not req.messages:
+        raise ApiError("messages must not be empty", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise ApiError(f"role {m.role!r} is not supported; expected one of {', '.join(CHAT_ROLES)}",
+                           f"messages[{i}].role")
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(f"content part of type {part.type!r} is not supported (text only)",
+                                   f"messages[{i}].content[{j}]")
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        # Qwen's templates know system, user and assistant; OpenAI's developer role means system.
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def param_name(field: str, chat: bool) -> str:
+    """A SamplingParams / protocol field name as the OpenAI request spells it."""
+    field = field.removeprefix("params.")
+    if field == "logprobs" and chat:
+        return "top_logprobs"
+    if field == "prompt_token_ids":
+        return "messages" if chat else "prompt"
+    return field
+
