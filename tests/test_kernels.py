@@ -342,3 +342,20 @@ def test_gpu_triton_backend_bf16_and_decode_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_flash_attn_backend_matches_torch(block_size):
+    from llmserve_core.layers.attention.flash_attn_backend import FlashAttentionBackend
+    try:
+        flash = FlashAttentionBackend()
+    except ImportError as e:
+        pytest.skip(str(e))
+    steps = [[(0, 300), (0, 40)], [(300, 1), (40, 1)], [(301, 64), (41, 1)]]
+    outs, caches = backend_steps(steps, block_size, 32, 8, 128, torch.bfloat16, "cuda", 2,
+                                 [TorchAttentionBackend(), flash])
+    for ref, got in zip(*outs):
+        assert rel_err(got, ref) < 1e-2
+    assert torch.equal(caches[0][0], caches[1][0])

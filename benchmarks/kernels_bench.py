@@ -1,0 +1,482 @@
+"""Check and time the Triton kernels at Qwen3-8B shapes (32 q heads, 8 KV heads, head_dim 128, bf16).
+
+Each kernel is first compared with its torch reference, then timed with CUDA events over a CUDA graph of
+many back-to-back launches (launch overhead is not what is measured). Decode rotates among several copies
+of the KV data so that repeated launches do not read from L2. FlashAttention-4 is timed at the same shapes
+when `flash_attn.cute` imports. Writes results.json and results.md to the output dir; prints a table last.
+
+    python3 benchmarks/kernels_bench.py OUT_DIR [--budget-s 240] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import llmserve_core.kernels  # noqa: E402,F401  (interpreter on CPU for --smoke)
+from llmserve_core.kernels.paged_decode import (DecodeScratch, choose_num_splits, paged_decode,  # noqa: E402
+                                                paged_decode_reference)
+from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference  # noqa: E402
+from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
+from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference  # noqa: E402
+from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
+from llmserve_core.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
+
+ROTATE_BYTES = 256 << 20     # decode KV touched per graph replay, several times the 60 MB L2
+
+
+class Bench:
+    def __init__(self, out_dir: str, budget_s: float, smoke: bool):
+        self.out_dir, self.smoke = out_dir, smoke
+        self.deadline = time.time() + budget_s
+        self.cuda = torch.cuda.is_available() and not smoke
+        self.device = "cuda" if self.cuda else "cpu"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        if smoke:
+            self.H, self.KVH, self.D = 4, 2, 16
+        else:
+            self.H, self.KVH, self.D = 32, 8, 128
+        self.scale = self.D ** -0.5
+        self.rows: list[dict] = []
+        self.fa4 = load_fa4() if self.cuda else None
+        self.fa4_graph = True   # cleared after the first failed capture, so later shapes time eagerly
+        self.meta = {
+            "torch": torch.__version__, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if self.cuda else "cpu (interpreter smoke run)",
+            "fa4": "flash_attn.cute" if self.fa4 else "not importable",
+            "heads": [self.H, self.KVH, self.D], "dtype": str(self.dtype),
+        }
+        try:
+            import triton
+            self.meta["triton"] = triton.__version__
+        except ImportError:
+            pass
+
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+    def add(self, **row):
+        self.rows.append(row)
+        self.save()
+
+    def save(self):
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, "results.json"), "w") as f:
+            json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+
+    # ------------------------------------------------------------ timing
+
+    def time_us(self, launches: list, reps: int = 15, use_graph: bool = True) -> tuple[float, str]:
+        """Median microseconds per launch over `reps` timed runs of all `launches` back to back."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for fn in launches:
+                fn()
+            return (time.perf_counter() - t0) * 1e6 / len(launches), "cpu-wall"
+        for fn in launches:          # compile and warm up outside any capture
+            fn()
+        torch.cuda.synchronize()
+        run, method = None, "eager-events"
+        if use_graph:
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for fn in launches:
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for fn in launches:
+                        fn()
+                run, method = graph.replay, "cuda-graph"
+            except Exception as e:  # some libraries cannot be captured; fall back to eager launches
+                torch.cuda.synchronize()
+                method = f"eager-events (graph failed: {type(e).__name__})"
+        if run is None:
+            def run():
+                for fn in launches:
+                    fn()
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000 / len(launches))
+        return statistics.median(times), method
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------ data
+
+    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int):
+        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences."""
+        per_seq = [math.ceil(s / block_size) for s in seq_lens]
+        width = max(per_seq)
+        per_copy = sum(per_seq)
+        num_blocks = copies * per_copy + 1
+        shape = (num_blocks, block_size, self.KVH, self.D)
+        kc = torch.randn(shape, device=self.device, dtype=self.dtype)
+        vc = torch.randn(shape, device=self.device, dtype=self.dtype)
+        perm = (torch.randperm(num_blocks - 1) + 1).int()
+        tables = []
+        for c in range(copies):
+            chunk = perm[c * per_copy:(c + 1) * per_copy].tolist()
+            rows, at = [], 0
+            for n in per_seq:
+                rows.append(chunk[at:at + n] + [0] * (width - n))
+                at += n
+            tables.append(torch.tensor(rows, dtype=torch.int32, device=self.device))
+        return kc, vc, tables
+
+    # ------------------------------------------------------------ decode
+
+    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=()):
+        kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
+        copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
+        seq_lens = [ctx] * batch
+        kc, vc, tables = self.paged_kv(seq_lens, block_size, copies)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
+        out = torch.full_like(q, float("nan"))
+        scratch = DecodeScratch()
+        check = min(batch, 8)
+        ref = paged_decode_reference(q[:check], kc, vc, tables[0][:check], lens[:check], self.scale)
+        shape = dict(kind="decode", batch=batch, ctx=ctx, block_size=block_size, kv_bytes=kv_bytes,
+                     kv_copies=copies)
+        n_launch = max(copies, 4 if kv_bytes > ROTATE_BYTES else 8)
+
+        variants = [dict(num_splits=None, block_n=None)] + [dict(num_splits=s, block_n=bn) for s, bn in sweep]
+        for var in variants:
+            splits = var["num_splits"] or choose_num_splits(batch, self.KVH)
+            paged_decode(q, kc, vc, tables[0], lens, self.scale, out=out, scratch=scratch, **var)
+            err = rel_err(out[:check], ref)
+            launches = [lambda t=tables[i % copies]: paged_decode(q, kc, vc, t, lens, self.scale, out=out,
+                                                                  scratch=scratch, **var)
+                        for i in range(n_launch)]
+            us, method = self.time_us(launches)
+            impl = "triton" if var["num_splits"] is None else f"triton splits={splits} block_n={var['block_n']}"
+            self.add(**shape, impl=impl, num_splits=splits, us=us, tbps=kv_bytes / us / 1e6, rel_err=err,
+                     method=method)
+
+        if with_fa4 and self.fa4 is not None:
+            for splits in (1, 0):
+                def fa4_call(t, splits=splits):
+                    return fa4_decode(self.fa4, q, kc, vc, t, lens, self.scale, splits)
+                try:
+                    got = fa4_call(tables[0])
+                    err = rel_err(got[:check], ref)
+                    us, method = self.time_us([lambda t=tables[i % copies]: fa4_call(t) for i in range(n_launch)],
+                                              use_graph=self.fa4_graph)
+                    self.fa4_graph = method == "cuda-graph"
+                    self.add(**shape, impl=f"fa4 num_splits={splits}", us=us, tbps=kv_bytes / us / 1e6,
+                             rel_err=err, method=method)
+                except Exception as e:
+                    self.add(**shape, impl=f"fa4 num_splits={splits}", error=f"{type(e).__name__}: {e}"[:300])
+        del kc, vc
+
+    # ------------------------------------------------------------ prefill / extend
+
+    def prefill(self, name: str, query_lens: list[int], ctx_lens: list[int], block_size: int, with_fa4: bool,
+                configs=()):
+        seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
+        kc, vc, tables = self.paged_kv(seq_lens, block_size, 1)
+        bt = tables[0]
+        q = torch.randn(sum(query_lens), self.H, self.D, device=self.device, dtype=self.dtype)
+        qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        maxq = max(query_lens)
+        out = torch.full_like(q, float("nan"))
+        ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, self.scale)
+        pairs = sum(ql * c + ql * (ql + 1) // 2 for ql, c in zip(query_lens, ctx_lens))
+        flops = 4 * self.H * self.D * pairs
+        shape = dict(kind=name, batch=len(query_lens), query_len=maxq, ctx=max(ctx_lens), block_size=block_size,
+                     flops=flops)
+        for cfg in [{}] + list(configs):
+            try:
+                paged_prefill(q, kc, vc, qsl, lens, bt, maxq, self.scale, out=out, **cfg)
+                err = rel_err(out, ref)
+                us, method = self.time_us(
+                    [lambda: paged_prefill(q, kc, vc, qsl, lens, bt, maxq, self.scale, out=out, **cfg)] * 10)
+                impl = "triton" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
+                self.add(**shape, impl=impl, us=us, tflops=flops / us / 1e6, rel_err=err, method=method)
+            except Exception as e:
+                self.add(**shape, impl=f"triton {cfg}", error=f"{type(e).__name__}: {e}"[:300])
+        if with_fa4 and self.fa4 is not None:
+            try:
+                def call():
+                    return fa4_prefill(self.fa4, q, kc, vc, bt, qsl, lens, maxq, self.scale)
+                err = rel_err(call(), ref)
+                us, method = self.time_us([call] * 10, use_graph=self.fa4_graph)
+                self.fa4_graph = method == "cuda-graph"
+                self.add(**shape, impl="fa4", us=us, tflops=flops / us / 1e6, rel_err=err, method=method)
+            except Exception as e:
+                self.add(**shape, impl="fa4", error=f"{type(e).__name__}: {e}"[:300])
+
+    # ------------------------------------------------------------ small fused ops and torch references
+
+    def small_ops(self, tokens: int, hidden: int, inter: int):
+        dev, dt = self.device, self.dtype
+        x = torch.randn(tokens, hidden, device=dev, dtype=dt)
+        r = torch.randn(tokens, hidden, device=dev, dtype=dt)
+        w = torch.randn(hidden, device=dev, dtype=dt)
+        gu = torch.randn(tokens, 2 * inter, device=dev, dtype=dt)
+        qkv = torch.randn(tokens, (self.H + 2 * self.KVH) * self.D, device=dev, dtype=dt)
+        q = qkv[:, :self.H * self.D].view(tokens, self.H, self.D)
+        k = qkv[:, self.H * self.D:(self.H + self.KVH) * self.D].view(tokens, self.KVH, self.D)
+        v = qkv[:, (self.H + self.KVH) * self.D:].view(tokens, self.KVH, self.D)
+        pos = torch.randint(0, 4096, (tokens,), device=dev)
+        freqs = torch.arange(4096, device=dev).float()[:, None] * (1e-4 ** (torch.arange(0, self.D, 2, device=dev)
+                                                                          / self.D))[None]
+        cos, sin = freqs.cos().to(dt), freqs.sin().to(dt)
+        kc = torch.zeros(tokens // 16 + 2, 16, self.KVH, self.D, device=dev, dtype=dt)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(kc.shape[0] * 16, device=dev)[:tokens]
+        e = dt.itemsize
+        ops = [
+            ("rmsnorm+residual", lambda: rmsnorm(x, w, 1e-6, r), lambda: rmsnorm_reference(x, w, 1e-6, r),
+             5 * tokens * hidden * e),
+            ("silu_mul", lambda: silu_mul(gu), lambda: silu_mul_reference(gu), 3 * tokens * inter * e),
+            ("rotary q+k", lambda: rotary_inplace(q, k, pos, cos, sin), lambda: rotary_reference(q, k, pos, cos, sin),
+             4 * tokens * (self.H + self.KVH) * self.D * e),
+            ("store_kv", lambda: store_kv(k, v, kc, vc, slots), lambda: store_kv_reference(k, v, kc, vc, slots),
+             4 * tokens * self.KVH * self.D * e),
+        ]
+        checks = {
+            "rmsnorm+residual": lambda: max(rel_err(a, b) for a, b in zip(rmsnorm(x, w, 1e-6, r),
+                                                                          rmsnorm_reference(x, w, 1e-6, r))),
+            "silu_mul": lambda: rel_err(silu_mul(gu), silu_mul_reference(gu)),
+            "rotary q+k": lambda: check_rotary(q, k, pos, cos, sin),
+            "store_kv": lambda: check_store(k, v, kc, vc, slots),
+        }
+        for name, fast, ref, nbytes in ops:
+            try:
+                err = checks[name]()
+                us, method = self.time_us([fast] * 20)
+                self.add(kind=name, tokens=tokens, impl="triton", us=us, tbps=nbytes / us / 1e6, rel_err=err,
+                         method=method)
+                us, method = self.time_us([ref] * 20, use_graph=False)
+                self.add(kind=name, tokens=tokens, impl="torch eager", us=us, tbps=nbytes / us / 1e6,
+                         method=method)
+            except Exception as e:
+                self.add(kind=name, tokens=tokens, impl="triton", error=f"{type(e).__name__}: {e}"[:300])
+
+    def torch_reference_attention(self):
+        """The host-looping torch reference at a few small shapes, wall clock (it syncs by design)."""
+        for batch, ctx in ((1, 512), (8, 1024)):
+            kc, vc, tables = self.paged_kv([ctx] * batch, 16, 1)
+            lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=self.device)
+            q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
+            us = self.wall_us(lambda: paged_decode_reference(q, kc, vc, tables[0], lens, self.scale))
+            kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
+            self.add(kind="decode", batch=batch, ctx=ctx, block_size=16, impl="torch reference", us=us,
+                     tbps=kv_bytes / us / 1e6, method="wall")
+        ql = 512
+        kc, vc, tables = self.paged_kv([ql], 16, 1)
+        q = torch.randn(ql, self.H, self.D, device=self.device, dtype=self.dtype)
+        qsl = torch.tensor([0, ql], dtype=torch.int32, device=self.device)
+        lens = torch.tensor([ql], dtype=torch.int32, device=self.device)
+        us = self.wall_us(lambda: paged_prefill_reference(q, kc, vc, qsl, lens, tables[0], self.scale))
+        flops = 4 * self.H * self.D * ql * (ql + 1) // 2
+        self.add(kind="prefill", batch=1, query_len=ql, ctx=0, block_size=16, impl="torch reference", us=us,
+                 tflops=flops / us / 1e6, method="wall")
+
+    def wall_us(self, fn, reps: int = 5) -> float:
+        fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+
+
+# ---------------------------------------------------------------- FlashAttention-4
+
+def load_fa4():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception as e:  # not installed, or its runtime does not load here
+        print(f"FA4 not available: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+def fa4_decode(fn, q, kc, vc, bt, lens, scale, num_splits):
+    """Decode through FA4's paged path: q as [B, 1, H, D], lengths from seqused_k."""
+    return _first(fn(q.unsqueeze(1), kc, vc, seqused_k=lens, page_table=bt, softmax_scale=scale, causal=True,
+                     num_splits=num_splits)).squeeze(1)
+
+
+def fa4_prefill(fn, q, kc, vc, bt, qsl, lens, maxq, scale):
+    return _first(fn(q, kc, vc, cu_seqlens_q=qsl, seqused_k=lens, page_table=bt, max_seqlen_q=maxq,
+                     softmax_scale=scale, causal=True))
+
+
+# ---------------------------------------------------------------- checks
+
+def rel_err(out, ref) -> float:
+    if out.isnan().any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def check_rotary(q, k, pos, cos, sin):
+    q2, k2 = q.clone(), k.clone()
+    qr, kr = rotary_reference(q2, k2, pos, cos, sin)
+    rotary_inplace(q2, k2, pos, cos, sin)
+    return max(rel_err(q2, qr), rel_err(k2, kr))
+
+
+def check_store(k, v, kc, vc, slots):
+    a, b = kc.clone(), vc.clone()
+    store_kv(k, v, a, b, slots)
+    ra, rb = kc.clone(), vc.clone()
+    store_kv_reference(k, v, ra, rb, slots)
+    return float(not (torch.equal(a, ra) and torch.equal(b, rb)))
+
+
+# ---------------------------------------------------------------- report
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    """Decode: triton vs FA4 per shape. Prefill: same. Then everything else, one line each."""
+    lines = []
+    dec = [r for r in rows if r["kind"] == "decode" and "us" in r and r["impl"] != "torch reference"]
+    keys = sorted({(r["batch"], r["ctx"], r["block_size"]) for r in dec})
+    if keys:
+        lines += ["| decode B | ctx | page | triton us | TB/s | splits | best variant us | FA4 us | FA4 TB/s | "
+                  "FA4/triton | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for key in keys:
+            rs = [r for r in dec if (r["batch"], r["ctx"], r["block_size"]) == key]
+            t = next((r for r in rs if r["impl"] == "triton"), None)
+            f = next((r for r in rs if r["impl"] == "fa4 num_splits=1"), None)
+            best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
+            if t is None:
+                continue
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {t['us']:.1f} | {t['tbps']:.2f} | {t['num_splits']} | "
+                         f"{best['us']:.1f} ({best['impl'].replace('triton ', '') or 'default'}) | "
+                         f"{fmt(f and f['us'], '.1f')} | {fmt(f and f['tbps'], '.2f')} | "
+                         f"{fmt(f and f['us'] / t['us'], '.2f')} | {t['rel_err']:.1e} |")
+    pre = [r for r in rows if r["kind"] in ("prefill", "extend") and "us" in r and r["impl"] != "torch reference"]
+    keys = sorted({(r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"]) for r in pre})
+    if keys:
+        lines += ["", "| shape | page | triton us | TFLOP/s | best variant us | FA4 us | FA4 TFLOP/s | FA4/triton |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for key in keys:
+            rs = [r for r in pre if (r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"]) == key]
+            t = next((r for r in rs if r["impl"] == "triton"), None)
+            f = next((r for r in rs if r["impl"] == "fa4"), None)
+            best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
+            if t is None:
+                continue
+            name = f"{key[0]} {key[1]}x{key[2]}" + (f" over {key[3]}" if key[3] else "")
+            lines.append(f"| {name} | {key[4]} | {t['us']:.1f} | {t['tflops']:.0f} | "
+                         f"{best['us']:.1f} ({best['impl']}) | {fmt(f and f['us'], '.1f')} | "
+                         f"{fmt(f and f['tflops'], '.0f')} | {fmt(f and f['us'] / t['us'], '.2f')} |")
+    other = [r for r in rows if r not in dec and r not in pre]
+    if other:
+        lines += ["", "| other | impl | us | rate | err | method |", "|---|---|---|---|---|---|"]
+        for r in other:
+            shape = " ".join(f"{k}={r[k]}" for k in ("batch", "ctx", "query_len", "tokens", "block_size") if k in r)
+            rate = (f"{r['tbps']:.2f} TB/s" if "tbps" in r else f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r
+                    else "")
+            lines.append(f"| {r['kind']} {shape} | {r['impl']} | {fmt(r.get('us'), '.1f')} | {rate} | "
+                         f"{fmt(r.get('rel_err'), '.1e')} | {r.get('method', r.get('error', ''))} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir")
+    ap.add_argument("--budget-s", type=float, default=240, help="stop starting new shapes after this long")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    ap.add_argument("--commit", default="", help="git commit the numbers belong to")
+    args = ap.parse_args()
+    b = Bench(args.out_dir, args.budget_s, args.smoke)
+    b.meta["commit"] = args.commit
+    t_start = time.time()
+
+    def step(label, fn, *a, **kw):
+        if b.time_left() <= 0:
+            b.add(kind="skipped", impl=label, error="time budget spent")
+            return
+        t0 = time.time()
+        try:
+            fn(*a, **kw)
+        except Exception as e:
+            traceback.print_exc()
+            b.add(kind="error", impl=label, error=f"{type(e).__name__}: {e}"[:300])
+        print(f"[{time.time() - t_start:6.1f}s] {label} ({time.time() - t0:.1f}s)", flush=True)
+
+    if args.smoke:
+        step("decode", b.decode, 2, 40, 16, True, sweep=[(4, 16)])
+        step("prefill", b.prefill, "prefill", [20, 7], [0, 0], 16, True, configs=[dict(block_m=16, block_n=16)])
+        step("extend", b.prefill, "extend", [9, 5], [30, 12], 4, True)
+        step("small ops", b.small_ops, 8, 64, 96)
+        step("torch reference", b.torch_reference_attention)
+    else:
+        # Most important first, so a short budget still answers the questions that matter.
+        sweep_b1 = [(s, bn) for s in (16, 32, 128) for bn in (32, 64)]
+        step("decode b1 4096 p128", b.decode, 1, 4096, 128, True, sweep=sweep_b1)
+        step("decode b1 4096 p16", b.decode, 1, 4096, 16, True, sweep=[(32, 64), (64, 32)])
+        step("decode b64 1024 p128", b.decode, 64, 1024, 128, True, sweep=[(1, 64), (4, 64), (2, 128), (2, 32)])
+        step("decode b64 1024 p16", b.decode, 64, 1024, 16, True)
+        step("decode b256 1024 p128", b.decode, 256, 1024, 128, True, sweep=[(2, 64), (1, 128), (1, 32)])
+        prefill_cfgs = [dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+                        dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                        dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+                        dict(block_m=128, block_n=32, num_warps=4, num_stages=4)]
+        step("prefill 8x512 p128", b.prefill, "prefill", [512] * 8, [0] * 8, 128, True, configs=prefill_cfgs)
+        step("extend 4x1024+2048 p128", b.prefill, "extend", [1024] * 4, [2048] * 4, 128, True,
+             configs=prefill_cfgs)
+        step("extend 4x1024+1024 p128", b.prefill, "extend", [1024] * 4, [1024] * 4, 128, True)
+        step("prefill 8x512 p16", b.prefill, "prefill", [512] * 8, [0] * 8, 16, True)
+        step("extend 4x1024+2048 p16", b.prefill, "extend", [1024] * 4, [2048] * 4, 16, True)
+        for batch in (1, 8, 64, 256):
+            for ctx in (512, 1024, 2048, 4096, 8192):
+                for bs in (128, 16):
+                    if (batch, ctx, bs) in ((1, 4096, 128), (1, 4096, 16), (64, 1024, 128), (64, 1024, 16),
+                                            (256, 1024, 128)):
+                        continue
+                    fa4 = ctx in (1024, 4096, 8192) and bs == 128
+                    step(f"decode b{batch} {ctx} p{bs}", b.decode, batch, ctx, bs, fa4)
+        step("small ops", b.small_ops, 256, 4096, 12288)
+        step("torch reference", b.torch_reference_attention)
+
+    b.meta["wall_s"] = time.time() - t_start
+    b.save()
+    md = table(b.rows)
+    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+        f.write(f"# Kernel benchmark\n\n{json.dumps(b.meta)}\n\n{md}\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
