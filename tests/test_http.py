@@ -1,0 +1,423 @@
+"""End to end: llmserve-serve (the OpenAI-compatible HTTP frontend) in front of the real llmserve-core, both
+as subprocesses on the CPU tiny model, driven by the official `openai` package (and httpx where the SDK
+cannot express the request). One shared core and server serve most tests; the tests that kill a core or
+let the frontend own one start their own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from llmserve_client import Client
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+MAX_MODEL_LEN = 512
+CORE_ARGS = ["--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--block-size", "16",
+             "--heartbeat-interval", "0.2", "--client-timeout", "3", "--log-interval", "0"]
+NAME = "tiny-qwen3"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a Python keyword."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_core(model_dir: str, endpoint: str, log_path: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model_dir, "--listen", endpoint,
+                             *CORE_ARGS], env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+
+
+def start_serve(log_path: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve_client.http", "--port", str(port),
+                             "--log-level", "warning", *args],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log_path).read()[-3000:]
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("llmserve-serve did not come up:\n" + open(log_path).read()[-3000:])
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def sdk(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("http-core")
+    endpoint, log = f"ipc://{d}/core.sock", str(d / "core.log")
+    proc = start_core(tiny_model_dir, endpoint, log)
+    try:
+        with Client(endpoint, connect_timeout=60) as c:
+            yield endpoint, c
+    finally:
+        assert stop(proc) == 0, open(log).read()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(core, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("http-serve") / "serve.log")
+    proc, base = start_serve(log, "--endpoint", core[0], "--served-model-name", NAME)
+    try:
+        yield base
+    finally:
+        assert stop(proc) == 0, open(log).read()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return sdk(server)
+
+
+def wait_idle(client: Client, timeout: float = 5.0) -> dict:
+    """The core's stats once nothing runs or waits and every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = client.stats()
+        if s["running"] == 0 and s["waiting"] == 0 and s["free_kv_blocks"] == s["total_kv_blocks"]:
+            return s
+        assert time.monotonic() < deadline, f"core not idle: {s}"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------ happy paths
+
+def test_models(oai):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert oai.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("other")
+
+
+def test_completion_matches_client_library(oai, core):
+    prompt = "def add(a, b):"
+    r = oai.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    ref = core[1].generate(prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == NAME and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 12)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_completion_stream_equals_non_stream(oai):
+    kw = dict(model=NAME, prompt="Return the value of", max_tokens=20, temperature=0)
+    full = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+    # Without include_usage there is no usage chunk.
+    plain = list(oai.completions.create(**kw, stream=True))
+    assert plain[-1].choices[0].finish_reason == "length" and plain[-1].usage is None
+
+
+def test_chat_matches_client_library_streaming_and_not(oai, core):
+    ref = core[1].generate(CHAT, max_tokens=16, temperature=0)
+    r = oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 16
+    chunks = list(oai.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=16, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + 16
+
+
+def test_seed_reproducible(oai):
+    kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=16, temperature=1.0)
+    a = oai.completions.create(**kw, seed=7).choices[0].text
+    b = oai.completions.create(**kw, seed=7).choices[0].text
+    c = oai.completions.create(**kw, seed=8).choices[0].text
+    assert a == b and a != c
+    chat = [oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, temperature=0.8, top_p=0.9,
+                                        seed=3).choices[0].message.content for _ in range(2)]
+    assert chat[0] == chat[1]
+
+
+def _stop_string(text: str) -> tuple[str, int]:
+    """A 3-character piece of `text`, not at its start, found first where it is taken from."""
+    for i in range(2, len(text) - 3):
+        s = text[i:i + 3]
+        if "\ufffd" not in s and s.strip() and text.find(s) == i:
+            return s, i
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_trims_and_ends(oai, core, stream):
+    kw = dict(model=NAME, prompt="class Stack:", max_tokens=40, temperature=1.0, seed=11)
+    text = oai.completions.create(**kw).choices[0].text
+    stop, at = _stop_string(text)
+    if stream:
+        chunks = list(oai.completions.create(**kw, stop=[stop, "\x00never"], stream=True))
+        got = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        r = oai.completions.create(**kw, stop=stop)
+        got, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert r.usage.completion_tokens < 40
+    assert got == text[:at] and reason == "stop"
+    wait_idle(core[1])     # the request the stop string ended was aborted in the core
+
+
+def test_logprobs(oai):
+    r = oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)    # greedy picks the best
+        assert item.token == item.top_logprobs[0].token
+    c = oai.completions.create(model=NAME, prompt="while True:", max_tokens=5, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(d) <= 2 for d in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == c.choices[0].text or "\ufffd" in "".join(lp.tokens)
+
+
+def test_token_id_prompt_and_raw_http(server, core):
+    ids = core[1].tokenizer.encode("for i in range(10):")
+    r = httpx.post(server + "/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == NAME and body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["text"] == core[1].generate(ids, max_tokens=4, temperature=0).text
+    # SSE framing as curl sees it: one JSON per data line, ending with [DONE].
+    with httpx.stream("POST", server + "/v1/chat/completions", timeout=30,
+                      json={"messages": CHAT, "max_tokens": 3, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(json.loads(e[len("data: "):])["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+BAD_CHAT = [
+    (dict(extra_body={"frobnicate": 1}), "frobnicate", None),
+    (dict(temperature=-1), "temperature", None),
+    (dict(extra_body={"temperature": "hot"}), "temperature", None),
+    (dict(top_p=0), "top_p", None),
+    (dict(n=2), "n", None),
+    (dict(max_tokens=0), "max_tokens", None),
+    (dict(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded"),
+    (dict(top_logprobs=3), "top_logprobs", None),
+    (dict(presence_penalty=0.5), "presence_penalty", None),
+    (dict(stop=[""]), "stop", None),
+    (dict(messages=[{"role": "user", "content": "hi", "tool_calls": []}]), "messages[0].tool_calls", None),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", None),
+    (dict(messages=[]), "messages", None),
+    (dict(messages=[{"role": "user", "content": "hi " * 1000}]), "messages", "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("kw,param,code", BAD_CHAT, ids=[p for _, p, _ in BAD_CHAT])
+def test_bad_chat_requests_get_openai_400s(oai, kw, param, code):
+    args = {"model": NAME, "messages": CHAT, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(**args)
+    err = e.value.response.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+    assert err["message"]
+    if code == "context_length_exceeded":
+        assert str(MAX_MODEL_LEN) in err["message"]
+
+
+def test_bad_completion_requests(oai, server):
+    cases = [
+        (dict(prompt="hi", logprobs=21), "logprobs"),
+        (dict(prompt=[99999]), "prompt"),                       # outside the vocabulary: the core says so
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(prompt="word " * 1000), "prompt"),
+        (dict(prompt="hi", echo=True), "echo"),
+        (dict(prompt="hi", best_of=3), "best_of"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model=NAME, **kw)
+        assert e.value.response.json()["error"]["param"] == param, kw
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="gpt-4", prompt="hi")
+    assert e.value.response.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(server + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server + "/v1/completions", json={"max_tokens": 3}, timeout=10)   # no prompt
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert httpx.get(server + "/v1/nothing-here", timeout=10).status_code == 404
+
+
+# ------------------------------------------------------------------------------------------ disconnects
+
+def test_stream_disconnect_aborts_in_core(server, core):
+    before = core[1].stats()["requests_aborted_by_client"]
+    body = {"prompt": "import os\nimport sys\n", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: {") for line in got)
+    t0 = time.monotonic()
+    stats = wait_idle(core[1])           # 400 tokens would take many seconds; the abort takes a step or two
+    assert time.monotonic() - t0 < 4.0
+    assert stats["requests_aborted_by_client"] == before + 1
+
+
+def test_non_stream_disconnect_aborts_in_core(server, core):
+    before = core[1].stats()["requests_aborted_by_client"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", timeout=0.5,
+                   json={"prompt": "print('hello')", "max_tokens": 400, "ignore_eos": True})
+    stats = wait_idle(core[1])
+    assert stats["requests_aborted_by_client"] == before + 1
+
+
+# ------------------------------------------------------------------------------------------ health, metrics
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*)\})? (\S+)$')
+
+
+def parse_prometheus(text: str) -> tuple[dict, list[tuple[str, dict, float]]]:
+    types, samples = {}, []
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            m = SAMPLE.match(line)
+            assert m, f"not a Prometheus sample line: {line!r}"
+            labels = dict(re.findall(r'([a-zA-Z_]+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+            samples.append((m.group(1), labels, float(m.group(3))))
+    return types, samples
+
+
+def test_health_and_metrics(server, oai):
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+    oai.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    r = httpx.get(server + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    types, samples = parse_prometheus(r.text)
+    for name, labels, _ in samples:
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        assert family in types, name
+        assert labels.get("model_name") == NAME
+    value = {(n, tuple(sorted(l.items()))): v for n, l, v in samples}
+    get = lambda n, **l: value[(n, tuple(sorted({"model_name": NAME, **l}.items())))]
+    assert types["llmserve_requests_total"] == "counter" and get("llmserve_requests_total", finish_reason="length") >= 1
+    assert get("llmserve_requests_total", finish_reason="abort") >= 2        # the disconnect tests
+    assert get("llmserve_generation_tokens_total") >= 2 and get("llmserve_prompt_tokens_total") >= 1
+    assert get("llmserve_request_errors_total", status="400") >= 1
+    for h in ("llmserve_time_to_first_token_seconds", "llmserve_e2e_request_latency_seconds"):
+        assert types[h] == "histogram"
+        buckets = [v for n, l, v in samples if n == h + "_bucket"]
+        assert buckets == sorted(buckets) and buckets[-1] == get(h + "_count") >= 1
+    assert get("llmserve_core_up") == 1 and get("llmserve_num_requests_running") == 0
+    assert get("llmserve_num_requests_waiting") == 0 and 0 <= get("llmserve_kv_cache_usage_ratio") <= 1
+    assert 0 <= get("llmserve_prefix_cache_hit_rate") <= 1
+
+
+def test_core_killed_gives_503(tiny_model_dir, tmp_path):
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"))
+    try:
+        with Client(endpoint, connect_timeout=60):
+            pass
+        proc, base = start_serve(str(tmp_path / "serve.log"), "--endpoint", endpoint)
+        try:
+            assert sdk(base).models.list().data[0].id == os.path.basename(tiny_model_dir)
+            core.kill()
+            core.wait()
+            deadline = time.monotonic() + 10
+            while httpx.get(base + "/health", timeout=10).status_code != 503:
+                assert time.monotonic() < deadline, "/health still 200 after the core died"
+                time.sleep(0.1)
+            with pytest.raises(openai.InternalServerError) as e:
+                sdk(base).completions.create(model=os.path.basename(tiny_model_dir), prompt="hi", max_tokens=2)
+            assert e.value.status_code == 503
+            _, samples = parse_prometheus(httpx.get(base + "/metrics", timeout=10).text)
+            assert [v for n, _, v in samples if n == "llmserve_core_up"] == [0]
+        finally:
+            assert stop(proc) == 0
+    finally:
+        core.kill()
+        core.wait()
+
+
+# ------------------------------------------------------------------------------------------ llmserve-serve --model
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_serve_owns_its_core(tiny_model_dir, tmp_path):
+    proc, base = start_serve(str(tmp_path / "serve.log"), "--model", tiny_model_dir, "--served-model-name", "a", "b",
+                             *CORE_ARGS, "--max-model-len", "64")
+    try:
+        (core_pid,) = _children(proc.pid)
+        client = sdk(base)
+        assert [m.id for m in client.models.list().data] == ["a", "b"]
+        r = client.chat.completions.create(model="b", messages=CHAT, max_tokens=3)
+        assert r.model == "b" and r.usage.completion_tokens == 3
+        # OpenAI's chat default has no token cap: without max_tokens a request may fill the context.
+        r = client.chat.completions.create(model="a", messages=CHAT, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 64
+    finally:
+        assert stop(proc) == 0, open(tmp_path / "serve.log").read()[-3000:]
+    assert not os.path.exists(f"/proc/{core_pid}") or open(f"/proc/{core_pid}/stat").read().split()[2] == "Z"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--endpoint", "ipc:///x", "--model", "/y"], "not allowed with"),
+    (["--endpoint", "ipc:///x", "--max-num-seqs", "4"], "need --model"),
+    (["--model", "/no/such/dir"], "is not a directory"),
+    (["--endpoint", "http://x"], "--endpoint"),
+])
+def test_bad_args_exit_2(args, needle):
+    r = subprocess.run([sys.executable, "-m", "llmserve_client.http", *args], env=ENV, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_bad_core_flag_exits_2(tiny_model_dir):
+    # Engine flags are the core's to judge; its verdict (exit 2, naming the flag) becomes ours.
+    r = subprocess.run([sys.executable, "-m", "llmserve_client.http", "--model", tiny_model_dir, "--block-size", "3"],
+                       env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--block-size" in r.stderr, r.stderr[-2000:]
