@@ -204,14 +204,14 @@ def run_config(args, wl: WorkloadConfig, slo: dict, core_args: list[str]) -> dic
 
 async def _bench(args, endpoint: str, wl: WorkloadConfig, slo: dict, config: dict):
     from llmserve_client import AsyncClient
-    from llmserve_bench.runner import Sampling, make_workload, run_closed_loop_async, run_finite
+    from llmserve_bench.runner import Sampling, make_workload, probe, run_closed_loop_async, run_finite
     async with AsyncClient(endpoint, connect_timeout=args.connect_timeout, client_name="llmserve-bench") as client:
         try:
             workload = make_workload(wl, client.model_info, args.tokenizer)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from None
-        config["model_info"] = {"model": client.model_info.model, "max_model_len": client.model_info.max_model_len}
         sampling = Sampling(args.ignore_eos, args.temperature)
+        await probe(client, workload, sampling)
         common = dict(sampling=sampling, slo=slo, stats_interval=args.stats_interval,
                       progress=not args.no_progress, config=config)
         if args.cmd == "run":
@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         return _compare_main(args)
     wl, slo = check_args(parser.subcommands[args.cmd], args, core_args)   # errors name the subcommand
     config = run_config(args, wl, slo, core_args)
-    from llmserve_client import EngineDeadError, LLMServeError, run
+    from llmserve_client import LLMServeError, run
     from llmserve_bench.core_process import CoreProcess, CoreStartError
+    from llmserve_bench.runner import BenchError
     core = None
     try:
         endpoint = args.endpoint
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except CoreStartError as e:
         print(f"llmserve-bench: {e}", file=sys.stderr)
         return 2 if e.returncode == 2 else 1
-    except (EngineDeadError, LLMServeError) as e:
+    except (BenchError, LLMServeError) as e:
         tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
         print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
         return 1

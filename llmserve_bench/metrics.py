@@ -198,7 +198,7 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
     """Condense the core's stats() samples (time, dict) taken in [start, end] into core_* keys.
 
     mean/max batch size (running) and queue depth (waiting), mean/max KV usage, the prefix hit rate over the
-    span (from the hit/query counters when the core reports them), tokens per engine step, and the last value
+    span (from the hit/query counters when the core reports them), generated tokens per engine step, and the last value
     of every spec_* key (speculative decoding) the core reports."""
     sel = [(t, s) for t, s in samples if (start is None or t >= start) and (end is None or t <= end)]
     if not sel:
@@ -221,7 +221,9 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
         out["core_prefix_hit_rate"] = float(last["prefix_hit_rate"])
     steps = _delta(first, last, "num_steps")
     if steps:
-        out["core_tokens_per_step"] = _delta(first, last, "num_tokens_scheduled") / steps
+        # Generated tokens per engine step: the decode batch size averaged over steps (more than the batch
+        # when speculative decoding accepts several tokens per request and step).
+        out["core_generated_tokens_per_step"] = _delta(first, last, "total_generated_tokens") / steps
     if isinstance(last.get("num_preemptions"), int):
         out["core_preemptions"] = _delta(first, last, "num_preemptions")
     for k, v in last.items():

@@ -37,7 +37,7 @@ CORE_ROWS = [
     ("Mean KV cache usage (%)", "core_mean_kv_usage", "%"),
     ("Max KV cache usage (%)", "core_max_kv_usage", "%"),
     ("Prefix cache hit rate (%)", "core_prefix_hit_rate", "%"),
-    ("Tokens per engine step", "core_tokens_per_step", ".2f"),
+    ("Generated tokens per engine step", "core_generated_tokens_per_step", ".2f"),
     ("Preemptions", "core_preemptions", "d"),
 ]
 WIDTH = 50
@@ -201,7 +201,7 @@ def write_plot(result, path: str) -> None:
     for ax, (name, vals) in zip(axes.flat[:4], series.items()):
         xs = sorted(v * 1e3 for v in vals)
         if xs:
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
         ax.set_title(f"{name} CDF ({len(xs)} samples)")
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.01)
@@ -217,7 +217,7 @@ def write_plot(result, path: str) -> None:
     ax = axes.flat[5]
     ts = [t - result.t0 for t, _ in result.stats_samples]
     for key in ("running", "waiting"):
-        ax.plot(ts, [s.get(key, 0) for _, s in result.stats_samples], label=key)
+        ax.step(ts, [s.get(key, 0) for _, s in result.stats_samples], where="post", label=key)
     _shade_window(ax, result)
     ax.set_title("core: running / waiting requests")
     ax.set_xlabel("s since first request")

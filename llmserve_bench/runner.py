@@ -10,12 +10,13 @@ import asyncio
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmserve_client import AsyncClient, EngineDeadError, RequestError
 from llmserve_bench.metrics import RequestRecord, stats_summary, summarize, window_summary
 from llmserve_bench.progress import Progress
-from llmserve_bench.workload import RequestSpec, TokenizerInfo, Workload, WorkloadConfig, check_lengths
+from llmserve_bench.workload import (RequestSpec, TokenizerInfo, Workload, WorkloadConfig, check_lengths,
+                                     length_classes)
 
 
 @dataclass
@@ -49,14 +50,32 @@ class InFlight:
 class Sampling:
     ignore_eos: bool = True
     temperature: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def params(self, max_tokens: int) -> dict:
-        return {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos, "temperature": self.temperature, **self.extra}
+        return {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos, "temperature": self.temperature}
+
+
+class BenchError(RuntimeError):
+    """The run cannot go on (a probe or closed-loop request was rejected)."""
+
+
+async def probe(client: AsyncClient, workload: Workload, sampling: Sampling) -> None:
+    """One short request before measuring, as vLLM's bench does: it fails fast on a core that rejects the
+    workload, and takes a fresh core's first-request costs out of the numbers. Its prompt is fresh random
+    tokens (own generator), so it neither shifts the seeded workload nor warms the prefix cache for it."""
+    rng = random.Random(-1 - workload.cfg.seed)
+    n_in, n_out = length_classes(workload.cfg)[0] if not workload.cfg.dataset else (8, 2)
+    ids = rng.choices(workload.allowed, k=n_in)
+    try:
+        await client.generate(ids, detokenize=False, **sampling.params(min(n_out or 2, 2)))
+    except RequestError as e:
+        raise BenchError(f"the core rejected a probe request: {e}") from None
 
 
 async def send_one(client: AsyncClient, spec: RequestSpec, rec: RequestRecord, sampling: Sampling,
-                   inflight: InFlight, progress: Progress | None) -> None:
+                   inflight: InFlight, progress: Progress | None, strict: bool = False) -> None:
+    """Send one request and fill `rec`. A rejected request is recorded as failed, or raises BenchError
+    when `strict` (a closed loop would otherwise spin on instant failures)."""
     inflight.now += 1
     inflight.max = max(inflight.max, inflight.now)
     rec.in_flight_at_send = inflight.now
@@ -77,6 +96,8 @@ async def send_one(client: AsyncClient, spec: RequestSpec, rec: RequestRecord, s
     except RequestError as e:
         rec.error = str(e)
         rec.done = None
+        if strict:
+            raise BenchError(f"request {rec.index} was rejected: {e}") from None
     finally:
         inflight.now -= 1
         inflight.finished += 1
@@ -198,7 +219,7 @@ async def run_closed_loop_async(client: AsyncClient, workload: Workload, *, max_
             spec = workload.next()
             rec = RequestRecord(len(records), len(spec.prompt_token_ids), spec.max_tokens, group=spec.group)
             records.append(rec)
-            await send_one(client, spec, rec, sampling, inflight, bar)
+            await send_one(client, spec, rec, sampling, inflight, bar, strict=True)
             bar.update(note="warmup" if time.monotonic() < t_w else
                        "measuring" if time.monotonic() < t_e else "draining")
 
@@ -240,6 +261,7 @@ def run_closed_loop(endpoint: str, *, max_concurrency: int = 4, warmup_seconds: 
     async def main():
         async with AsyncClient(endpoint, connect_timeout=connect_timeout, client_name="llmserve-bench") as client:
             workload = make_workload(wl, client.model_info)
+            await probe(client, workload, Sampling(ignore_eos, temperature))
             return await run_closed_loop_async(
                 client, workload, max_concurrency=max_concurrency, warmup_seconds=warmup_seconds,
                 measurement_seconds=measurement_seconds, sampling=Sampling(ignore_eos, temperature), slo=slo,
