@@ -30,6 +30,7 @@ class EngineConfig:
     # Model runner.
     attention_backend: str = "auto"       # auto | torch | triton | flash-attn
     enforce_eager: bool = False           # no CUDA graphs
+    async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
     # EAGLE-3 speculative decoding.
     speculative_model: str | None = None
     speculative_gamma: int = 3

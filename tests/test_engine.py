@@ -25,6 +25,10 @@ SCHEDULES = {
     "chunked-tiny-budget": dict(max_num_batched_tokens=7, max_num_seqs=3),
     "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128),
     "preempting-pool": dict(num_kv_blocks=14, block_size=4),
+    # Async scheduling runs the same logic on CPU (launch N+1, then read N back), placeholders included.
+    "async": dict(async_scheduling=True),
+    "async-chunked-preempting": dict(async_scheduling=True, num_kv_blocks=14, block_size=4,
+                                     max_num_batched_tokens=7),
 }
 
 
@@ -67,7 +71,7 @@ def test_greedy_matches_transformers(model_case, schedule):
         got = engine.generate(prompts, params)
         assert [c.token_ids for c in got] == expected
         assert all(c.finish_reason == "length" for c in got)
-    if schedule == "preempting-pool":
+    if "preempting" in schedule:
         assert engine.stats()["num_preemptions"] > 0
     if schedule == "plain":
         assert engine.stats()["prefix_hit_rate"] > 0
@@ -106,8 +110,10 @@ def test_stop_token_ids_and_eos(engine):
     assert engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].finish_reason in ("length", "stop")
 
 
-def test_eos_stops_unless_ignored(tiny_model_dir):
-    eng = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eos_stops_unless_ignored(tiny_model_dir, async_scheduling):
+    eng = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256,
+                              async_scheduling=async_scheduling))
     prompt = [5, 6, 7, 8]
     free_run = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     # Make the 3rd generated token an eos id for this engine and check it stops there.

@@ -104,7 +104,10 @@ class BlockManager:
         """Publish every block of the request that is now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        # Blocks past the block table belong to a preempted or finished request: nothing to publish.
+        # Only tokens whose ids are known count (async scheduling may have run ahead of them).
+        known = min(req.num_computed_tokens, req.num_tokens - req.num_pending)
+        num_full = min(known // self.block_size, len(req.block_ids))
         tokens = req.token_ids
         for b in range(len(req.block_hashes), num_full):
             parent = req.block_hashes[-1] if req.block_hashes else b""

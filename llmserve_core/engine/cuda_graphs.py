@@ -67,15 +67,16 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, n: int, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
-        """Replay for a decode batch of n rows, given host (pinned) tensors; returns hidden [n, H]."""
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Replay for a decode batch (device tensors, n rows); returns hidden [n, H]."""
+        n = batch.num_seqs
         bucket = self.bucket_for(n)
-        width = block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        width = batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.block_tables[:n, :width].copy_(batch.block_tables)
         if bucket > n:
             self.slot_mapping[n:bucket].fill_(-1)
             self.seq_lens[n:bucket].fill_(1)

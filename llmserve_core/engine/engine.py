@@ -74,6 +74,9 @@ class Engine:
                                     tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
         self.requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []     # abort notices, reported by the next step
+        self._in_flight = None                   # the launched step whose results are not read yet
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
         self.num_steps = 0
         self.num_tokens_scheduled = 0            # in the last step
         self.total_prompt_tokens = 0
@@ -127,38 +130,63 @@ class Engine:
         self._pending.append(StepOutput(request_id, [], "abort", None, req.num_prompt_tokens, req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self._in_flight is not None
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule and launch one batch; return what the last finished step produced.
+
+        With async scheduling the step launched here runs on the device while the host reads back the
+        previous one: requests it sampled hold a PLACEHOLDER token, which the next launch reads on the
+        device, so the host never waits for the GPU between steps. Without it the step completes here.
+        """
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         self.num_tokens_scheduled = sched.total_tokens
-        if not sched.requests:
-            return outputs
-        self.num_steps += 1
-        sampled_reqs, sampled = self.runner.execute(sched)
-        for req, n in zip(sched.requests, sched.num_new_tokens):
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
-        if sampled is None:
-            return outputs
-        tokens = sampled.token_ids.tolist()
-        logprobs = self._logprobs_lists(sampled, sampled_reqs)
-        now = time.monotonic()
-        for i, (req, tok) in enumerate(zip(sampled_reqs, tokens)):
-            if req.first_token_time is None:
-                req.first_token_time = now
-            finish = req.append_token(tok)
-            self.total_generated_tokens += 1
-            outputs.append(StepOutput(req.request_id, [tok], finish, logprobs[i] if logprobs else None,
-                                      req.num_prompt_tokens, req.num_cached_tokens))
-            if finish is not None:
-                req.finish_reason = finish
-                self.scheduler.finish(req)
-                del self.requests[req.request_id]
+        launched = None
+        if sched.requests:
+            self.num_steps += 1
+            launched = self.runner.launch(sched)
+            for req, n in zip(sched.requests, sched.num_new_tokens):
+                if req.num_computed_tokens < req.num_prompt_tokens:
+                    self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+                req.num_computed_tokens += n
+            for req in launched.sample_requests:
+                req.append_placeholder()
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if done is not None:
+            outputs.extend(self._complete(done))
+        return outputs
+
+    def _complete(self, handle) -> list[StepOutput]:
+        sampled = handle.result()
+        outputs: list[StepOutput] = []
+        finished: list[Request] = []
+        if sampled is not None:
+            tokens = sampled.token_ids.tolist()
+            logprobs = self._logprobs_lists(sampled, handle.sample_requests)
+            now = time.monotonic()
+            for i, (req, tok) in enumerate(zip(handle.sample_requests, tokens)):
+                if req.is_finished:          # aborted, or ended by the previous step while this one ran
+                    continue
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                finish = req.resolve_token(tok)
+                self.total_generated_tokens += 1
+                outputs.append(StepOutput(req.request_id, [tok], finish, logprobs[i] if logprobs else None,
+                                          req.num_prompt_tokens, req.num_cached_tokens))
+                if finish is not None:
+                    req.finish_reason = finish
+                    finished.append(req)
+        for req in handle.sched.requests:
+            if not req.is_finished:
+                self.block_manager.cache_full_blocks(req)
+        for req in finished:
+            self.scheduler.finish(req)
+            del self.requests[req.request_id]
         return outputs
 
     @staticmethod

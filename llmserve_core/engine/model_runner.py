@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ import torch
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.engine.cuda_graphs import DecodeGraphs
-from llmserve_core.engine.request import Request
+from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
@@ -46,6 +47,10 @@ class ModelRunner:
         self.model = load_model(model_config, config.model, config.load_format, self.dtype, self.device,
                                 self.attn_backend, config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.staging = [Staging(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.pin)
+                        for _ in range(2)]
+        self.num_launched = 0
+        self.last_sampled: torch.Tensor | None = None   # the latest step's sampled ids, on the device
         self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.graphs = self._capture_graphs()
@@ -121,41 +126,24 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(m.num_hidden_layers)]
 
     # ---- one step --------------------------------------------------------------------------------
-    def _allocate_staging(self) -> None:
-        """Pinned host buffers the step inputs are written into, reused every step. Reuse is safe: each
-        step ends by reading the sampled tokens back, so the previous step's copies are complete."""
-        t, s = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        def buf(n, dtype, width=None):
-            shape = (n,) if width is None else (n, width)
-            return torch.zeros(shape, dtype=dtype, pin_memory=self.pin)
-        self.h_input_ids = buf(t, torch.int64)
-        self.h_positions = buf(t, torch.int64)
-        self.h_slots = buf(t, torch.int64)
-        self.h_query_start = buf(s + 1, torch.int32)
-        self.h_seq_lens = buf(s, torch.int32)
-        self.h_block_tables = buf(s, torch.int32, self.max_blocks_per_seq)
-        self.n_input_ids, self.n_positions, self.n_slots = (x.numpy() for x in
-                                                            (self.h_input_ids, self.h_positions, self.h_slots))
-        self.n_query_start, self.n_seq_lens, self.n_block_tables = (x.numpy() for x in
-                                                                    (self.h_query_start, self.h_seq_lens,
-                                                                     self.h_block_tables))
-
     def _dev(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
 
     def prepare(self, sched: ScheduledBatch) -> PreparedBatch:
-        if not hasattr(self, "h_input_ids"):
-            self._allocate_staging()
+        """Pack the scheduled chunks into device tensors. A PLACEHOLDER input (a token the previous,
+        still running step sampled) is filled on the device from that step's output tensor."""
+        stage = self.staging[self.num_launched % 2]
         bs = self.block_size
-        ids, pos, slots = self.n_input_ids, self.n_positions, self.n_slots
-        qsl, lens, tables = self.n_query_start, self.n_seq_lens, self.n_block_tables
+        ids, pos, slots = stage.input_ids, stage.positions, stage.slots
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        fill_rows: list[int] = []
+        fill_from: list[int] = []
         t = 0
         max_blocks = 0
-        qsl[0] = 0
+        stage.query_start[0] = 0
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             blocks = req.block_ids
@@ -168,50 +156,105 @@ class ModelRunner:
                 p = np.arange(start, end)
                 pos[t:t + n] = p
                 slots[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
+            if req.token_ids[end - 1] == PLACEHOLDER:    # only ever the last token of a chunk
+                fill_rows.append(t + n - 1)
+                fill_from.append(req.sample_index)
             t += n
-            qsl[i + 1] = t
-            lens[i] = end
-            tables[i, :len(blocks)] = blocks
+            stage.query_start[i + 1] = t
+            stage.seq_lens[i] = end
+            stage.block_tables[i, :len(blocks)] = blocks
             max_blocks = max(max_blocks, len(blocks))
             query_lens.append(n)
             seq_lens.append(end)
             if end == req.num_tokens:                    # the chunk reaches the last token: sample the next one
+                req.sample_index = len(sample_rows)
                 sample_rows.append(t - 1)
                 sample_requests.append(req)
         b = len(sched.requests)
+        stage.sample_rows[:len(sample_rows)] = sample_rows
+        h = stage.tensors
         batch = ForwardBatch(
-            positions=self._dev(self.h_positions[:t]),
-            slot_mapping=self._dev(self.h_slots[:t]),
-            query_start_loc=self._dev(self.h_query_start[:b + 1]),
-            seq_lens=self._dev(self.h_seq_lens[:b]),
-            block_tables=self._dev(self.h_block_tables[:b, :max_blocks]),
+            positions=self._dev(h.positions[:t]),
+            slot_mapping=self._dev(h.slots[:t]),
+            query_start_loc=self._dev(h.query_start[:b + 1]),
+            seq_lens=self._dev(h.seq_lens[:b]),
+            block_tables=self._dev(h.block_tables[:b, :max_blocks]),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        rows = torch.tensor(sample_rows, dtype=torch.int64)
-        return PreparedBatch(self._dev(self.h_input_ids[:t]), batch, rows.to(self.device), sample_requests)
+        input_ids = self._dev(h.input_ids[:t])
+        if fill_rows:
+            k = len(fill_rows)
+            stage.fill_rows[:k] = fill_rows
+            stage.fill_from[:k] = fill_from
+            src = self.last_sampled[self._dev(h.fill_from[:k])]
+            input_ids.index_copy_(0, self._dev(h.fill_rows[:k]), src)
+        return PreparedBatch(input_ids, batch, self._dev(h.sample_rows[:len(sample_rows)]), sample_requests)
 
     def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
         batch = prepared.batch
-        n = batch.num_seqs
-        if self.graphs is not None and batch.is_decode and self.graphs.bucket_for(n) is not None:
-            return self.graphs.run(n, self.h_input_ids[:n], self.h_positions[:n], self.h_slots[:n],
-                                   self.h_seq_lens[:n], self.h_block_tables[:n, :batch.block_tables.shape[1]])
+        if self.graphs is not None and batch.is_decode and self.graphs.bucket_for(batch.num_seqs) is not None:
+            return self.graphs.run(prepared.input_ids, batch)
         return self.model(prepared.input_ids, batch, self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, sched: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one forward over the scheduled tokens; sample for requests whose chunk ends their sequence."""
+    def launch(self, sched: ScheduledBatch) -> StepHandle:
+        """Queue one forward over the scheduled tokens and sampling for the requests whose chunk ends
+        their sequence; the sampled ids come back asynchronously through the returned handle."""
         prepared = self.prepare(sched)
+        self.num_launched += 1
         hidden = self._forward(prepared)
-        if not prepared.sample_requests:
-            return [], None
+        reqs = prepared.sample_requests
+        if not reqs:
+            return StepHandle(sched, [], None)
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
-        params = [r.params for r in prepared.sample_requests]
-        gens = [r.generator for r in prepared.sample_requests]
-        return prepared.sample_requests, sample(logits, SamplingTensors.from_params(params, gens, self.device))
+        st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
+                                         pin=self.pin)
+        out = sample(logits, st)
+        self.last_sampled = out.token_ids
+        return StepHandle(sched, reqs, out.to_host(self.pin))
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+
+@dataclass
+class StepHandle:
+    """A launched step. `result()` waits for its sampled tokens (a no-op on CPU)."""
+    sched: ScheduledBatch
+    sample_requests: list[Request]
+    sampled: SamplerOutput | None
+    event: torch.cuda.Event | None = None
+
+    def __post_init__(self):
+        if self.sampled is not None and self.sampled.token_ids.is_pinned():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> SamplerOutput | None:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.sampled
+
+
+class Staging:
+    """Pinned host buffers the step inputs are written into. Two alternate, so a step's inputs are never
+    overwritten while the device may still be copying them (at most one step is in flight)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
+        def buf(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        i32, i64 = torch.int32, torch.int64
+        self.tensors = SimpleNamespace(
+            input_ids=buf(max_tokens, dtype=i64), positions=buf(max_tokens, dtype=i64),
+            slots=buf(max_tokens, dtype=i64), query_start=buf(max_seqs + 1, dtype=i32),
+            seq_lens=buf(max_seqs, dtype=i32), block_tables=buf(max_seqs, max_blocks_per_seq, dtype=i32),
+            sample_rows=buf(max_seqs, dtype=i64), fill_rows=buf(max_seqs, dtype=i64),
+            fill_from=buf(max_seqs, dtype=i64))
+        for name, t in vars(self.tensors).items():   # numpy views: fast element writes from Python
+            setattr(self, name, t.numpy())
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

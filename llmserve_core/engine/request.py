@@ -10,6 +10,10 @@ import torch
 from llmserve_proto import SamplingParams
 
 
+# Stands in for a token sampled on the device whose id the host has not read back yet (async scheduling).
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -28,6 +32,8 @@ class Request:
     # All tokens so far (prompt, then outputs); the KV of the first num_computed_tokens is in the cache.
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0                # trailing PLACEHOLDER tokens awaiting their sampled ids
+    sample_index: int = -1              # row of this request in the latest launched step's samples
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of this request's full blocks
@@ -67,14 +73,38 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def at_limit(self) -> bool:
+        """Counting tokens still in flight, the request may not grow: it only awaits its last results."""
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len
+
+    def append_placeholder(self) -> None:
+        self.token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def resolve_token(self, token_id: int) -> str | None:
+        """Fill the oldest placeholder with its sampled id; return the finish reason it causes, if any.
+        A finishing token drops any later placeholders: those steps ran past the end and are discarded."""
+        pos = len(self.token_ids) - self.num_pending
+        self.token_ids[pos] = token_id
+        self.num_pending -= 1
+        reason = self._finish_reason(token_id, pos + 1)
+        if reason is not None:
+            del self.token_ids[pos + 1:]
+            self.num_pending = 0
+        return reason
+
     def append_token(self, token_id: int) -> str | None:
-        """Add a sampled token and return the finish reason it causes, if any."""
-        self.token_ids.append(token_id)
+        """Add a token whose id is known now; return the finish reason it causes, if any."""
+        self.append_placeholder()
+        return self.resolve_token(token_id)
+
+    def _finish_reason(self, token_id: int, length: int) -> str | None:
         p = self.params
         if not p.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if token_id in p.stop_token_ids:
             return "stop"
-        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        if length - self.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None

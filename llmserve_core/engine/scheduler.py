@@ -62,7 +62,7 @@ class Scheduler:
             while i < len(self.running) and budget > 0:
                 req = self.running[i]
                 i += 1
-                if req.is_prefilling != want_prefill or req.request_id in scheduled:
+                if req.is_prefilling != want_prefill or req.request_id in scheduled or req.at_limit:
                     continue
                 num_new = self._num_new_tokens(req, budget)
                 if num_new == 0:

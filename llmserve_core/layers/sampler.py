@@ -27,17 +27,20 @@ class SamplingTensors:
     max_num_logprobs: int | None       # None: no row asked for logprobs
 
     @classmethod
-    def from_params(cls, params_list, generators, device) -> "SamplingTensors":
+    def from_params(cls, params_list, generators, device, pin: bool = False) -> "SamplingTensors":
         temps = [p.temperature for p in params_list]
         top_ks = [p.top_k for p in params_list]
         top_ps = [p.top_p for p in params_list]
         min_ps = [p.min_p for p in params_list]
         logprobs = [p.logprobs for p in params_list if p.logprobs is not None]
+        def dev(values, dtype):
+            # Pinned + non_blocking: a pageable copy would make the host wait for the device to drain.
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            temperature=dev(temps, torch.float32),
+            top_k=dev(top_ks, torch.int64),
+            top_p=dev(top_ps, torch.float32),
+            min_p=dev(min_ps, torch.float32),
             generators=list(generators),
             all_greedy=all(t == 0.0 for t in temps),
             need_top_k=any(k > 0 for k in top_ks),
@@ -101,6 +104,17 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None       # [N] float32, of the sampled token
     top_logprobs: torch.Tensor | None = None   # [N, k] float32
     top_token_ids: torch.Tensor | None = None  # [N, k] int64
+
+    def to_host(self, pin: bool) -> "SamplerOutput":
+        """Start copying every field to host memory; with pin, the copies are asynchronous and the caller
+        must wait on an event recorded after this call before reading them."""
+        def host(t):
+            if t is None or t.device.type == "cpu":
+                return t
+            return t.to("cpu", non_blocking=pin) if not pin else \
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return SamplerOutput(host(self.token_ids), host(self.logprobs), host(self.top_logprobs),
+                             host(self.top_token_ids))
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
