@@ -530,3 +530,27 @@ def test_dummy_draft_from_config_alone(draft_dir):
     draft = load_eagle3(draft_dir, TorchAttentionBackend(), load_format="dummy", seed=3)
     assert draft.embed_tokens is not None and draft.lm_head is not None
     assert torch.isfinite(draft.fc.weight).all() and float(draft.fc.weight.std()) > 0
+
+
+# ---- proposal ------------------------------------------------------------------------------------------
+
+from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose  # noqa: E402
+
+
+def test_propose_maps_draft_ids_and_samples_from_q():
+    torch.manual_seed(8)
+    vocab, draft_vocab = 12, 4
+    d2t = torch.tensor([1, 2, 4, 6])                       # draft id i -> target id i + d2t[i]: 1, 3, 6, 9
+    logits = torch.randn(3, draft_vocab)
+    assert greedy_propose(logits, d2t).tolist() == [int(i) + int(d2t[i]) for i in logits.argmax(-1)]
+    top = topk_propose(logits, 2, d2t)
+    assert top.shape == (3, 2) and top[:, 0].tolist() == greedy_propose(logits, d2t).tolist()
+    trials = 20000
+    st = sampling_tensors([SamplingParams(temperature=0.8)] * trials)
+    ids, q = sample_propose(logits[:1].expand(trials, -1), st, d2t, vocab)
+    assert q.shape == (trials, vocab) and torch.equal(q[:, [0, 2, 4, 5, 7, 8, 10, 11]], torch.zeros(trials, 8))
+    torch.testing.assert_close(q[0, [1, 3, 6, 9]], torch.softmax(logits[0] / 0.8, -1))
+    assert_distribution(ids, q[0])
+    greedy_ids, greedy_q = sample_propose(logits, sampling_tensors([SamplingParams(temperature=0.0)] * 3), d2t, vocab)
+    assert greedy_ids.tolist() == greedy_propose(logits, d2t).tolist()
+    assert torch.equal(greedy_q.sum(-1), torch.ones(3)) and greedy_q.max(-1).values.eq(1).all()

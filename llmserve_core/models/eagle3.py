@@ -39,6 +39,7 @@ from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import _read_rope
 from llmserve_core.models.loader import checkpoint_files
+from llmserve_core.speculative.propose import to_target_space
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -329,11 +330,7 @@ class Eagle3DraftModel(nn.Module):
 
     def target_space_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft logits placed into the target vocabulary, -inf where the draft cannot propose."""
-        if self.cfg.draft_vocab_size == self.cfg.vocab_size and not bool(self.d2t.any()):
-            return draft_logits
-        out = draft_logits.new_full((draft_logits.shape[0], self.cfg.vocab_size), float("-inf"))
-        out[:, torch.arange(self.cfg.draft_vocab_size, device=draft_logits.device) + self.d2t] = draft_logits
-        return out
+        return to_target_space(draft_logits, self.d2t, self.cfg.vocab_size)
 
 
 # -- loading --------------------------------------------------------------------------------------
