@@ -1,0 +1,382 @@
+"""llmserve-bench: metric math on synthetic records, workloads, argument checks, and both modes end to end
+against a real llmserve-core subprocess on the CPU tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmserve_bench.cli import main
+from llmserve_bench.compare import compare
+from llmserve_bench.core_process import CoreProcess
+from llmserve_bench.metrics import (RequestRecord, parse_slo, percentile, stats_summary, summarize,
+                                    window_summary)
+from llmserve_bench.workload import TokenizerInfo, Workload, WorkloadConfig, corpus_token_ids, parse_mix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE_ARGS = ["--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "512", "--block-size", "16",
+             "--log-interval", "0"]
+
+
+# ---------------------------------------------------------------- metric math
+
+def rec(index, sent, times, done=None, prompt_len=10, **kw) -> RequestRecord:
+    return RequestRecord(index, prompt_len, len(times), sent=sent, token_times=list(times),
+                         done=times[-1] if done is None and times else done, **kw)
+
+
+def test_percentile_interpolates_like_numpy():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for n in (1, 2, 3, 10, 101):
+        xs = [rng.uniform(0, 100) for _ in range(n)]
+        for p in (0, 50, 90, 99, 99.9, 100):
+            assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+    assert percentile([], 50) == 0.0
+
+
+def test_summary_follows_vllm_definitions():
+    # Two tokens arrive in one message at 0.3 (e.g. accepted speculative tokens): one ITL arrival.
+    a = rec(0, 0.0, [0.1, 0.2, 0.3, 0.3, 0.5], in_flight_at_send=1)
+    b = rec(1, 0.2, [0.6, 1.0], prompt_len=20, in_flight_at_send=2)
+    c = RequestRecord(2, 5, 3, sent=0.3, error="prompt_token_ids: too long", in_flight_at_send=2)
+    s = summarize([a, b, c], duration=1.0, slo={"ttft": 150.0})
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["total_input_tokens"] == 30 and s["total_output_tokens"] == 7
+    assert s["request_throughput"] == pytest.approx(2.0)
+    assert s["output_throughput"] == pytest.approx(7.0)
+    assert s["total_token_throughput"] == pytest.approx(37.0)
+    assert s["mean_ttft_ms"] == pytest.approx((100 + 400) / 2)
+    assert s["median_ttft_ms"] == pytest.approx(250)
+    assert s["mean_e2el_ms"] == pytest.approx((500 + 800) / 2)
+    # TPOT = (E2E - TTFT) / (n - 1): a: 0.4 / 4, b: 0.4 / 1.
+    assert s["mean_tpot_ms"] == pytest.approx((100 + 400) / 2)
+    # ITL over distinct arrivals: a: 0.1, 0.1, 0.2; b: 0.4.
+    assert s["mean_itl_ms"] == pytest.approx((100 + 100 + 200 + 400) / 4)
+    assert s["median_itl_ms"] == pytest.approx(150)
+    assert s["p99_e2el_ms"] >= s["p90_e2el_ms"] >= s["median_e2el_ms"]
+    assert s["good_requests"] == 1 and s["request_goodput"] == pytest.approx(1.0)   # b's TTFT 400 > 150
+    assert s["max_concurrent_requests"] == 2
+    assert summarize([a, b], 1.0, {"ttft": 1000, "tpot": 1000, "e2el": 1000})["good_requests"] == 2
+
+
+def test_window_counts_only_what_happened_inside():
+    before = rec(0, 0.0, [0.5, 1.5, 2.5])            # straddles the start: only 2 of its tokens count
+    inside = rec(1, 1.2, [1.4, 1.6, 1.8, 2.0])        # sent and finished inside: latencies come from it
+    after = rec(2, 2.5, [2.9, 3.5, 4.0])              # straddles the end: 1 token counts
+    s = window_summary([before, inside, after], 1.0, 3.0)
+    assert s["window_output_tokens"] == 2 + 4 + 1
+    assert s["output_throughput"] == pytest.approx(7 / 2.0)
+    assert s["window_prefill_tokens"] == 20              # first tokens of `inside` and `after` arrived inside
+    assert s["total_token_throughput"] == pytest.approx((20 + 7) / 2.0)
+    assert s["window_finished_requests"] == 2 and s["request_throughput"] == pytest.approx(1.0)
+    assert s["window_requests"] == s["completed"] == 1
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["mean_e2el_ms"] == pytest.approx(800)
+
+
+def test_stats_summary_uses_counter_deltas_and_spec_keys():
+    samples = [(0.0, {"running": 2, "waiting": 0, "kv_usage": 0.1, "prefix_hits": 10, "prefix_queries": 100,
+                      "num_steps": 5, "total_generated_tokens": 10}),
+               (1.0, {"running": 4, "waiting": 3, "kv_usage": 0.3, "prefix_hits": 40, "prefix_queries": 200,
+                      "num_steps": 15, "total_generated_tokens": 50, "spec_acceptance_rate": 0.7,
+                      "prefix_hit_rate": 0.2})]
+    s = stats_summary(samples)
+    assert s["core_mean_batch_size"] == 3 and s["core_max_batch_size"] == 4
+    assert s["core_mean_queue_depth"] == 1.5 and s["core_max_queue_depth"] == 3
+    assert s["core_max_kv_usage"] == pytest.approx(0.3)
+    assert s["core_prefix_hit_rate"] == pytest.approx(30 / 100)     # over the span, not since start
+    assert s["core_generated_tokens_per_step"] == pytest.approx(4.0)
+    assert s["core_spec_acceptance_rate"] == 0.7
+    assert stats_summary(samples, start=5.0) == {"core_stats_samples": 0}
+
+
+def test_slo_and_mix_parsing():
+    assert parse_slo(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    for bad in (["ttft"], ["foo:1"], ["ttft:x"], ["ttft:0"], ["e2el:-3"]):
+        with pytest.raises(ValueError, match="--slo"):
+            parse_slo(bad)
+    mix = parse_mix("0.8:128:128, 0.2:4096:128")
+    assert [(m.weight, m.input_len, m.output_len) for m in mix] == [(0.8, 128, 128), (0.2, 4096, 128)]
+    for bad in ("0.8:128", "a:1:1", "0:1:1", "1:0:1", "1:1:1,"):
+        with pytest.raises(ValueError, match="--mix"):
+            parse_mix(bad)
+
+
+# ---------------------------------------------------------------- workloads
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return TokenizerInfo(tiny_model_dir)
+
+
+def test_random_prompts_are_exact_valid_and_seeded(tok):
+    cfg = WorkloadConfig(input_len=37, output_len=5, seed=3)
+    w = Workload(cfg, vocab_size=tok.vocab_size, special_ids=tok.special_ids, tokenizer=tok)
+    specs = w.take(50)
+    assert all(len(s.prompt_token_ids) == 37 and s.max_tokens == 5 for s in specs)
+    ids = {t for s in specs for t in s.prompt_token_ids}
+    assert ids and max(ids) < tok.vocab_size and not ids & tok.special_ids
+    again = Workload(cfg, vocab_size=tok.vocab_size, special_ids=tok.special_ids, tokenizer=tok).take(50)
+    assert [s.prompt_token_ids for s in again] == [s.prompt_token_ids for s in specs]
+
+
+def test_natural_prompts_are_corpus_slices(tok):
+    corpus = corpus_token_ids(tok)
+    w = Workload(WorkloadConfig(prompt_mode="natural", input_len=64, output_len=8), vocab_size=tok.vocab_size,
+                 special_ids=tok.special_ids, tokenizer=tok)
+    joined = ",".join(map(str, corpus))
+    for s in w.take(5):
+        assert len(s.prompt_token_ids) == 64
+        assert ",".join(map(str, s.prompt_token_ids)) in joined
+
+
+def test_mix_and_shared_prefixes(tok):
+    cfg = WorkloadConfig(mix=parse_mix("0.75:40:4,0.25:90:8"), shared_prefix_len=32, num_prefixes=2, seed=1)
+    w = Workload(cfg, vocab_size=tok.vocab_size, special_ids=tok.special_ids, tokenizer=tok)
+    specs = w.take(400)
+    long = [s for s in specs if len(s.prompt_token_ids) == 90]
+    assert all(len(s.prompt_token_ids) in (40, 90) for s in specs)
+    assert all(s.max_tokens == (8 if len(s.prompt_token_ids) == 90 else 4) for s in specs)
+    assert 0.15 < len(long) / len(specs) < 0.35
+    prefixes = {tuple(s.prompt_token_ids[:32]) for s in specs}
+    assert prefixes == {tuple(p) for p in w.prefixes} and len(prefixes) == 2
+    assert len({tuple(s.prompt_token_ids[32:]) for s in specs}) > 300     # suffixes are not shared
+
+
+def test_sharegpt_dataset(tok, tmp_path):
+    data = [{"conversations": [{"from": "human", "value": "How do I open a file?"},
+                               {"from": "gpt", "value": "Use the built-in open function with a mode."}]},
+            {"conversations": [{"from": "human", "value": "x " * 600}, {"from": "gpt", "value": "too long"}]},
+            {"conversations": [{"from": "human", "value": "no reply"}]},
+            {"id": "not a conversation"}]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    w = Workload(WorkloadConfig(dataset=str(path), output_len=None), vocab_size=tok.vocab_size,
+                 special_ids=tok.special_ids, tokenizer=tok, max_model_len=256)
+    assert len(w.dataset) == 1
+    s = w.next()
+    assert s.prompt_token_ids == tok.encode("How do I open a file?")
+    assert s.max_tokens == len(tok.encode("Use the built-in open function with a mode."))
+    with pytest.raises(ValueError, match="--dataset"):
+        Workload(WorkloadConfig(dataset=str(path), output_len=None), vocab_size=tok.vocab_size, tokenizer=tok,
+                 max_model_len=4)
+
+
+def test_bench_imports_neither_torch_nor_core():
+    code = ("import sys, llmserve_bench, llmserve_bench.cli, llmserve_bench.report, llmserve_bench.compare; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('llmserve_core')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+# ---------------------------------------------------------------- bad arguments: exit 2, nothing started
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--num-requests", "0"], "--num-requests"),
+    (["run", "--request-rate", "-1"], "--request-rate"),
+    (["run", "--request-rate", "nan"], "--request-rate"),
+    (["run", "--arrival", "poisson"], "needs --request-rate"),
+    (["run", "--arrival", "all", "--request-rate", "3"], "--arrival all"),
+    (["run", "--request-rate", "2", "--burstiness", "0"], "--burstiness"),
+    (["run", "--mix", "0.8:128"], "--mix"),
+    (["run", "--mix", "1:8:8", "--input-len", "8"], "--mix"),
+    (["run", "--slo", "ttft=5"], "--slo"),
+    (["run", "--slo", "tpot:-5"], "--slo"),
+    (["run", "--dataset", "/nonexistent/sharegpt.json"], "--dataset"),
+    (["run", "--shared-prefix-len", "100", "--input-len", "100"], "--shared-prefix-len"),
+    (["run", "--num-prefixes", "4"], "--num-prefixes needs --shared-prefix-len"),
+    (["run", "--endpoint", "ipc:///tmp/x", "--", "--device", "cpu"], "need --model"),
+    (["run", "--endpoint", "ipc:///tmp/x", "--model", "/tmp"], "not allowed with"),
+    (["run", "--model", "/nonexistent"], "--model"),
+    (["run", "--result-json", "/nonexistent/dir/r.json"], "--result-json"),
+    (["closed-loop", "--max-concurrency", "0"], "--max-concurrency"),
+    (["closed-loop", "--measurement-seconds", "0"], "--measurement-seconds"),
+    (["closed-loop", "--warmup-seconds", "-1"], "--warmup-seconds"),
+    (["bogus"], "invalid choice"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_too_long_prompt_for_the_model_exits_2_before_starting_a_core(tiny_model_dir, capsys):
+    t = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", tiny_model_dir, "--input-len", "200", "--output-len", "100", "--",
+              "--max-model-len", "256"])
+    assert e.value.code == 2 and time.monotonic() - t < 5
+    assert "exceeds the model's max_model_len 256" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- end to end against a real core
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir):
+    c = CoreProcess(tiny_model_dir, CORE_ARGS).start()
+    try:
+        c.wait_socket(60)
+        from llmserve_client import Client
+        with Client(c.endpoint, connect_timeout=60) as client:
+            client.generate([5] * 8, max_tokens=2, detokenize=False)    # first-request costs, outside the tests
+        yield c
+    finally:
+        assert c.stop() == 0, c.log_tail()
+
+
+@pytest.fixture(scope="module")
+def finite_json(core, tmp_path_factory, tiny_model_dir):
+    d = tmp_path_factory.mktemp("bench-run")
+    path, png = str(d / "run.json"), str(d / "run.png")
+    assert main(["run", "--endpoint", core.endpoint, "--num-requests", "10", "--prompt-mode", "natural",
+                 "--input-len", "24", "--output-len", "6", "--request-rate", "50", "--burstiness", "0.5",
+                 "--slo", "ttft:60000", "tpot:60000", "--result-json", path, "--plot", png, "--no-progress",
+                 "--stats-interval", "0.05"]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def closed_json(core, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bench-closed") / "closed.json")
+    assert main(["closed-loop", "--endpoint", core.endpoint, "--max-concurrency", "3", "--warmup-seconds", "0.3",
+                 "--measurement-seconds", "3", "--input-len", "16", "--output-len", "2",
+                 "--result-json", path, "--no-progress", "--stats-interval", "0.1"]) == 0
+    return path
+
+
+def _per_request_invariants(data):
+    for r in data["requests"]:
+        assert r["error"] is None and r["finish_reason"] == "length"
+        assert r["output_len"] == r["max_tokens"]                          # ignore_eos is on by default
+        assert len(r["token_times"]) == r["output_len"]
+        assert 0 <= r["ttft_ms"] <= r["e2el_ms"]
+        assert r["sent"] <= r["token_times"][0] <= r["token_times"][-1] <= r["done"] + 1e-6
+
+
+def test_finite_run_end_to_end(finite_json, capsys):
+    data = json.load(open(finite_json))
+    s = data["summary"]
+    assert data["mode"] == "run" and len(data["requests"]) == 10
+    _per_request_invariants(data)
+    assert s["completed"] == 10 and s["failed"] == 0
+    assert s["total_input_tokens"] == 240 and s["total_output_tokens"] == 60
+    assert s["request_throughput"] * s["duration"] == pytest.approx(10)
+    assert s["output_throughput"] * s["duration"] == pytest.approx(60)
+    assert s["total_token_throughput"] * s["duration"] == pytest.approx(300)
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])        # every request meets the SLO
+    assert 0 < s["mean_ttft_ms"] <= s["mean_e2el_ms"] and s["median_ttft_ms"] <= s["p99_ttft_ms"]
+    assert s["mean_tpot_ms"] > 0 and s["median_itl_ms"] > 0
+    assert s["core_stats_samples"] >= 2 and s["core_max_batch_size"] >= 1
+    sent = [r["sent"] for r in data["requests"]]
+    assert sent == sorted(sent) and sent[-1] > 0                                  # gamma arrivals, not all at once
+    env = data["environment"]
+    assert env["python"] and env["host"] and env["torch_version"] and "git_commit" in env
+    if os.path.isdir(os.path.join(ROOT, ".git")):
+        assert len(env["git_commit"]) == 40
+    assert data["config"]["workload"]["prompt_mode"] == "natural"
+    assert os.path.getsize(finite_json[:-4] + "png") > 10_000
+
+
+def test_closed_loop_end_to_end(closed_json):
+    data = json.load(open(closed_json))
+    st, whole, reqs = data["steady_state"], data["summary"], data["requests"]
+    start, end = data["window"]["start"], data["window"]["end"]
+    assert end - start == pytest.approx(3.0, abs=1e-3)
+    _per_request_invariants(data)
+    # Concurrency: never more than 3 in flight, as sent and as the engine saw it.
+    assert data["max_in_flight"] == 3 and max(r["in_flight_at_send"] for r in reqs) == 3
+    assert all(s["running"] + s["waiting"] <= 3 for s in data["core_stats"])
+    # New requests stop at the end of the window; the rest drain.
+    assert all(r["sent"] <= end for r in reqs) and whole["completed"] == len(reqs)
+    # Window throughput counts exactly the tokens received inside it.
+    in_window = sum(1 for r in reqs for t in r["token_times"] if start <= t <= end)
+    assert st["window_output_tokens"] == in_window > 0
+    assert st["output_throughput"] * st["window_seconds"] == pytest.approx(in_window)
+    contained = [r for r in reqs if r["sent"] >= start and r["done"] <= end]
+    assert st["window_requests"] == st["completed"] == len(contained) >= 1
+    assert st["mean_e2el_ms"] == pytest.approx(sum(r["e2el_ms"] for r in contained) / len(contained), rel=1e-4)
+    assert st["core_stats_samples"] >= 2 and st["core_max_batch_size"] <= 3
+
+
+def test_compare(finite_json, closed_json, capsys):
+    assert main(["compare", finite_json, closed_json]) == 0
+    out = capsys.readouterr().out
+    assert "output_throughput" in out and "B/A" in out
+    a, b = json.load(open(finite_json)), json.load(open(closed_json))
+    rows, _ = compare(b, b)
+    assert rows and all(r["ratio"] == pytest.approx(1.0) for r in rows if r["ratio"] is not None)
+    rows, text = compare(a, b)
+    thr = next(r for r in rows if r["metric"] == "output_throughput")
+    assert thr["ratio"] == pytest.approx(b["summary"]["output_throughput"] / a["summary"]["output_throughput"])
+    assert main(["compare", finite_json, "/nonexistent.json"]) == 2
+
+
+def test_shared_prefix_run_hits_the_prefix_cache(core, tmp_path):
+    path = str(tmp_path / "prefix.json")
+    assert main(["run", "--endpoint", core.endpoint, "--num-requests", "6", "--max-concurrency", "1",
+                 "--input-len", "40", "--output-len", "2", "--shared-prefix-len", "32", "--seed", "7",
+                 "--result-json", path, "--no-progress"]) == 0
+    s = json.load(open(path))["summary"]
+    assert s["cached_prompt_tokens"] >= 5 * 32 and s["core_prefix_hit_rate"] > 0.3
+    assert s["max_concurrent_requests"] == 1
+
+
+def test_prompt_too_long_for_a_running_core_exits_2(core, capsys):
+    assert main(["run", "--endpoint", core.endpoint, "--input-len", "250", "--output-len", "16",
+                 "--no-progress"]) == 2
+    assert "max_model_len 256" in capsys.readouterr().err
+
+
+def test_run_closed_loop_api(core):
+    from llmserve_bench import run_closed_loop
+    result = run_closed_loop(core.endpoint, max_concurrency=2, warmup_seconds=0.2, measurement_seconds=1.0,
+                             input_len=16, output_len=3)
+    assert result.max_in_flight <= 2 and result.steady_state["window_seconds"] == pytest.approx(1.0)
+    table = result.table()
+    assert "steady state" in table and "Output token throughput (tok/s)" in table
+
+
+def _start_bench(model_dir, *argv):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-m", "llmserve_bench", *argv, "--no-progress", "--model", model_dir,
+                             "--", *CORE_ARGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _core_pid(stderr_line: str) -> int:
+    return int(stderr_line.split("(pid ")[1].split(")")[0])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_bench_starts_its_own_core_and_stops_it_on_ctrl_c(tiny_model_dir):
+    p = _start_bench(tiny_model_dir, "closed-loop", "--max-concurrency", "2", "--warmup-seconds", "0",
+                     "--measurement-seconds", "60", "--input-len", "8", "--output-len", "64")
+    line = p.stderr.readline()
+    assert "started llmserve-core" in line, line + p.stderr.read()
+    pid = _core_pid(line)
+    sock = os.path.join(os.path.dirname(line.rsplit("log: ", 1)[1].strip()), "core.sock")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sock) and time.monotonic() < deadline:     # the core binds once loaded
+        time.sleep(0.1)
+    time.sleep(2)            # requests in flight
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert "interrupted" in err
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid)
