@@ -5,6 +5,7 @@ let the frontend own one start their own.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -41,17 +42,21 @@ def start_core(model_dir: str, endpoint: str, log_path: str) -> subprocess.Popen
 
 
 def start_serve(log_path: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """Start llmserve-serve (it waits for its core's handshake by itself, so both may start together)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmserve_client.http", "--port", str(port),
                              "--log-level", "warning", *args],
                             env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, open(log_path).read()[-3000:]
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
@@ -74,25 +79,30 @@ def sdk(base: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def core(tiny_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("http-core")
-    endpoint, log = f"ipc://{d}/core.sock", str(d / "core.log")
-    proc = start_core(tiny_model_dir, endpoint, log)
+def core_and_server(tiny_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("http")
+    endpoint, core_log, serve_log = f"ipc://{d}/core.sock", str(d / "core.log"), str(d / "serve.log")
+    core = start_core(tiny_model_dir, endpoint, core_log)
+    serve, base = start_serve(serve_log, "--endpoint", endpoint, "--served-model-name", NAME)
     try:
+        wait_healthy(serve, base, serve_log)
         with Client(endpoint, connect_timeout=60) as c:
-            yield endpoint, c
+            yield (endpoint, c), base
     finally:
-        assert stop(proc) == 0, open(log).read()[-3000:]
+        assert stop(serve) == 0, open(serve_log).read()[-3000:]
+        assert stop(core) == 0, open(core_log).read()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def server(core, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("http-serve") / "serve.log")
-    proc, base = start_serve(log, "--endpoint", core[0], "--served-model-name", NAME)
-    try:
-        yield base
-    finally:
-        assert stop(proc) == 0, open(log).read()[-3000:]
+def core(core_and_server):
+    """(endpoint, a Client of the shared core) for references and stats."""
+    return core_and_server[0]
+
+
+@pytest.fixture(scope="module")
+def server(core_and_server):
+    """Base URL of the llmserve-serve in front of the shared core."""
+    return core_and_server[1]
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +239,26 @@ def test_token_id_prompt_and_raw_http(server, core):
     assert all(json.loads(e[len("data: "):])["object"] == "chat.completion.chunk" for e in events[:-1])
 
 
+def test_concurrent_streams_each_get_their_own_tokens(server, core):
+    prompts = ["def add(a, b):", "Return the value of", "The quick brown fox", "class Stack:", "while True:",
+               "for i in range(10):", "print('hello')", "import os"]
+    refs = [core[1].generate(p, max_tokens=10, temperature=0).text for p in prompts]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == refs
+    wait_idle(core[1])
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 BAD_CHAT = [
@@ -357,10 +387,9 @@ def test_core_killed_gives_503(tiny_model_dir, tmp_path):
     endpoint = f"ipc://{tmp_path}/core.sock"
     core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"))
     try:
-        with Client(endpoint, connect_timeout=60):
-            pass
         proc, base = start_serve(str(tmp_path / "serve.log"), "--endpoint", endpoint)
         try:
+            wait_healthy(proc, base, str(tmp_path / "serve.log"))
             assert sdk(base).models.list().data[0].id == os.path.basename(tiny_model_dir)
             core.kill()
             core.wait()
@@ -389,8 +418,9 @@ def _children(pid: int) -> list[int]:
 
 def test_serve_owns_its_core(tiny_model_dir, tmp_path):
     proc, base = start_serve(str(tmp_path / "serve.log"), "--model", tiny_model_dir, "--served-model-name", "a", "b",
-                             *CORE_ARGS, "--max-model-len", "64")
+                             *CORE_ARGS, "--max-model-len", "48")
     try:
+        wait_healthy(proc, base, str(tmp_path / "serve.log"))
         (core_pid,) = _children(proc.pid)
         client = sdk(base)
         assert [m.id for m in client.models.list().data] == ["a", "b"]
@@ -398,7 +428,7 @@ def test_serve_owns_its_core(tiny_model_dir, tmp_path):
         assert r.model == "b" and r.usage.completion_tokens == 3
         # OpenAI's chat default has no token cap: without max_tokens a request may fill the context.
         r = client.chat.completions.create(model="a", messages=CHAT, extra_body={"ignore_eos": True})
-        assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 64
+        assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 48
     finally:
         assert stop(proc) == 0, open(tmp_path / "serve.log").read()[-3000:]
     assert not os.path.exists(f"/proc/{core_pid}") or open(f"/proc/{core_pid}/stat").read().split()[2] == "Z"
