@@ -31,7 +31,7 @@ class RequestRecord:
     error: str | None = None
     cached_tokens: int = 0
     in_flight_at_send: int = 0      # requests in flight including this one, as it was sent
-    group: str = ""                 # workload class (mix entry, prefix id) for per-group breakdowns
+    group: str = ""                 # workload class ("INPUT:OUTPUT" of its --mix entry) for per-class summaries
 
     @property
     def ok(self) -> bool:
@@ -180,6 +180,15 @@ def window_summary(records: list[RequestRecord], start: float, end: float, slo: 
         s["request_goodput"] = s["good_requests"] / length
     # completed/total_* describe the contained requests the latencies come from.
     return s
+
+
+def by_group(records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None) -> dict[str, dict]:
+    """Summaries per workload class (e.g. each --mix entry), when there is more than one: with a mix of
+    short and long prompts the short requests' ITL/TPOT show what long prefills cost them."""
+    groups = sorted({r.group for r in records})
+    if len(groups) < 2:
+        return {}
+    return {g: summarize([r for r in records if r.group == g], duration, slo) for g in groups}
 
 
 def throughput_timeline(records: list[RequestRecord], t0: float, bin_seconds: float = 1.0) -> list[tuple[float, float]]:

@@ -91,7 +91,27 @@ def format_columns(columns: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def format_groups(summary: dict, title: str) -> str:
+    """One line per workload class: how many, and their TTFT / TPOT / ITL / E2E."""
+    groups = summary.get("by_group") or {}
+    if not groups:
+        return ""
+    lines = [f" Per class ({title}) ".center(WIDTH, "-")]
+    for g, s in groups.items():
+        lines.append(f"{g}: {s['completed']} requests, TTFT mean {s['mean_ttft_ms']:.1f} / p99 {s['p99_ttft_ms']:.1f} ms, "
+                     f"TPOT median {s['median_tpot_ms']:.2f} ms, ITL p99 {s['p99_itl_ms']:.1f} ms, "
+                     f"E2E mean {s['mean_e2el_ms']:.1f} ms")
+    return "\n".join(lines)
+
+
 def format_table(result) -> str:
+    main = _format_main(result)
+    groups = format_groups(result.steady_state or result.summary,
+                           "steady state" if result.steady_state is not None else "whole run")
+    return main + ("\n" + groups if groups else "")
+
+
+def _format_main(result) -> str:
     if result.steady_state is not None:
         s = result.steady_state
         head = (f"Closed loop: concurrency {result.config.get('max_concurrency')}, measurement window "

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from llmserve_client import AsyncClient, EngineDeadError, RequestError
-from llmserve_bench.metrics import RequestRecord, stats_summary, summarize, window_summary
+from llmserve_bench.metrics import RequestRecord, by_group, stats_summary, summarize, window_summary
 from llmserve_bench.progress import Progress
 from llmserve_bench.workload import (RequestSpec, TokenizerInfo, Workload, WorkloadConfig, check_lengths,
                                      length_classes)
@@ -196,6 +196,8 @@ async def run_finite(client: AsyncClient, workload: Workload, *, num_requests: i
     end = max([r.done for r in records if r.done is not None], default=time.monotonic())
     summary = summarize(records, end - t0, slo)
     summary.update(stats_summary(samples))
+    if groups := by_group(records, end - t0, slo):
+        summary["by_group"] = groups
     return BenchResult("run", config or {}, _info_dict(client.model_info), t0, end, records, samples, summary,
                        max_in_flight=inflight.max)
 
@@ -237,8 +239,13 @@ async def run_closed_loop_async(client: AsyncClient, workload: Workload, *, max_
     first = min((r.sent for r in records), default=t0)
     summary = summarize(records, end - first, slo)
     summary.update(stats_summary(samples))
+    if groups := by_group(records, end - first, slo):
+        summary["by_group"] = groups
     steady = window_summary(records, t_w, t_e, slo)
     steady.update(stats_summary(samples, t_w - 1e-3, t_e + stats_interval))
+    contained = [r for r in records if r.ok and r.sent >= t_w and r.done <= t_e]
+    if groups := by_group(contained, t_e - t_w, slo):
+        steady["by_group"] = groups
     return BenchResult("closed-loop", config or {}, _info_dict(client.model_info), first, end, records, samples,
                        summary, steady, (t_w, t_e), inflight.max)
 

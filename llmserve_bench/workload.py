@@ -194,10 +194,8 @@ class Workload:
         else:
             n_in, n_out, group = cfg.input_len, cfg.output_len, ""
         if self.prefixes:
-            p = self.rng.randrange(len(self.prefixes))
-            prefix = self.prefixes[p]
+            prefix = self.prefixes[self.rng.randrange(len(self.prefixes))]
             ids = prefix + self._tokens(n_in - len(prefix))
-            group = (group + "/" if group else "") + f"prefix{p}"
         else:
             ids = self._tokens(n_in)
         return RequestSpec(ids, n_out, group)

@@ -328,6 +328,19 @@ def test_shared_prefix_run_hits_the_prefix_cache(core, tmp_path):
     assert s["max_concurrent_requests"] == 1
 
 
+def test_mix_reports_each_class(core, tmp_path, capsys):
+    path = str(tmp_path / "mix.json")
+    assert main(["run", "--endpoint", core.endpoint, "--num-requests", "8", "--mix", "0.5:8:2,0.5:64:3",
+                 "--result-json", path, "--no-progress"]) == 0
+    data = json.load(open(path))
+    groups = data["summary"]["by_group"]
+    assert set(groups) == {"8:2", "64:3"} and sum(g["completed"] for g in groups.values()) == 8
+    for r in data["requests"]:
+        assert (r["prompt_len"], r["output_len"]) == {"8:2": (8, 2), "64:3": (64, 3)}[r["group"]]
+    assert groups["64:3"]["total_input_tokens"] == 64 * groups["64:3"]["completed"]
+    assert "Per class (whole run)" in capsys.readouterr().out
+
+
 def test_prompt_too_long_for_a_running_core_exits_2(core, capsys):
     assert main(["run", "--endpoint", core.endpoint, "--input-len", "250", "--output-len", "16",
                  "--no-progress"]) == 2
@@ -359,6 +372,16 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_bench_starts_its_own_core_and_stops_it_afterwards(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "own.json")
+    p = _start_bench(tiny_model_dir, "run", "--num-requests", "4", "--input-len", "8", "--output-len", "2",
+                     "--result-json", path)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "Serving Benchmark Result" in out and json.load(open(path))["summary"]["completed"] == 4
+    assert _gone(_core_pid(err.splitlines()[0]))
 
 
 def test_bench_starts_its_own_core_and_stops_it_on_ctrl_c(tiny_model_dir):
