@@ -217,6 +217,8 @@ class Transport:
                                         f"this client {PROTOCOL_VERSION}"))
                 return
             self.welcome = msg
+            # Never declare a healthy core dead between two of its heartbeats.
+            self.heartbeat_timeout = max(self.heartbeat_timeout, 4 * msg.heartbeat_interval_s)
             self._ready.set()
         elif isinstance(msg, EngineError):
             if msg.fatal:

@@ -297,8 +297,14 @@ def test_periodic_log_line(core):
 
 # ---- cores of their own -------------------------------------------------------------------------------
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_sigkill_of_the_core_makes_every_waiting_call_raise(tiny_model_dir, tmp_path):
-    endpoint = f"ipc://{tmp_path}/core.sock"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"     # tcp here; the shared core covers ipc
     proc = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"))
     try:
         c = Client(endpoint, connect_timeout=60, heartbeat_timeout=2.0)
@@ -358,6 +364,30 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_engine_failure_reaches_every_client_and_exits_1(tiny_model_dir, tmp_path):
+    from llmserve_core import Engine, EngineConfig
+    from llmserve_core.server import DaemonConfig, serve
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=512, num_kv_blocks=64))
+    real_step, calls = eng.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    eng.step = failing_step
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    codes = []
+    t = threading.Thread(target=lambda: codes.append(serve(eng, DaemonConfig(heartbeat_interval=0.2), endpoint)))
+    t.start()
+    with Client(endpoint, connect_timeout=10) as c:
+        with pytest.raises(EngineDeadError, match="device lost"):
+            c.generate([1, 2, 3], max_tokens=50, ignore_eos=True)
+    t.join(10)
+    assert codes == [1]
 
 
 def test_no_core_means_a_bounded_wait():

@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -95,7 +96,9 @@ def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
             log.info("received %s again: aborting what is left now", name)
             busy.force_stop = True
 
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # Signal handlers can only be installed from the main thread (tests run serve() in a thread).
+    in_main = threading.current_thread() is threading.main_thread()
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     sock_thread.start()
     out_thread.start()
     log.info("ready: serving %s (vocab %d, max_model_len %d) at %s", info.model, info.vocab_size,
@@ -115,11 +118,28 @@ def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
     return code
 
 
+class _StopWhileLoading(Exception):
+    pass
+
+
+def _stop_while_loading(signum, _frame):
+    raise _StopWhileLoading(signal.Signals(signum).name)
+
+
 def run_daemon(engine_config, cfg: DaemonConfig) -> int:
-    """Resolve the endpoint, load the engine, serve. Endpoint problems surface before the (slow) load."""
+    """Resolve the endpoint, load the engine, serve. Endpoint problems surface before the (slow) load; a
+    SIGTERM/SIGINT during the load is a clean exit too."""
     from llmserve_core import Engine
     endpoint = prepare_endpoint(cfg)
-    t0 = time.monotonic()
-    engine = Engine(engine_config)
-    log.info("engine loaded in %.1f s: %s", time.monotonic() - t0, engine.stats())
+    old = {s: signal.signal(s, _stop_while_loading) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        t0 = time.monotonic()
+        engine = Engine(engine_config)
+        log.info("engine loaded in %.1f s: %s", time.monotonic() - t0, engine.stats())
+    except _StopWhileLoading as e:
+        log.info("received %s while loading the model: exiting", e)
+        return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     return serve(engine, cfg, endpoint)
