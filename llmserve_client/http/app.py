@@ -45,7 +45,10 @@ class Frontend:
         self.metrics: Metrics | None = None
 
     async def start(self) -> None:
-        """Wait for the core's handshake and load the tokenizer it names."""
+        """Wait for the core's handshake and load the tokenizer it names (once: the CLI calls this before
+        uvicorn's startup does)."""
+        if self.metrics is not None:
+            return
         await self.client.connect()
         self.tokenizer = await self.client.get_tokenizer()
         info = self.client.model_info

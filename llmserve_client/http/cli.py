@@ -26,7 +26,7 @@ CORE_STOP_TIMEOUT_S = 30.0     # how long the core may drain on SIGTERM before i
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="llmserve-serve",
+        prog="llmserve-serve", allow_abbrev=False,   # a core flag must never be taken for a prefix of ours
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
                     "/health, /metrics) in front of llmserve-core. Flags not listed here are passed to "
                     "llmserve-core when --model is given.")
@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(default, without --model: the core's default socket)")
     src.add_argument("--model", help="model directory: start llmserve-core on it as a child process")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="name(s) clients use in `model`; the first is reported (default: the model dir's name)")
+                   help="name(s) clients may use in `model`, all listed by /v1/models; the first is the default "
+                        "(default: the model dir's name)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory the core serves)")
     p.add_argument("--connect-timeout", type=float, default=None,
                    help="seconds to wait for the core's handshake (default: 60 with --endpoint, 900 with --model)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -115,7 +117,7 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
     from llmserve_client.http.app import build_app
 
     timeout = args.connect_timeout or (900.0 if core is not None else 60.0)
-    client = AsyncClient(endpoint, connect_timeout=timeout, client_name="llmserve-serve")
+    client = AsyncClient(endpoint, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
     try:
         app = build_app(client, args.served_model_name)
         starting = asyncio.ensure_future(app.state.frontend.start())
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     core, tmpdir = None, None
     endpoint = args.endpoint or default_endpoint()
     if args.model is not None:
-        core, endpoint, tmpdir = start_core(args.model, core_flags)
+        core, endpoint, tmpdir = start_core(args.model, [*core_flags, "--log-level", args.log_level.upper()])
     try:
         return run(_serve(args, endpoint, core, stopping))
     finally:
