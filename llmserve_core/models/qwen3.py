@@ -20,6 +20,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Qwen3Attention(nn.Module):
+    fused = False   # set by Qwen3ForCausalLM on CUDA: q/k norm and rotary in one Triton kernel
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -32,23 +34,36 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, batch: ForwardBatch, attn_backend) -> torch.Tensor:
+        """cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
-        k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.fused:
+            from llmserve_core.kernels.qk_norm_rope import qk_norm_rope
+            q, k = qk_norm_rope(qkv, batch.positions, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
+            k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         out = attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class Qwen3MLP(nn.Module):
+    fused = False   # set by Qwen3ForCausalLM on CUDA: SiLU-and-mul as one Triton kernel
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from llmserve_core.kernels.silu_mul import silu_mul
+            return self.down_proj(silu_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -92,6 +107,13 @@ class Qwen3ForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, cfg.max_position_embeddings, dtype, device)
+        # On CUDA with a fast attention backend, norms, q/k-norm+rotary and SiLU-and-mul run as Triton
+        # kernels: at decode sizes launch latency, not arithmetic, is what the eager versions cost.
+        # The torch backend keeps the whole model eager, as the reference.
+        self.fused = torch.device(device).type == "cuda" and getattr(attn_backend, "name", "torch") != "torch"
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP)):
+                m.fused = self.fused
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -112,7 +134,7 @@ class Qwen3ForCausalLM(nn.Module):
                 raise ValueError(f"aux_layer_ids: layer {i} out of range [0, {num_layers})")
         if len(kv_caches) != num_layers:
             raise ValueError(f"kv_caches: expected {num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = (self.rotary.cos, self.rotary.sin) if self.fused else self.rotary.cos_sin(batch.positions)
         h, residual = self.model.embed_tokens(input_ids), None
         aux = {}
         for i, layer in enumerate(self.model.layers):
