@@ -72,6 +72,7 @@ def test_store_kv(num_kv_heads, head_dim, block_size):
     ([70], 2, 2, 16, 8, 1),
     ([0, 20, 3], 4, 1, 16, 16, 8),          # a zero-length row, as CUDA-graph padding leaves it
     ([100, 64, 7, 50], 6, 2, 16, 32, 2),    # group of 3: padded head rows in the program
+    ([9, 30], 4, 2, 24, 8, 2),              # head_dim that is not a power of two
 ])
 def test_paged_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits):
     gen = torch.Generator().manual_seed(sum(seq_lens) + num_heads)
@@ -85,11 +86,14 @@ def test_paged_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, n
 
 
 def test_num_splits_fill_the_gpu():
-    assert choose_num_splits(1, 8) == 64
-    assert choose_num_splits(256, 8) == 1
-    for b in (1, 2, 3, 8, 16, 64, 100):
+    assert choose_num_splits(1, 8) == 128
+    assert choose_num_splits(64, 8) == 1 and choose_num_splits(256, 8) == 1
+    for b in range(1, 300):
         s = choose_num_splits(b, 8)
-        assert 1 <= s <= 64 and (s == 64 or b * 8 * s >= 132 * 2)
+        if b * 8 >= 2 * 132:
+            assert s == 1
+        else:
+            assert s & (s - 1) == 0 and b * 8 * s >= 4 * 132
 
 
 # ---------------------------------------------------------------- prefill / extend
@@ -121,6 +125,7 @@ def prefill_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_
     ([17, 1, 1], [3, 50, 9], 8, 2, 32, 8),          # chunked prefill mixed with decode rows
     ([40], [0], 3, 1, 16, 32),                      # MQA, tiles wider than a block
     ([0, 9], [5, 18], 4, 4, 16, 16),                # a sequence without new tokens
+    ([6, 11], [4, 0], 4, 2, 24, 8),                 # head_dim that is not a power of two
 ])
 def test_paged_prefill(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size):
     q, kc, vc, bt, qsl, lens, _ = prefill_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim,
