@@ -74,8 +74,8 @@ def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
         raise
 
 
-def sdk(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+def sdk(base: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -418,11 +418,14 @@ def _children(pid: int) -> list[int]:
 
 def test_serve_owns_its_core(tiny_model_dir, tmp_path):
     proc, base = start_serve(str(tmp_path / "serve.log"), "--model", tiny_model_dir, "--served-model-name", "a", "b",
-                             *CORE_ARGS, "--max-model-len", "48")
+                             "--api-key", "sesame", *CORE_ARGS, "--max-model-len", "48")
     try:
-        wait_healthy(proc, base, str(tmp_path / "serve.log"))
+        wait_healthy(proc, base, str(tmp_path / "serve.log"))    # probes need no key
         (core_pid,) = _children(proc.pid)
-        client = sdk(base)
+        with pytest.raises(openai.AuthenticationError) as e:
+            sdk(base).models.list()
+        assert e.value.response.json()["error"]["code"] == "invalid_api_key"
+        client = sdk(base, api_key="sesame")
         assert [m.id for m in client.models.list().data] == ["a", "b"]
         r = client.chat.completions.create(model="b", messages=CHAT, max_tokens=3)
         assert r.model == "b" and r.usage.completion_tokens == 3

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import math
 import time
 import uuid
 from functools import lru_cache
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -226,16 +229,17 @@ class Frontend:
         text = self._token_text
         if ctx.chat:
             return {"content": [
-                {"token": text(t), "logprob": lp.logprob, "bytes": list(text(t).encode()),
-                 "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                {"token": text(t), "logprob": _finite(lp.logprob), "bytes": list(text(t).encode()),
+                 "top_logprobs": [{"token": text(a), "logprob": _finite(b), "bytes": list(text(a).encode())}
                                   for a, b in zip(lp.top_token_ids, lp.top_logprobs)]}
                 for t, lp in pairs]}
         offsets = []
         for t, _ in pairs:
             offsets.append(ctx.text_offset)
             ctx.text_offset += len(text(t))
-        return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [lp.logprob for _, lp in pairs],
-                "top_logprobs": [{text(a): b for a, b in zip(lp.top_token_ids, lp.top_logprobs)} for _, lp in pairs],
+        return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [_finite(lp.logprob) for _, lp in pairs],
+                "top_logprobs": [{text(a): _finite(b) for a, b in zip(lp.top_token_ids, lp.top_logprobs)}
+                                 for _, lp in pairs],
                 "text_offset": offsets}
 
     # ---------------------------------------------------------------- helpers
@@ -268,6 +272,11 @@ class _Ctx:
 
 def _model_not_found(name: str) -> ApiError:
     return ApiError(f"The model `{name}` does not exist.", "model", status=404, code="model_not_found")
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity; like vLLM, report an impossible token as -9999."""
+    return logprob if math.isfinite(logprob) else -9999.0
 
 
 def _usage(c: Completion) -> dict:
@@ -310,8 +319,28 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def build_app(client: AsyncClient, served_model_names: list[str] | None = None) -> Starlette:
-    """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected)."""
+class _RequireApiKey:
+    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>`; /health and /metrics stay open for probes."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.expected = b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = ApiError("invalid or missing API key (send `Authorization: Bearer <key>`)", None, status=401,
+                               type="authentication_error", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
+              api_key: str | None = None) -> Starlette:
+    """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected).
+    With api_key, /v1/* requires it as a bearer token."""
     fe = Frontend(client, served_model_names)
 
     @contextlib.asynccontextmanager
@@ -332,6 +361,8 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None) 
         Route("/health", fe.health, methods=["GET"]),
         Route("/metrics", fe.prometheus, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    middleware = [Middleware(_RequireApiKey, key=api_key)] if api_key else []
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
+                    middleware=middleware)
     app.state.frontend = fe
     return app

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients may use in `model`, all listed by /v1/models; the first is the default "
                         "(default: the model dir's name)")
+    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $LLMSERVE_API_KEY; unset: open)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory the core serves)")
     p.add_argument("--connect-timeout", type=float, default=None,
                    help="seconds to wait for the core's handshake (default: 60 with --endpoint, 900 with --model)")
@@ -119,7 +121,7 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
     timeout = args.connect_timeout or (900.0 if core is not None else 60.0)
     client = AsyncClient(endpoint, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
     try:
-        app = build_app(client, args.served_model_name)
+        app = build_app(client, args.served_model_name, api_key=args.api_key)
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)
