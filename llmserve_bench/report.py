@@ -18,6 +18,8 @@ ROWS = [
     (None, "Serving Benchmark Result", None),
     ("Successful requests", "completed", "d"),
     ("Failed requests", "failed", "d"),
+    ("Requests finished in window", "window_finished_requests", "d"),
+    ("Output tokens in window", "window_output_tokens", "d"),
     ("Benchmark duration (s)", "duration", ".2f"),
     ("Total input tokens", "total_input_tokens", "d"),
     ("Total generated tokens", "total_output_tokens", "d"),
@@ -55,6 +57,13 @@ def _fmt(value, fmt: str) -> str:
     return str(value)
 
 
+def _shown(d: dict, key: str):
+    """Latencies of no requests print as "-" (the JSON keeps vLLM's 0 beside the request count)."""
+    if key.endswith("_ms") and not d.get("completed"):
+        return None
+    return d.get(key)
+
+
 def _all_rows(columns: list[dict]) -> list[tuple]:
     rows = list(ROWS)
     for name, title in LATENCY_TITLES.items():
@@ -86,7 +95,7 @@ def format_columns(columns: list[tuple[str, dict]]) -> str:
         if all(key not in d for d in dicts):
             continue
         label_w = WIDTH - col_w
-        lines.append(f"{label + ':':<{label_w}}" + "".join(_fmt(d.get(key), fmt).rjust(col_w) for d in dicts))
+        lines.append(f"{label + ':':<{label_w}}" + "".join(_fmt(_shown(d, key), fmt).rjust(col_w) for d in dicts))
     lines.append("=" * total)
     return "\n".join(lines)
 
