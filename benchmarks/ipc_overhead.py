@@ -31,11 +31,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from llmserve_client import AsyncClient, Client  # noqa: E402
+from llmserve_client import run as run_async  # noqa: E402
 
 
 def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """user + system CPU time of another process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_in_process(engine, prompts, concurrency: int, max_tokens: int) -> dict:
@@ -51,7 +59,7 @@ def run_in_process(engine, prompts, concurrency: int, max_tokens: int) -> dict:
         started[rid] = time.perf_counter()
         engine.add_request(rid, p, params)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while pending and len(started) < concurrency:
         add()
     while started:
@@ -62,10 +70,12 @@ def run_in_process(engine, prompts, concurrency: int, max_tokens: int) -> dict:
                 if pending:
                     add()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": tokens, "mean_latency_s": statistics.mean(latencies)}
+    return {"wall_s": wall, "cpu_s": time.process_time() - cpu0, "output_tokens": tokens,
+            "mean_latency_s": statistics.mean(latencies)}
 
 
-async def run_over_ipc(client: AsyncClient, prompts, concurrency: int, max_tokens: int, detokenize: bool) -> dict:
+async def run_over_ipc(client: AsyncClient, prompts, concurrency: int, max_tokens: int, detokenize: bool,
+                       core_pid: int) -> dict:
     queue = collections.deque(prompts)
     latencies, tokens = [], 0
 
@@ -79,10 +89,11 @@ async def run_over_ipc(client: AsyncClient, prompts, concurrency: int, max_token
             latencies.append(time.perf_counter() - t)
             tokens += len(comp.token_ids)
 
-    t0 = time.perf_counter()
+    t0, cpu0, core0 = time.perf_counter(), time.process_time(), process_cpu_seconds(core_pid)
     await asyncio.gather(*[user() for _ in range(concurrency)])
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": tokens, "mean_latency_s": statistics.mean(latencies)}
+    cpu = time.process_time() - cpu0 + process_cpu_seconds(core_pid) - core0
+    return {"wall_s": wall, "cpu_s": cpu, "output_tokens": tokens, "mean_latency_s": statistics.mean(latencies)}
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -145,15 +156,15 @@ def main() -> int:
                 await client.get_tokenizer()
                 for c in args.concurrency:
                     run_in_process(engine, warm, min(c, len(warm)), args.max_tokens)
-                    await run_over_ipc(client, warm, min(c, len(warm)), args.max_tokens, True)
+                    await run_over_ipc(client, warm, min(c, len(warm)), args.max_tokens, True, core.pid)
                     for _ in range(args.reps):
                         runs["in_process"][c].append(run_in_process(engine, prompts, c, args.max_tokens))
-                        runs["ipc"][c].append(await run_over_ipc(client, prompts, c, args.max_tokens, False))
-                        runs["ipc_detokenize"][c].append(await run_over_ipc(client, prompts, c, args.max_tokens, True))
+                        runs["ipc"][c].append(await run_over_ipc(client, prompts, c, args.max_tokens, False, core.pid))
+                        runs["ipc_detokenize"][c].append(await run_over_ipc(client, prompts, c, args.max_tokens, True, core.pid))
                     print(f"c={c:<3} " + "  ".join(f"{k} {statistics.median(r['wall_s'] for r in v[c]):.3f} s"
                                                   for k, v in runs.items()), flush=True)
 
-        asyncio.run(measure())
+        run_async(measure())
     finally:
         core.send_signal(signal.SIGTERM)
         core.wait(30)
@@ -170,6 +181,9 @@ def main() -> int:
             "ipc_detokenize_tok_s": round(ipcd["output_tokens"] / ipcd["wall_s"], 1),
             "ipc_over_in_process_wall": round(ipc["wall_s"] / ip["wall_s"], 3),
             "ipc_detokenize_over_in_process_wall": round(ipcd["wall_s"] / ip["wall_s"], 3),
+            "ipc_over_in_process_cpu": round(ipc["cpu_s"] / ip["cpu_s"], 3),
+            "ipc_detokenize_over_in_process_cpu": round(ipcd["cpu_s"] / ip["cpu_s"], 3),
+            "ipc_extra_cpu_us_per_token": round(1e6 * (ipc["cpu_s"] - ip["cpu_s"]) / ipc["output_tokens"], 1),
             "in_process_mean_latency_ms": round(1000 * ip["mean_latency_s"], 2),
             "ipc_mean_latency_ms": round(1000 * ipc["mean_latency_s"], 2),
         })
@@ -207,15 +221,20 @@ def render_md(r: dict) -> str:
         f"(greedy, ignore_eos); median of {w['reps']} alternating runs after a warm-up. Produced by `python benchmarks/ipc_overhead.py`.",
         "",
         "| concurrency | in-process tok/s | IPC tok/s | IPC + detokenize tok/s | IPC / in-process wall | "
-        "(with detokenize) | mean latency in-process ms | mean latency IPC ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(with detokenize) | IPC / in-process CPU time | (with detokenize) | extra CPU µs per token (IPC) | "
+        "mean latency in-process ms | mean latency IPC ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in r["rows"]:
         lines.append(f"| {row['concurrency']} | {row['in_process_tok_s']} | {row['ipc_tok_s']} | "
                      f"{row['ipc_detokenize_tok_s']} | {row['ipc_over_in_process_wall']} | "
-                     f"{row['ipc_detokenize_over_in_process_wall']} | {row['in_process_mean_latency_ms']} | "
+                     f"{row['ipc_detokenize_over_in_process_wall']} | {row['ipc_over_in_process_cpu']} | "
+                     f"{row['ipc_detokenize_over_in_process_cpu']} | {row['ipc_extra_cpu_us_per_token']} | "
+                     f"{row['in_process_mean_latency_ms']} | "
                      f"{row['ipc_mean_latency_ms']} |")
     lines += ["", "A ratio of 1.0 means the process split costs nothing; above 1, IPC is slower by that factor. "
+              "CPU time sums both processes (core + client) for IPC; it is steadier than wall time when other "
+              "work shares the machine. "
               "The tiny model's steps take about a millisecond on CPU, so fixed per-step costs (a message per "
               "client per step, the client's decode and wake-up, both processes sharing the same few cores) "
               "show here far more than they would behind a real model's step on a GPU.", ""]

@@ -4,7 +4,9 @@ cross into the event loop with call_soon_threadsafe."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from llmserve_proto import Abort, Generate, ModelInfo, default_endpoint
@@ -15,18 +17,50 @@ from llmserve_client.transport import Transport
 from llmserve_client.types import Completion, StreamChunk
 
 
-class _LoopSink:
-    """Thread-safe put() into an asyncio.Queue owned by `loop`."""
+class _LoopBridge:
+    """Hands items from the transport thread to queues owned by one event loop, waking the loop once per
+    burst (an engine step's outputs for many requests) rather than once per item."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self._pending: collections.deque = collections.deque()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        self._pending.append((queue, item))
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:
+                pass   # the loop is closed: nobody is waiting any more
+
+    def _flush(self) -> None:
+        # Reset before draining: an item appended after this line either is drained below or schedules
+        # another flush.
+        self._scheduled = False
+        pending = self._pending
+        while pending:
+            queue, item = pending.popleft()
+            queue.put_nowait(item)
+
+
+class _LoopSink:
+    """A sink (see transport.py) feeding an asyncio.Queue through the loop's bridge."""
+
+    def __init__(self, bridge: _LoopBridge):
+        self.bridge = bridge
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass   # the loop is closed: nobody is waiting any more
+        self.bridge.put(self.queue, item)
+
+
+def _bridge_for(loop: asyncio.AbstractEventLoop, bridges: dict) -> _LoopBridge:
+    b = bridges.get(loop)
+    if b is None:
+        b = bridges[loop] = _LoopBridge(loop)
+    return b
 
 
 class AsyncClient:
@@ -42,6 +76,10 @@ class AsyncClient:
                                     heartbeat_timeout=heartbeat_timeout, client_name=client_name)
         self._tokenizer = tokenizer
         self.model_info: ModelInfo | None = None
+        self._bridges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _sink(self) -> _LoopSink:
+        return _LoopSink(_bridge_for(asyncio.get_running_loop(), self._bridges))
 
     async def connect(self) -> "AsyncClient":
         """Wait for the handshake (and load the tokenizer unless it was passed as an object)."""
@@ -68,7 +106,7 @@ class AsyncClient:
             raise RequestError("stop", "stop strings need detokenize=True")
         tok = await self.get_tokenizer() if (detokenize or not _is_ids(prompt)) else None
         ids = to_token_ids(prompt, lambda: tok)
-        return AsyncStream(self._transport, request_id or new_request_id(), ids, params, tok,
+        return AsyncStream(self._transport, self._sink(), request_id or new_request_id(), ids, params, tok,
                            detokenize, skip_special_tokens)
 
     async def generate(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
@@ -85,7 +123,7 @@ class AsyncClient:
 
     async def stats(self, timeout: float | None = None) -> dict:
         await self.connect()
-        sink = _LoopSink(asyncio.get_running_loop())
+        sink = self._sink()
         nonce = self._transport.request_stats(sink)
         try:
             kind, value = await asyncio.wait_for(sink.queue.get(), timeout or self.heartbeat_timeout + 5.0)
@@ -106,13 +144,13 @@ class AsyncClient:
 
 
 class AsyncStream:
-    def __init__(self, transport: Transport, request_id: str, ids: list[int], params, tokenizer,
+    def __init__(self, transport: Transport, sink: _LoopSink, request_id: str, ids: list[int], params, tokenizer,
                  detokenize: bool, skip_special_tokens: bool):
         self.request_id = request_id
         self._transport = transport
         self._state = RequestState(request_id, ids, params, tokenizer, detokenize=detokenize,
                                    skip_special_tokens=skip_special_tokens)
-        self._sink = _LoopSink(asyncio.get_running_loop())
+        self._sink = sink
         self._done = False
         try:
             transport.register(request_id, self._sink)
