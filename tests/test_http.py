@@ -390,15 +390,22 @@ def test_core_killed_gives_503(tiny_model_dir, tmp_path):
         proc, base = start_serve(str(tmp_path / "serve.log"), "--endpoint", endpoint)
         try:
             wait_healthy(proc, base, str(tmp_path / "serve.log"))
-            assert sdk(base).models.list().data[0].id == os.path.basename(tiny_model_dir)
+            model = sdk(base).models.list().data[0].id
+            assert model == os.path.basename(tiny_model_dir)
+            stream = sdk(base).completions.create(model=model, prompt="hi", max_tokens=400, stream=True,
+                                                  extra_body={"ignore_eos": True})
+            next(iter(stream))
             core.kill()
             core.wait()
+            with pytest.raises(openai.APIError, match="engine is unavailable"):   # an SSE error event
+                for _ in stream:
+                    pass
             deadline = time.monotonic() + 10
             while httpx.get(base + "/health", timeout=10).status_code != 503:
                 assert time.monotonic() < deadline, "/health still 200 after the core died"
                 time.sleep(0.1)
             with pytest.raises(openai.InternalServerError) as e:
-                sdk(base).completions.create(model=os.path.basename(tiny_model_dir), prompt="hi", max_tokens=2)
+                sdk(base).completions.create(model=model, prompt="hi", max_tokens=2)
             assert e.value.status_code == 503
             _, samples = parse_prometheus(httpx.get(base + "/metrics", timeout=10).text)
             assert [v for n, _, v in samples if n == "llmserve_core_up"] == [0]

@@ -182,8 +182,10 @@ class Frontend:
             if ctx.include_usage:
                 yield _sse_data({**self._chunk(ctx, None), "choices": [], "usage": _usage(completion)})
         except LLMServeError as e:
+            # Headers are gone already: the error travels as an event, which the openai package raises.
             err = self._api_error(e, ctx.chat)
             self.metrics.on_error(err.status)
+            accounted = True
             yield _sse_data(err.body())
         finally:
             # Reached on normal ends and on cancellation (the HTTP client went away): abort what still runs.
