@@ -345,18 +345,20 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir, tmp_path):
     t = threading.Thread(target=lambda: early.append(Client(endpoint, connect_timeout=60)))
     t.start()
     time.sleep(0.3)
-    proc = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"), "--drain-timeout", "2")
+    proc = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"), "--drain-timeout", "3",
+                      "--max-model-len", "2048")
     try:
         t.join(60)
         c = early[0]
-        short = c.stream([1, 2, 3], max_tokens=20, ignore_eos=True)
-        long = c.stream([4, 5, 6], max_tokens=500, ignore_eos=True)
+        c.generate([1, 2, 3], max_tokens=4)      # warm the engine up so the drain window measures steady steps
+        short = c.stream([1, 2, 3], max_tokens=6, ignore_eos=True)
+        long = c.stream([4, 5, 6], max_tokens=2000, ignore_eos=True)
         next(short), next(long)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        assert proc.wait(20) == 0
         assert [x for x in short][-1].finish_reason == "length"
         assert [x for x in long][-1].finish_reason == "abort"
-        assert len(short.completion.token_ids) == 20
+        assert len(short.completion.token_ids) == 6
         assert not os.path.exists(endpoint[len("ipc://"):])
         with pytest.raises(EngineDeadError, match="shut down"):
             c.generate([1], max_tokens=2)
