@@ -73,8 +73,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     src.add_argument("--endpoint", help="a running core (ipc://PATH or tcp://HOST:PORT); default: the core's default")
     src.add_argument("--model", help="start a core on this model directory for the run (its flags after `--`)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the served model's directory)")
-    g.add_argument("--connect-timeout", type=_positive_float, default=300.0,
-                   help="seconds to wait for the core to be ready (default: 300)")
+    g.add_argument("--connect-timeout", type=_positive_float,
+                   help="seconds to wait for the core to be ready (default: 60 with --endpoint; 300 with --model, "
+                        "which includes loading the model)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-mode", choices=["random", "natural"], default="random",
                    help="random: random token ids (no special tokens); natural: text from the shipped corpus")
@@ -168,6 +169,8 @@ def check_args(parser: argparse.ArgumentParser, args, core_args: list[str]) -> t
         shortest = min(i for i, _ in length_classes(wl))
         if args.shared_prefix_len >= shortest:
             err(f"--shared-prefix-len {args.shared_prefix_len} must be shorter than the input length {shortest}")
+    if args.connect_timeout is None:
+        args.connect_timeout = 300.0 if args.model else 60.0
     if args.ignore_eos is None:
         args.ignore_eos = wl.output_len is not None
     if core_args and not args.model:
@@ -234,6 +237,16 @@ def _compare_main(args) -> int:
     return 0
 
 
+def warn_seen_prompts(wl: WorkloadConfig, summary: dict) -> None:
+    """Prefix-cache hits in a workload without shared prefixes mean the core has served these very prompts
+    before (the same --seed against a core that kept running): the numbers are not cold-cache ones."""
+    total, cached = summary.get("total_input_tokens", 0), summary.get("cached_prompt_tokens", 0)
+    if not wl.shared_prefix_len and total and cached / total > 0.05:
+        print(f"llmserve-bench: note: the prefix cache served {100 * cached / total:.0f}% of the prompt tokens, "
+              "though this workload shares no prefixes: the core has seen these prompts before (same --seed on a "
+              "running core?). Use another --seed, or restart the core, for cold-cache numbers.", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     core_args: list[str] = []
@@ -283,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         write_plot(result, args.plot)
         print(f"llmserve-bench: plot written to {args.plot}", file=sys.stderr)
+    warn_seen_prompts(wl, result.summary)
     failed = result.summary.get("failed", 0)
     if failed:
         print(f"llmserve-bench: {failed} requests failed (see --result-json for their errors)", file=sys.stderr)

@@ -403,3 +403,12 @@ def test_bench_starts_its_own_core_and_stops_it_on_ctrl_c(tiny_model_dir):
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pid)
+
+
+def test_warns_when_a_workload_without_shared_prefixes_hits_the_cache(capsys):
+    from llmserve_bench.cli import warn_seen_prompts
+    warn_seen_prompts(WorkloadConfig(), {"total_input_tokens": 1000, "cached_prompt_tokens": 600})
+    assert "seen these prompts before" in capsys.readouterr().err
+    warn_seen_prompts(WorkloadConfig(shared_prefix_len=32), {"total_input_tokens": 1000, "cached_prompt_tokens": 600})
+    warn_seen_prompts(WorkloadConfig(), {"total_input_tokens": 1000, "cached_prompt_tokens": 0})
+    assert capsys.readouterr().err == ""
