@@ -207,8 +207,9 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
     """Condense the core's stats() samples (time, dict) taken in [start, end] into core_* keys.
 
     mean/max batch size (running) and queue depth (waiting), mean/max KV usage, the prefix hit rate over the
-    span (from the hit/query counters when the core reports them), generated tokens per engine step, and the last value
-    of every spec_* key (speculative decoding) the core reports."""
+    span (from the hit/query counters when the core reports them), generated tokens per engine step, the last value
+    of every spec_* key (speculative decoding) the core reports, and the acceptance rate and mean acceptance
+    length over the span from the spec_* counters when present."""
     sel = [(t, s) for t, s in samples if (start is None or t >= start) and (end is None or t <= end)]
     if not sel:
         return {"core_stats_samples": 0}
@@ -238,6 +239,14 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
     for k, v in last.items():
         if k.startswith("spec_"):
             out[f"core_{k}"] = v
+    # Speculative counters (the engine's SpecMetrics fields as spec_*) give the acceptance over this span,
+    # which the core's own since-start rates cannot.
+    drafted = _delta(first, last, "spec_num_draft_tokens")
+    if drafted:
+        out["core_spec_acceptance_rate"] = _delta(first, last, "spec_num_accepted_tokens") / drafted
+    verified = _delta(first, last, "spec_num_steps")
+    if verified:
+        out["core_spec_mean_acceptance_length"] = _delta(first, last, "spec_num_emitted_tokens") / verified
     return out
 
 

@@ -92,7 +92,13 @@ def test_stats_summary_uses_counter_deltas_and_spec_keys():
     assert s["core_max_kv_usage"] == pytest.approx(0.3)
     assert s["core_prefix_hit_rate"] == pytest.approx(30 / 100)     # over the span, not since start
     assert s["core_generated_tokens_per_step"] == pytest.approx(4.0)
-    assert s["core_spec_acceptance_rate"] == 0.7
+    assert s["core_spec_acceptance_rate"] == 0.7          # the core's own figure when it sends no counters
+    counters = [(t, {**d, "spec_num_draft_tokens": 30 * i, "spec_num_accepted_tokens": 12 * i,
+                     "spec_num_steps": 10 * i, "spec_num_emitted_tokens": 22 * i, "spec_acceptance_rate": 0.9})
+                for i, (t, d) in enumerate(samples, start=1)]
+    s = stats_summary(counters)
+    assert s["core_spec_acceptance_rate"] == pytest.approx(12 / 30)
+    assert s["core_spec_mean_acceptance_length"] == pytest.approx(2.2)
     assert stats_summary(samples, start=5.0) == {"core_stats_samples": 0}
 
 
