@@ -92,7 +92,7 @@ class AsyncClient:
     async def get_tokenizer(self):
         await self.connect()
         if self._tokenizer is None or isinstance(self._tokenizer, str):
-            path = self._tokenizer or self.model_info.model
+            path = self._tokenizer or self.model_info.tokenizer or self.model_info.model
             self._tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, path)
         return self._tokenizer
 

@@ -40,7 +40,7 @@ class Client:
     def tokenizer(self):
         """The tokenizer, loaded on first use (a token-ids-only client never loads one)."""
         if self._tokenizer is None or isinstance(self._tokenizer, str):
-            self._tokenizer = load_tokenizer(self._tokenizer or self.model_info.model)
+            self._tokenizer = load_tokenizer(self._tokenizer or self.model_info.tokenizer or self.model_info.model)
         return self._tokenizer
 
     def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,

@@ -68,6 +68,7 @@ class ModelInfo(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=Tru
     eos_token_ids: list[int] = []
     speculative: bool = False        # EAGLE-3 speculative decoding is on
     speculative_model: str | None = None
+    tokenizer: str | None = None     # tokenizer directory when it differs from `model`
 
 
 class Welcome(msgspec.Struct, **_msg("welcome")):

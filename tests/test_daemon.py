@@ -232,6 +232,9 @@ def test_garbage_and_wrong_typed_messages_leave_the_engine_serving(core):
     stranger.send(msgspec.msgpack.encode(["generate", "x", [1, 2]]))
     reply = decode_core(stranger.recv())
     assert isinstance(reply, EngineErrorMsg) and reply.fatal
+    stranger.send(msgspec.msgpack.encode(["hello", 99, "from the future"]))
+    reply = decode_core(stranger.recv())
+    assert isinstance(reply, EngineErrorMsg) and reply.fatal and "protocol version" in reply.message
     stranger.close()
     with Client(endpoint) as c:
         assert len(c.generate([1, 2, 3], max_tokens=3).token_ids) == 3

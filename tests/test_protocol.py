@@ -129,6 +129,16 @@ def test_no_pickle_anywhere_on_the_wire():
                         assert banned not in src, (f, banned)
 
 
+def test_the_client_library_never_imports_torch_or_the_core():
+    import subprocess
+    import sys
+    code = ("import sys, llmserve_client, llmserve_client.async_client; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('llmserve_core')]; "
+            "assert not bad, bad")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
+
+
 # ---- endpoints ----------------------------------------------------------------------------------------
 
 def test_default_endpoint_lives_in_a_private_runtime_dir(tmp_path, monkeypatch):

@@ -70,7 +70,8 @@ def model_info_of(engine) -> ModelInfo:
     path = os.path.abspath(mi.model)
     return ModelInfo(model=path, name=os.path.basename(path.rstrip("/")), vocab_size=mi.vocab_size,
                      max_model_len=mi.max_model_len, eos_token_ids=list(mi.eos_token_ids),
-                     speculative=bool(mi.speculative), speculative_model=cfg.speculative_model)
+                     speculative=bool(mi.speculative), speculative_model=cfg.speculative_model,
+                     tokenizer=os.path.abspath(cfg.tokenizer) if cfg.tokenizer else None)
 
 
 def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
