@@ -72,7 +72,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--endpoint", help="a running core (ipc://PATH or tcp://HOST:PORT); default: the core's default")
     src.add_argument("--model", help="start a core on this model directory for the run (its flags after `--`)")
-    g.add_argument("--tokenizer", help="tokenizer directory (default: the served model's directory)")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the one the core announces, else the model's)")
     g.add_argument("--connect-timeout", type=_positive_float,
                    help="seconds to wait for the core to be ready (default: 60 with --endpoint; 300 with --model, "
                         "which includes loading the model)")

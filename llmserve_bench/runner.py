@@ -131,7 +131,7 @@ async def _final_sample(client: AsyncClient, samples: list) -> None:
 def make_workload(cfg: WorkloadConfig, info, tokenizer: str | None = None) -> Workload:
     """Build the workload for the served model; ValueError (a config error) when it cannot fit or load."""
     check_lengths(cfg, info.max_model_len)
-    path = tokenizer or info.model
+    path = tokenizer or getattr(info, "tokenizer", None) or info.model
     needs_text = cfg.prompt_mode == "natural" or bool(cfg.dataset)
     tok = None
     if needs_text or os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -148,7 +148,8 @@ def make_workload(cfg: WorkloadConfig, info, tokenizer: str | None = None) -> Wo
 def _info_dict(info) -> dict:
     return {"model": info.model, "name": info.name, "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len, "eos_token_ids": list(info.eos_token_ids),
-            "speculative": info.speculative, "speculative_model": info.speculative_model}
+            "speculative": info.speculative, "speculative_model": info.speculative_model,
+            "tokenizer": getattr(info, "tokenizer", None)}
 
 
 async def run_finite(client: AsyncClient, workload: Workload, *, num_requests: int, request_rate: float = float("inf"),
