@@ -159,16 +159,17 @@ def bench(endpoint, argv, out_json):
     cmd = [sys.executable, "-m", "llmserve_bench"] + argv + ["--endpoint", endpoint, "--result-json", out_json]
     subprocess.run(cmd, check=True, timeout=400)
     with open(out_json) as f:
-        return json.load(f)["summary"]
+        d = json.load(f)
+    # Closed loops report the steady-state window beside the whole run; finite runs have only the latter.
+    return d.get("steady_state") or d["summary"]
 
 
 KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-        "median_itl_ms", "p99_itl_ms", "completed", "mean_batch_size")
+        "median_itl_ms", "p99_itl_ms", "completed", "window_requests", "core_mean_batch_size")
 
 
 def pick(summary):
-    window = summary.get("window", summary)
-    return {k: window.get(k) for k in KEYS if k in window}
+    return {k: summary.get(k) for k in KEYS if k in summary}
 
 
 @section("closed_loop_ipc")

@@ -62,7 +62,7 @@ def run_bench(endpoint: str, seconds: float) -> None:
     from llmserve_bench import run_closed_loop
     print(f"\nclosed-loop benchmark over IPC ({seconds:.0f} s window, concurrency 8, 64 in / 32 out):")
     summary = run_closed_loop(endpoint, max_concurrency=8, input_len=64, output_len=32,
-                              warmup_seconds=1.0, measurement_seconds=seconds)
+                              warmup_seconds=3.0, measurement_seconds=seconds)
     print(summary.table())
 
 
