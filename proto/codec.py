@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import typing
 
 import msgspec
 
@@ -75,7 +76,6 @@ def _field_path(struct_type, indices: list[int]) -> str:
 
 
 def _struct_field_type(t, name):
-    import typing
     hint = typing.get_type_hints(t).get(name)
     return hint if isinstance(hint, type) and hasattr(hint, "__struct_fields__") else None
 
