@@ -259,6 +259,24 @@ def test_concurrent_streams_each_get_their_own_tokens(server, core):
     wait_idle(core[1])
 
 
+def test_batched_prompts(oai, core):
+    prompts = ["def add(a, b):", core[1].tokenizer.encode("while True:"), "class Stack:"]
+    refs = [core[1].generate(p, max_tokens=8, temperature=0) for p in prompts]
+    r = oai.completions.create(model=NAME, prompt=prompts, max_tokens=8, temperature=0, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [ref.text for ref in refs]
+    assert all(len(c.logprobs.tokens) == 8 for c in r.choices)
+    assert r.usage.prompt_tokens == sum(len(ref.prompt_token_ids) for ref in refs) and r.usage.completion_tokens == 24
+    texts, finished = ["", "", ""], set()
+    for chunk in oai.completions.create(model=NAME, prompt=prompts, max_tokens=8, temperature=0, stream=True):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert texts == [ref.text for ref in refs] and finished == {0, 1, 2}
+    wait_idle(core[1])
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 BAD_CHAT = [
@@ -296,7 +314,7 @@ def test_bad_completion_requests(oai, server):
         (dict(prompt="hi", logprobs=21), "logprobs"),
         (dict(prompt=[99999]), "prompt"),                       # outside the vocabulary: the core says so
         (dict(prompt=""), "prompt"),
-        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(prompt=["a", ""]), "prompt[1]"),
         (dict(prompt="word " * 1000), "prompt"),
         (dict(prompt="hi", echo=True), "echo"),
         (dict(prompt="hi", best_of=3), "best_of"),
@@ -319,7 +337,8 @@ def test_bad_completion_requests(oai, server):
 
 def test_stream_disconnect_aborts_in_core(server, core):
     before = core[1].stats()["requests_aborted_by_client"]
-    body = {"prompt": "import os\nimport sys\n", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # Two prompts in one request: both engine requests must go when the HTTP client does.
+    body = {"prompt": ["import os\nimport sys\n", "def f(x):"], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -327,7 +346,7 @@ def test_stream_disconnect_aborts_in_core(server, core):
     t0 = time.monotonic()
     stats = wait_idle(core[1])           # 400 tokens would take many seconds; the abort takes a step or two
     assert time.monotonic() - t0 < 4.0
-    assert stats["requests_aborted_by_client"] == before + 1
+    assert stats["requests_aborted_by_client"] == before + 2
 
 
 def test_non_stream_disconnect_aborts_in_core(server, core):
@@ -358,29 +377,53 @@ def parse_prometheus(text: str) -> tuple[dict, list[tuple[str, dict, float]]]:
     return types, samples
 
 
+def scrape(base: str) -> tuple[dict, list[tuple[str, dict, float]], dict]:
+    r = httpx.get(base + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    types, samples = parse_prometheus(r.text)
+    return types, samples, {(n, tuple(sorted(l.items()))): v for n, l, v in samples}
+
+
 def test_health_and_metrics(server, oai):
     assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+    def get(values, name, **labels):
+        return values.get((name, tuple(sorted({"model_name": NAME, **labels}.items()))), 0.0)
+
+    _, _, before = scrape(server)
     oai.completions.create(model=NAME, prompt="hi", max_tokens=2)
-    r = httpx.get(server + "/metrics", timeout=10)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    types, samples = parse_prometheus(r.text)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=NAME, prompt="hi", n=2)
+    with httpx.stream("POST", server + "/v1/completions", timeout=30,
+                      json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
+        next(resp.iter_lines())
+    deadline = time.monotonic() + 5
+    while True:     # the frontend accounts the abandoned stream once it notices the disconnect
+        types, samples, after = scrape(server)
+        if get(after, "llmserve_requests_total", finish_reason="abort") > get(before, "llmserve_requests_total",
+                                                                              finish_reason="abort"):
+            break
+        assert time.monotonic() < deadline, "the abandoned stream was never counted"
+        time.sleep(0.05)
     for name, labels, _ in samples:
         family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
         assert family in types, name
         assert labels.get("model_name") == NAME
-    value = {(n, tuple(sorted(l.items()))): v for n, l, v in samples}
-    get = lambda n, **l: value[(n, tuple(sorted({"model_name": NAME, **l}.items())))]
-    assert types["llmserve_requests_total"] == "counter" and get("llmserve_requests_total", finish_reason="length") >= 1
-    assert get("llmserve_requests_total", finish_reason="abort") >= 2        # the disconnect tests
-    assert get("llmserve_generation_tokens_total") >= 2 and get("llmserve_prompt_tokens_total") >= 1
-    assert get("llmserve_request_errors_total", status="400") >= 1
+    delta = lambda name, **labels: get(after, name, **labels) - get(before, name, **labels)
+    assert types["llmserve_requests_total"] == "counter"
+    assert delta("llmserve_requests_total", finish_reason="length") == 1
+    assert delta("llmserve_requests_total", finish_reason="abort") == 1
+    assert delta("llmserve_request_errors_total", status="400") == 1
+    assert delta("llmserve_generation_tokens_total") >= 3 and delta("llmserve_prompt_tokens_total") >= 2
     for h in ("llmserve_time_to_first_token_seconds", "llmserve_e2e_request_latency_seconds"):
         assert types[h] == "histogram"
         buckets = [v for n, l, v in samples if n == h + "_bucket"]
-        assert buckets == sorted(buckets) and buckets[-1] == get(h + "_count") >= 1
-    assert get("llmserve_core_up") == 1 and get("llmserve_num_requests_running") == 0
-    assert get("llmserve_num_requests_waiting") == 0 and 0 <= get("llmserve_kv_cache_usage_ratio") <= 1
-    assert 0 <= get("llmserve_prefix_cache_hit_rate") <= 1
+        assert buckets == sorted(buckets) and buckets[-1] == get(after, h + "_count")
+    assert delta("llmserve_time_to_first_token_seconds_count") == 2       # the aborted stream had a first token
+    assert delta("llmserve_e2e_request_latency_seconds_count") == 1
+    assert get(after, "llmserve_core_up") == 1 and 0 <= get(after, "llmserve_kv_cache_usage_ratio") <= 1
+    assert 0 <= get(after, "llmserve_prefix_cache_hit_rate") <= 1
+    assert types["llmserve_num_requests_running"] == types["llmserve_num_requests_waiting"] == "gauge"
 
 
 def test_core_killed_gives_503(tiny_model_dir, tmp_path):
@@ -407,7 +450,7 @@ def test_core_killed_gives_503(tiny_model_dir, tmp_path):
             with pytest.raises(openai.InternalServerError) as e:
                 sdk(base).completions.create(model=model, prompt="hi", max_tokens=2)
             assert e.value.status_code == 503
-            _, samples = parse_prometheus(httpx.get(base + "/metrics", timeout=10).text)
+            _, samples, _ = scrape(base)
             assert [v for n, _, v in samples if n == "llmserve_core_up"] == [0]
         finally:
             assert stop(proc) == 0

@@ -95,55 +95,68 @@ class Frontend:
     # ---------------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            req, stream = await self._start(await request.body(), chat)
+            req, streams = await self._start(await request.body(), chat)
         except ApiError as e:
             return self._error(e)
-        ctx = _Ctx(stream.request_id, self.names[0] if req.model is None else req.model, chat,
+        ctx = _Ctx(streams[0].request_id, self.names[0] if req.model is None else req.model, chat,
                    req.stream and req.stream_options is not None and req.stream_options.include_usage)
+        merged = _merge(streams)
         try:
             if not req.stream:
-                completion = await _until_disconnect(request, _drain(stream))
-                self.metrics.on_finished(completion)
-                return JSONResponse(self._full_response(ctx, completion))
+                await _until_disconnect(request, _exhaust(merged))
+                completions = [s.completion for s in streams]
+                for c in completions:
+                    self.metrics.on_finished(c)
+                return JSONResponse(self._full_response(ctx, completions))
             # The first chunk is awaited before answering, so a request the core rejects still gets a 400.
-            first = await _until_disconnect(request, anext(stream, None))
+            first = await _until_disconnect(request, anext(merged, None))
         except ClientGone:
-            self.metrics.on_finished(stream.completion)
+            for s in streams:
+                self.metrics.on_finished(s.completion)
             return Response(status_code=499)
         except LLMServeError as e:
-            await stream.aclose()
             return self._error(self._api_error(e, chat))
-        return StreamingResponse(self._sse(ctx, stream, first), media_type="text/event-stream",
+        return StreamingResponse(self._sse(ctx, streams, merged, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _start(self, body: bytes, chat: bool):
-        """Parse, validate, tokenize and send the request; ApiError for anything wrong with it."""
+        """Parse, validate, tokenize and send the request (one engine request per prompt); ApiError for
+        anything wrong with it."""
         req = schemas.decode(body, schemas.ChatRequest if chat else schemas.CompletionRequest)
         if req.model is not None and req.model not in self.names:
             raise _model_not_found(req.model)
+        streams: list[AsyncStream] = []
         try:
             if chat:
                 sampling = schemas.chat_sampling(req)
-                prompt = schemas.chat_messages(req)
+                prompts = [schemas.chat_messages(req)]
                 max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                                      if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
             else:
                 sampling = schemas.completion_sampling(req)
-                prompt = schemas.completion_prompt(req)
+                prompts = schemas.completion_prompts(req)
                 max_tokens, param = req.max_tokens, "max_tokens"
-            try:
-                ids = to_token_ids(prompt, lambda: self.tokenizer)
-            except RequestError:
-                raise
-            except Exception as e:   # a chat template that refuses these messages
-                raise ApiError(f"the chat template failed on these messages: {e}", "messages") from None
-            sampling["max_tokens"] = self._fit_max_tokens(len(ids), max_tokens, param, chat)
-            prefix = "chatcmpl-" if chat else "cmpl-"
-            stream = await self.client.stream(ids, request_id=prefix + uuid.uuid4().hex,
-                                              skip_special_tokens=req.skip_special_tokens, **sampling)
-        except LLMServeError as e:
-            raise self._api_error(e, chat) from None
-        return req, stream
+            batch = []
+            for prompt in prompts:
+                try:
+                    ids = to_token_ids(prompt, lambda: self.tokenizer)
+                except RequestError:
+                    raise
+                except Exception as e:   # a chat template that refuses these messages
+                    raise ApiError(f"the chat template failed on these messages: {e}", "messages") from None
+                batch.append((ids, self._fit_max_tokens(len(ids), max_tokens, param, chat)))
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            for i, (ids, n) in enumerate(batch):
+                streams.append(await self.client.stream(
+                    ids, request_id=rid if len(batch) == 1 else f"{rid}-{i}",
+                    skip_special_tokens=req.skip_special_tokens, **{**sampling, "max_tokens": n}))
+        except BaseException as e:
+            for s in streams:     # prompts of a batch already sent
+                await s.aclose()
+            if isinstance(e, LLMServeError):
+                raise self._api_error(e, chat) from None
+            raise
+        return req, streams
 
     def _fit_max_tokens(self, n_prompt: int, max_tokens: int | None, param: str, chat: bool) -> int:
         limit = self.max_model_len
@@ -164,23 +177,24 @@ class Frontend:
                            code="context_length_exceeded")
         return max_tokens
 
-    async def _sse(self, ctx: "_Ctx", stream: AsyncStream, first: StreamChunk | None):
+    async def _sse(self, ctx: "_Ctx", streams: list[AsyncStream], merged, first):
         accounted = False
         try:
             if ctx.chat:
-                yield _sse_data(self._chunk(ctx, {"delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}))
-            chunk = first
-            while chunk is not None:
-                choice = self._stream_choice(ctx, chunk)
+                yield _sse_data(self._chunk(ctx, 0, {"delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}))
+            item = first
+            while item is not None:
+                choice = self._stream_choice(ctx, *item)
                 if choice is not None:
-                    yield _sse_data(self._chunk(ctx, choice))
-                chunk = await anext(stream, None)
-            completion = stream.completion
-            self.metrics.on_finished(completion)
+                    yield _sse_data(self._chunk(ctx, item[0], choice))
+                item = await anext(merged, None)
+            completions = [s.completion for s in streams]
+            for c in completions:
+                self.metrics.on_finished(c)
             accounted = True
             if ctx.include_usage:
-                yield _sse_data({**self._chunk(ctx, None), "choices": [], "usage": _usage(completion)})
+                yield _sse_data({**self._chunk(ctx, 0, None), "usage": _usage(completions)})
         except LLMServeError as e:
             # Headers are gone already: the error travels as an event, which the openai package raises.
             err = self._api_error(e, ctx.chat)
@@ -189,41 +203,44 @@ class Frontend:
             yield _sse_data(err.body())
         finally:
             # Reached on normal ends and on cancellation (the HTTP client went away): abort what still runs.
-            await stream.aclose()
+            await merged.aclose()
             if not accounted:
-                self.metrics.on_finished(stream.completion)
+                for s in streams:
+                    self.metrics.on_finished(s.completion)
         yield "data: [DONE]\n\n"
 
-    def _stream_choice(self, ctx: "_Ctx", chunk: StreamChunk) -> dict | None:
+    def _stream_choice(self, ctx: "_Ctx", index: int, chunk: StreamChunk) -> dict | None:
         if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
             return None
-        logprobs = self._logprobs(ctx, chunk.token_ids, chunk.logprobs)
+        logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs)
         if ctx.chat:
             return {"delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs,
                     "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
         return {"text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
                 "stop_reason": chunk.stop_reason}
 
-    def _chunk(self, ctx: "_Ctx", choice: dict | None) -> dict:
+    def _chunk(self, ctx: "_Ctx", index: int, choice: dict | None) -> dict:
         out = {"id": ctx.id, "object": "chat.completion.chunk" if ctx.chat else "text_completion",
                "created": ctx.created, "model": ctx.model,
-               "choices": [] if choice is None else [{"index": 0, **choice}]}
+               "choices": [] if choice is None else [{"index": index, **choice}]}
         if ctx.include_usage:
             out["usage"] = None
         return out
 
-    def _full_response(self, ctx: "_Ctx", c: Completion) -> dict:
-        logprobs = self._logprobs(ctx, c.token_ids, c.logprobs)
-        if ctx.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+    def _full_response(self, ctx: "_Ctx", completions: list[Completion]) -> dict:
+        choices = []
+        for i, c in enumerate(completions):
+            choice = {"index": i, "logprobs": self._logprobs(ctx, i, c.token_ids, c.logprobs),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason}
+            if ctx.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
         return {"id": ctx.id, "object": "chat.completion" if ctx.chat else "text_completion",
-                "created": ctx.created, "model": ctx.model, "choices": [choice], "usage": _usage(c)}
+                "created": ctx.created, "model": ctx.model, "choices": choices, "usage": _usage(completions)}
 
-    def _logprobs(self, ctx: "_Ctx", token_ids: list[int], logprobs) -> dict | None:
+    def _logprobs(self, ctx: "_Ctx", index: int, token_ids: list[int], logprobs) -> dict | None:
         """OpenAI's chat shape ({"content": [...]}) or the legacy completions shape (parallel lists)."""
         if logprobs is None:
             return None
@@ -235,10 +252,11 @@ class Frontend:
                  "top_logprobs": [{"token": text(a), "logprob": _finite(b), "bytes": list(text(a).encode())}
                                   for a, b in zip(lp.top_token_ids, lp.top_logprobs)]}
                 for t, lp in pairs]}
-        offsets = []
+        offsets, at = [], ctx.text_offsets.get(index, 0)
         for t, _ in pairs:
-            offsets.append(ctx.text_offset)
-            ctx.text_offset += len(text(t))
+            offsets.append(at)
+            at += len(text(t))
+        ctx.text_offsets[index] = at
         return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [_finite(lp.logprob) for _, lp in pairs],
                 "top_logprobs": [{text(a): _finite(b) for a, b in zip(lp.top_token_ids, lp.top_logprobs)}
                                  for _, lp in pairs],
@@ -269,7 +287,7 @@ class _Ctx:
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool):
         self.id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
         self.created = int(time.time())
-        self.text_offset = 0   # legacy completions logprobs: character offset of the next token
+        self.text_offsets: dict[int, int] = {}   # legacy completions logprobs: choice -> offset of its next token
 
 
 def _model_not_found(name: str) -> ApiError:
@@ -281,21 +299,58 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-def _usage(c: Completion) -> dict:
-    u = c.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+def _usage(completions: list[Completion]) -> dict:
+    prompt = sum(c.usage.prompt_tokens for c in completions)
+    generated = sum(c.usage.completion_tokens for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": sum(c.usage.cached_tokens for c in completions)}}
 
 
 def _sse_data(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _drain(stream: AsyncStream) -> Completion:
-    async with stream:
-        async for _ in stream:
-            pass
-    return stream.completion
+async def _merge(streams: list[AsyncStream]):
+    """(choice index, chunk) from several streams as they arrive. Closing or cancelling it aborts every
+    stream still running; the first error ends it."""
+    if len(streams) == 1:   # the common case needs no tasks
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk, None))
+            queue.put_nowait((i, None, None))
+        except LLMServeError as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, chunk, err = await queue.get()
+            if err is not None:
+                raise err
+            if chunk is None:
+                running -= 1
+            else:
+                yield i, chunk
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _exhaust(merged) -> None:
+    async for _ in merged:
+        pass
 
 
 async def _until_disconnect(request: Request, awaitable):

@@ -145,20 +145,23 @@ def chat_sampling(req: ChatRequest) -> dict:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt: a string or a list of token ids (or a batch holding exactly one of those)."""
+MAX_PROMPTS = 64   # prompts in one batched /v1/completions request
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a batch (list) of either."""
     p = req.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise ApiError("prompt must not be empty", "prompt")
-        return p
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return p
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise ApiError("batched prompts are not supported; send one request per prompt", "prompt")
-    raise ApiError("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
+    if len(batch) > MAX_PROMPTS:
+        raise ApiError(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", "prompt")
+    for i, one in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            if not one:
+                raise ApiError(f"{where} must not be empty", where)
+        elif not (isinstance(one, list) and one and all(isinstance(t, int) and not isinstance(t, bool) for t in one)):
+            raise ApiError(f"{where} must be a non-empty string or a non-empty list of token ids", where)
+    return batch
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
