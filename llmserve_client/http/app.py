@@ -27,15 +27,12 @@ from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.http import schemas
 from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
 from llmserve_client.http.schemas import ApiError
+from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
 from llmserve_client.inputs import to_token_ids
 from llmserve_client.types import Completion, StreamChunk
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 2.0                 # /health and /metrics give up on a core this slow
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
 
 
 class Frontend:
@@ -100,16 +97,16 @@ class Frontend:
             return self._error(e)
         ctx = _Ctx(streams[0].request_id, self.names[0] if req.model is None else req.model, chat,
                    req.stream and req.stream_options is not None and req.stream_options.include_usage)
-        merged = _merge(streams)
+        merged = merge(streams)
         try:
             if not req.stream:
-                await _until_disconnect(request, _exhaust(merged))
+                await until_disconnect(request, exhaust(merged))
                 completions = [s.completion for s in streams]
                 for c in completions:
                     self.metrics.on_finished(c)
                 return JSONResponse(self._full_response(ctx, completions))
             # The first chunk is awaited before answering, so a request the core rejects still gets a 400.
-            first = await _until_disconnect(request, anext(merged, None))
+            first = await until_disconnect(request, anext(merged, None))
         except ClientGone:
             for s in streams:
                 self.metrics.on_finished(s.completion)
@@ -308,72 +305,6 @@ def _usage(completions: list[Completion]) -> dict:
 
 def _sse_data(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _merge(streams: list[AsyncStream]):
-    """(choice index, chunk) from several streams as they arrive. Closing or cancelling it aborts every
-    stream still running; the first error ends it."""
-    if len(streams) == 1:   # the common case needs no tasks
-        try:
-            async for chunk in streams[0]:
-                yield 0, chunk
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncStream) -> None:
-        try:
-            async for chunk in stream:
-                queue.put_nowait((i, chunk, None))
-            queue.put_nowait((i, None, None))
-        except LLMServeError as e:
-            queue.put_nowait((i, None, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            i, chunk, err = await queue.get()
-            if err is not None:
-                raise err
-            if chunk is None:
-                running -= 1
-            else:
-                yield i, chunk
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            await s.aclose()
-
-
-async def _exhaust(merged) -> None:
-    async for _ in merged:
-        pass
-
-
-async def _until_disconnect(request: Request, awaitable):
-    """Await `awaitable` unless the HTTP client disconnects first: then cancel it (which aborts the
-    request in the core) and raise ClientGone."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _RequireApiKey:
