@@ -25,8 +25,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
                          stride_ob, stride_oh, num_splits,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         SINGLE: tl.constexpr, MIN_SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         SINGLE: tl.constexpr, MIN_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,21 +54,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
         n_mask = n < end
         phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        # A row mask alone keeps the 16-byte vector loads; a head_dim mask is only needed when padded.
-        if EVEN_D:
-            kv_mask = n_mask[:, None]
-        else:
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        # Issue V with K so both are in flight before the first dot.
+        kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Scores stay unscaled; the scale folds into one multiply-add inside exp2.
-        p = tl.math.exp2(s * sm_scale_log2 - (m_new * sm_scale_log2)[:, None])
-        alpha = tl.math.exp2((m_i - m_new) * sm_scale_log2)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -82,7 +75,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
     else:
         row = (b * num_heads + heads) * num_splits + split            # mid_o [B, H, S, D], mid_lse [B, H, S]
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
-        lse = tl.where(l_i > 0, m_i * sm_scale_log2 + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
@@ -108,8 +101,9 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
 def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS) -> int:
     """Split only while batch x kv_heads leaves SMs idle; then aim at about four programs per SM.
 
-    Measured on the H200: at batch 64 (512 programs) one piece beat two and four; at batch 1 more,
-    smaller pieces win, since the time there is latency, not bandwidth.
+    Measured on the H200 (benchmarks/results/kernels_h200_run1.md): at batch 64 (512 programs) one piece
+    beat two and four; at batch 1 / 4096 context 128 pieces of 32 tokens beat 16-64 larger ones, since the
+    time there is latency, not bandwidth.
     """
     programs = batch_size * num_kv_heads
     if programs >= 2 * num_sms:
@@ -118,7 +112,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS
 
 
 def choose_block_n(num_splits: int) -> int:
-    """Many small pieces: short tiles, so no piece is mostly padding. One piece per sequence: long tiles."""
+    """Many small pieces: short tiles, so no piece is mostly padding. Otherwise 64 (32 lost at batch 256)."""
     return 32 if num_splits >= 32 else 64
 
 
@@ -171,7 +165,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SINGLE=num_splits == 1, MIN_SPLIT=block_n, EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
+        SINGLE=num_splits == 1, MIN_SPLIT=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -179,7 +173,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=8 if num_splits >= 64 else 4,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
 

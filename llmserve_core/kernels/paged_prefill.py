@@ -20,7 +20,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
                     stride_tree,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HAS_TREE: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                    HAS_TREE: tl.constexpr, PRECISION: tl.constexpr):
     # The longest (last) query tiles go first so the tail of the grid is short work.
     mt = num_m_tiles - 1 - tl.program_id(0)
     b = tl.program_id(1)
@@ -61,20 +61,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         n = n0 + tl.arange(0, BLOCK_N)
         phys = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
-        if EVEN_D:
-            k = tl.load(kc_ptr + off[:, None] + d[None, :])
-        else:
-            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Scores stay unscaled; the scale folds into one multiply-add inside exp2.
-        p = tl.math.exp2(s * sm_scale_log2 - (m_new * sm_scale_log2)[:, None])
-        alpha = tl.math.exp2((m_i - m_new) * sm_scale_log2)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if EVEN_D:
-            v = tl.load(vc_ptr + off[:, None] + d[None, :])
-        else:
-            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -84,12 +77,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         n_mask = n < seq_len
         phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
-        if EVEN_D:
-            kv_mask = n_mask[:, None]
-        else:
-            kv_mask = n_mask[:, None] & d_mask[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         if HAS_TREE:
             own = n - ctx_len
             in_tree = tl.load(tree_ptr + (q_start + m)[:, None].to(tl.int64) * stride_tree + own[None, :],
@@ -101,8 +91,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * sm_scale_log2 - (m_safe * sm_scale_log2)[:, None])
-        alpha = tl.math.exp2((m_i - m_safe) * sm_scale_log2)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -129,8 +119,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     if q.is_cuda:
-        # Measured on the H200 at head_dim 128: 128 x 128 tiles, 8 warps, 2 stages beat 128 x 64 / 3 stages by
-        # 20% on a long extend and tie 64 x 64 on 8 x 512; short queries (tree verify) keep 64-row tiles.
+        # Measured on the H200 at head_dim 128 (benchmarks/results/kernels_h200_run1.md): 128 x 128 tiles,
+        # 8 warps, 2 stages beat 128 x 64 / 3 stages by 19% on a long extend and tie 64 x 64 on 8 x 512.
+        # Short queries (tree verify, small chunks) keep 64-row tiles so few rows are padding.
         short = tree_mask is not None or max_query_len <= 64
         block_m = block_m or (64 if short else 128)
         block_n = block_n or (64 if short else 128)
@@ -153,7 +144,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tree.stride(0) if tree_mask is not None else 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_TREE=tree_mask is not None,
-        EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
