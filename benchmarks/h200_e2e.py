@@ -140,6 +140,47 @@ def gpu_idle(args, model_dir):
             "span_ms": span / 1e3, "idle_fraction": 1 - busy / span}
 
 
+@section("inprocess_closed_loop")
+def inprocess_closed_loop(args, model_dir):
+    """The IPC closed loop's workload driven in-process, to price the process split (same engine flags)."""
+    import random
+    from llmserve_proto import SamplingParams
+    engine = make_engine(model_dir)
+    out = {}
+    rnd = random.Random(0)
+    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    for conc in args.concurrency:
+        n = 0
+        def add():
+            nonlocal n
+            engine.add_request(f"c{conc}-{n}", [rnd.randrange(1000, 100000) for _ in range(512)], params)
+            n += 1
+        for _ in range(conc):
+            add()
+        warm, secs = 5.0, (8.0 if args.quick else 15.0)
+        t0 = time.perf_counter()
+        tokens = 0
+        while True:
+            outs = engine.step()
+            now = time.perf_counter() - t0
+            if now > warm + secs:
+                break
+            for o in outs:
+                if now > warm:
+                    tokens += len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    add()
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        out[f"c{conc}"] = {"output_throughput": tokens / secs}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def start_core(model_dir, endpoint, extra):
     cmd = [sys.executable, "-m", "llmserve_core", "--model", model_dir, "--load-format", "dummy", "--listen", endpoint,
            "--log-interval", "0", "--log-level", "WARNING"] + extra
@@ -270,6 +311,13 @@ def summarize():
         if isinstance(v, dict) and v.get("output_throughput"):
             rows.append((f"closed-loop IPC {k}", f"{v['output_throughput']:.0f} tok/s, TTFT p99 {v.get('p99_ttft_ms', 0):.0f} ms, "
                                                  f"TPOT median {v.get('median_tpot_ms', 0):.1f} ms"))
+    inproc = RESULTS.get("inprocess_closed_loop", {})
+    for k, v in inproc.items():
+        ipc = cl.get(k, {}).get("output_throughput") if isinstance(cl.get(k), dict) else None
+        if isinstance(v, dict) and ipc:
+            RESULTS.setdefault("ipc_over_inprocess", {})[k] = ipc / v["output_throughput"]
+            rows.append((f"in-process {k}", f"{v['output_throughput']:.0f} tok/s; IPC / in-process = "
+                                            f"{ipc / v['output_throughput']:.3f}"))
     for k, v in peer.items():
         if isinstance(v, dict) and v.get("output_throughput"):
             rows.append((f"transformers {k}", f"{v['output_throughput']:.0f} tok/s"))
@@ -305,6 +353,7 @@ def main():
     copy_bandwidth(args)
     batch1_decode(args, model_dir)
     gpu_idle(args, model_dir)
+    inprocess_closed_loop(args, model_dir)
     closed_loop(args, model_dir, tmp)
     chunked_mix(args, model_dir, tmp)
     transformers_peer(args, model_dir)
