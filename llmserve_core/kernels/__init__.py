@@ -21,9 +21,9 @@ def _fix_interpreter_scalar_index() -> None:
     """
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_llmserve_fixed", False):
-        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_llmserve_fixed", False):
+        return  # another Triton layout: nothing to fix, or already fixed
 
     def patch(tensor, scope):
         original(tensor, scope)
