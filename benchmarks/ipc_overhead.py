@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
 
+    load_before = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="ipc-overhead-")
     model = args.model
     if model is None:
@@ -194,6 +195,7 @@ def main() -> int:
         "model": "tiny random Qwen3 (make_tiny_model seed 0)" if args.model is None else args.model,
         "device": args.device,
         "cpu_count": os.cpu_count(),
+        "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "torch_threads": torch_threads,
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                      "greedy": True, "ignore_eos": True, "reps": args.reps, "statistic": "median wall time",
@@ -216,7 +218,8 @@ def render_md(r: dict) -> str:
         "# IPC overhead: in-process Engine vs llmserve-core + client",
         "",
         f"Commit `{r['git_commit']}`, {r['date_utc']}, {r['model']} on {r['device']} "
-        f"({r['cpu_count']} CPUs, torch threads {r['torch_threads']}).",
+        f"({r['cpu_count']} CPUs, torch threads {r['torch_threads']}; 1-minute load average "
+        f"{r['load_average_1min']['before']} before, {r['load_average_1min']['after']} after).",
         f"Closed loop, {w['num_requests']} requests of {w['prompt_len']} prompt + {w['max_tokens']} output tokens "
         f"(greedy, ignore_eos); median of {w['reps']} alternating runs after a warm-up. Produced by `python benchmarks/ipc_overhead.py`.",
         "",
@@ -233,8 +236,9 @@ def render_md(r: dict) -> str:
                      f"{row['in_process_mean_latency_ms']} | "
                      f"{row['ipc_mean_latency_ms']} |")
     lines += ["", "A ratio of 1.0 means the process split costs nothing; above 1, IPC is slower by that factor. "
-              "CPU time sums both processes (core + client) for IPC; it is steadier than wall time when other "
-              "work shares the machine. "
+              "CPU time sums both processes (core + client) for IPC; it is the fairer measure when other work "
+              "shares the machine: under contention two runnable processes get a larger share of the CPUs than "
+              "one, which can make the IPC wall time look better than in-process. "
               "The tiny model's steps take about a millisecond on CPU, so fixed per-step costs (a message per "
               "client per step, the client's decode and wake-up, both processes sharing the same few cores) "
               "show here far more than they would behind a real model's step on a GPU.", ""]
@@ -242,4 +246,7 @@ def render_md(r: dict) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:       # rewrite the .md from a saved .json
+        print(render_md(json.load(open(sys.argv[2]))), end="")
+        sys.exit(0)
     sys.exit(main())
