@@ -413,3 +413,10 @@ def test_bad_command_lines_exit_2_with_a_message(args, needle):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2
+
+
+def test_make_tiny_model_subcommand(tmp_path, capsys):
+    from llmserve_core.cli import main
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--seed", "1"]) == 0
+    assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
+    assert str(tmp_path / "m") in capsys.readouterr().out
