@@ -62,6 +62,9 @@ class EngineConfig:
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "must be auto, safetensors or dummy")
         need(self.speculative_gamma >= 1, "speculative_gamma", "must be >= 1")
         need(self.speculative_accept_mode in ("greedy", "sample"), "speculative_accept_mode", "must be greedy or sample")
+        if self.speculative_tree is not None:
+            from llmserve_core.speculative.tree import get_tree
+            get_tree(self.speculative_tree, self.speculative_gamma)    # raises naming speculative_tree
         self.resolved_dtype()
 
     @classmethod

@@ -31,6 +31,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     ignore_eos: bool = False
     logprobs: int | None = None
     stop: list[str] = []
+    speculative: bool = True     # draft with EAGLE-3 when the core has a draft model; False opts out
 
     MAX_LOGPROBS = 20
 
@@ -54,6 +55,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValidationError("stop_token_ids", "must be non-negative integers")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValidationError("stop", "must be non-empty strings")
+        if not isinstance(self.speculative, bool):
+            raise ValidationError("speculative", f"must be a boolean, got {self.speculative!r}")
         return self
 
     @property

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
+from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, draft_kv_bytes_per_block, lookahead_tokens
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler
@@ -66,10 +67,15 @@ class Engine:
                 f"max_num_batched_tokens: {config.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
                 "without chunked prefill a whole prompt must fit one step. Raise it, lower max_model_len, "
                 "or enable chunked prefill")
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        # Drafting requests write their drafts' KV past their next token: block tables and the pool make room.
+        self.lookahead = lookahead_tokens(config)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, lookahead_tokens=self.lookahead,
+                                  extra_kv_bytes_per_block=draft_kv_bytes_per_block(
+                                      config, config.block_size, config.resolved_dtype()))
+        self.spec = EagleExecutor(config, self.runner, self.max_model_len) if config.speculative_model else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, lookahead_tokens=self.lookahead)
         self.model_info = ModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
                                     tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
         self.requests: dict[str, Request] = {}
@@ -77,6 +83,8 @@ class Engine:
         self._in_flight = None                   # the launched step whose results are not read yet
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        if self.spec is not None:
+            self.async_scheduling = False    # a step's drafts need the previous step's accepted tokens
         self.num_steps = 0
         self.num_tokens_scheduled = 0            # in the last step
         self.total_prompt_tokens = 0
@@ -91,6 +99,9 @@ class Engine:
                       self.max_model_len)
         if params.seed is not None:
             req.generator = self.runner.make_generator(params.seed)
+        # Logprobs come from the plain sampler, so requests asking for them decode without drafts.
+        if self.spec is not None and params.speculative and params.logprobs is None:
+            req.spec_state = SpecState()
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -114,7 +125,7 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValidationError("max_tokens", f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
                                                 f"max_model_len {self.max_model_len}")
-        need = self.block_manager.blocks_needed(len(prompt) + params.max_tokens)
+        need = self.block_manager.blocks_needed(len(prompt) + params.max_tokens + self.lookahead)
         if need > self.block_manager.num_blocks:
             raise ValidationError("max_tokens", f"needs {need} KV blocks, the whole pool has {self.block_manager.num_blocks}")
         if any(t >= vocab for t in params.stop_token_ids):
@@ -144,6 +155,10 @@ class Engine:
         sched = self.scheduler.schedule()
         self.num_tokens_scheduled = sched.total_tokens
         launched = None
+        if sched.requests and self.spec is not None:
+            self.num_steps += 1
+            outputs.extend(self._speculative_step(sched))
+            return outputs
         if sched.requests:
             self.num_steps += 1
             launched = self.runner.launch(sched)
@@ -182,6 +197,44 @@ class Engine:
                     req.finish_reason = finish
                     finished.append(req)
         for req in handle.sched.requests:
+            if not req.is_finished:
+                self.block_manager.cache_full_blocks(req)
+        for req in finished:
+            self.scheduler.finish(req)
+            del self.requests[req.request_id]
+        return outputs
+
+    def _speculative_step(self, sched) -> list[StepOutput]:
+        """One synchronous step through the EAGLE executor: a request may gain several tokens, and its KV
+        may become valid beyond the scheduled position (its accepted drafts)."""
+        result = self.spec.execute(sched)
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+        logprobs = self._logprobs_lists(result.sampled, result.sampled_requests) if result.sampled else None
+        outputs: list[StepOutput] = []
+        finished: list[Request] = []
+        now = time.monotonic()
+        for e in result.emitted:
+            req = e.request
+            req.num_computed_tokens += e.extra_computed
+            if req.first_token_time is None:
+                req.first_token_time = now
+            new: list[int] = []
+            finish = None
+            for tok in e.token_ids:      # stop at the first token that ends the request
+                new.append(tok)
+                finish = req.append_token(tok)
+                if finish is not None:
+                    break
+            self.total_generated_tokens += len(new)
+            lp = logprobs[e.logprobs_index] if logprobs and e.logprobs_index >= 0 else None
+            outputs.append(StepOutput(req.request_id, new, finish, lp, req.num_prompt_tokens, req.num_cached_tokens))
+            if finish is not None:
+                req.finish_reason = finish
+                finished.append(req)
+        for req in sched.requests:
             if not req.is_finished:
                 self.block_manager.cache_full_blocks(req)
         for req in finished:
@@ -256,4 +309,5 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
+            **(self.spec.stats() if self.spec is not None else {}),
         }

@@ -35,7 +35,8 @@ class PreparedBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 lookahead_tokens: int = 0, extra_kv_bytes_per_block: int = 0):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -46,7 +47,9 @@ class ModelRunner:
         self.attn_backend = get_backend(config.attention_backend, str(self.device))
         self.model = load_model(model_config, config.model, config.load_format, self.dtype, self.device,
                                 self.attn_backend, config.seed)
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        # lookahead: KV slots past the last token that speculative verification writes.
+        self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # the draft's KV pool shares the block ids
         self.staging = [Staging(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.pin)
                         for _ in range(2)]
         self.num_launched = 0
@@ -61,7 +64,8 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         m = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * elem
+        return (2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * elem
+                + self.extra_kv_bytes_per_block)
 
     def _kv_blocks_that_fit(self) -> int:
         # Never more than every sequence slot at full length could use.

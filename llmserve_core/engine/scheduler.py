@@ -39,7 +39,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
-        # Extra KV slots a decoding request needs per step (speculative draft tokens to verify).
+        # Extra KV slots a drafting request needs per step (speculative draft tokens to verify).
         self.lookahead_tokens = lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -107,7 +107,7 @@ class Scheduler:
     def _reserve(self, req: Request, num_new: int, out: ScheduledBatch) -> bool:
         """Make room for num_new tokens (plus lookahead when decoding), preempting newer requests."""
         need = req.num_computed_tokens + num_new
-        if not req.is_prefilling:
+        if not req.is_prefilling and req.spec_state is not None:
             need += self.lookahead_tokens
         while not self.blocks.can_allocate(req, need):
             victim = self.running[-1]

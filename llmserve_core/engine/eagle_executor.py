@@ -1,0 +1,427 @@
+"""EAGLE-3 speculative decoding: a peer of the model runner that owns the draft head and the draft KV.
+
+It borrows the runner's target model and KV caches and runs every step of an engine with speculation
+on, synchronously (the next step's drafts need this step's accepted tokens):
+
+  1. draft catch-up: one batched draft forward over, for each speculative request of the batch, the
+     positions whose target aux states are known but whose draft rows are not computed yet (the last
+     step's accepted tokens, or the last prefill chunk). A decoding request's last row proposes d1;
+  2. chain: gamma - 1 more batched single-token draft steps; tree: one draft forward per tree level;
+  3. ONE target forward over the whole batch: prefill chunks and plain decodes as without speculation,
+     plus the verify rows of each drafting request (the last token, then its drafts), capturing the
+     aux hidden states the draft reads;
+  4. plain rows are sampled by the ordinary sampler; verify rows go through greedy verification or
+     lossless rejection sampling; a tree's accepted path is moved into consecutive KV slots;
+  5. the aux states of the newly valid positions wait in the request's SpecState for step 1 of the
+     request's next step.
+
+Alignment: the draft row at position p reads token p + 1 and the target's aux state at p, so it
+proposes token p + 2. The draft KV is a one-layer pool with the target's num_blocks and block_size,
+addressed through the target's block tables, so allocation, preemption and the prefix cache cover it
+too. KV written at rejected positions (target or draft) lies beyond num_computed_tokens and is simply
+overwritten by a later step. The algorithms (proposal, verification, trees) live in speculative/.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve_core.config import EngineConfig
+from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.engine.request import Request
+from llmserve_core.engine.scheduler import ScheduledBatch
+from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
+from llmserve_core.models.eagle3 import Eagle3Config, load_eagle3
+from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
+from llmserve_core.speculative.tree import batch_tree_mask, compact_kv, fill_level, get_tree, tree_greedy_verify, \
+    tree_kv_moves, tree_rejection_verify
+from llmserve_core.speculative.types import TIMING_KEYS, SpecMetrics, SpecStepResult
+from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
+
+log = logging.getLogger("llmserve.eagle")
+
+
+def lookahead_tokens(config: EngineConfig) -> int:
+    """KV slots a drafting request needs beyond its next token: its drafts (chain) or tree nodes."""
+    if config.speculative_model is None:
+        return 0
+    if config.speculative_tree:
+        return get_tree(config.speculative_tree, config.speculative_gamma).num_nodes - 1
+    return config.speculative_gamma
+
+
+def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch.dtype) -> int:
+    """What one block of the draft's one-layer KV pool costs, so the runner can size the pools together."""
+    if config.speculative_model is None:
+        return 0
+    cfg = Eagle3Config.from_dir(config.speculative_model)
+    return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def load_draft(config: EngineConfig, runner, max_positions: int):
+    """The draft head, sharing the target's embedding (and head, if it has none of its own)."""
+    return load_eagle3(config.speculative_model, runner.attn_backend, runner.dtype, runner.device,
+                       target_embed=runner.model.model.embed_tokens.weight,
+                       target_lm_head=runner.model.lm_head_weight, load_format=config.load_format,
+                       seed=config.seed, max_positions=max_positions)
+
+
+@dataclass
+class SpecState:
+    """A speculative request's draft progress: draft KV is valid below draft_pos; `pending` holds the
+    fused aux states of positions draft_pos .. num_computed_tokens - 1, whose draft rows wait for the
+    token after them (known by the time the request is next scheduled)."""
+    draft_pos: int = 0
+    pending: torch.Tensor | None = None
+
+    def sync(self, num_computed: int) -> None:
+        """Start over at num_computed when the state does not describe the request's KV: a new request
+        (possibly served from the prefix cache, whose draft rows are taken as they are) or one that was
+        preempted and recomputed."""
+        rows = 0 if self.pending is None else self.pending.shape[0]
+        if self.draft_pos + rows != num_computed:
+            self.draft_pos, self.pending = num_computed, None
+
+
+@dataclass
+class Emitted:
+    """What a step produced for one request: tokens to append in order, their logprobs (plain rows of
+    requests that asked), and how many positions beyond the scheduled ones now hold valid KV."""
+    request: Request
+    token_ids: list[int]
+    logprobs_index: int = -1            # row in SpecStepOutput.sampled, -1: none
+    extra_computed: int = 0
+
+
+@dataclass
+class SpecStepOutput:
+    emitted: list[Emitted]
+    sampled: SamplerOutput | None      # the plain rows' sampler output (logprobs live here)
+    sampled_requests: list[Request]
+
+
+@dataclass
+class _Seq:
+    """One sequence of a packed forward: its query rows' rotary positions and KV positions (they differ
+    only for tree nodes), its context length after the step, and its tree mask (None: causal)."""
+    block_ids: list[int]
+    rope: np.ndarray
+    kv: np.ndarray
+    seq_len: int
+    mask: torch.Tensor | None = None
+
+
+def _span(start: int, end: int, seq_len: int, block_ids: list[int]) -> _Seq:
+    p = np.arange(start, end)
+    return _Seq(block_ids, p, p, seq_len)
+
+
+class EagleExecutor:
+    def __init__(self, config: EngineConfig, runner, max_model_len: int):
+        self.config = config
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.max_model_len = max_model_len
+        self.gamma = config.speculative_gamma
+        self.tree = get_tree(config.speculative_tree, self.gamma) if config.speculative_tree else None
+        self.lookahead = lookahead_tokens(config)
+        self.draft = load_draft(config, runner, max_model_len + self.lookahead)
+        target = runner.model_config
+        dcfg = self.draft.cfg
+        if dcfg.vocab_size != target.vocab_size or dcfg.target_hidden_size != target.hidden_size:
+            raise ValueError(f"speculative_model: the draft expects vocab {dcfg.vocab_size} and target hidden size "
+                             f"{dcfg.target_hidden_size}, the target has {target.vocab_size} and {target.hidden_size}")
+        self.aux_layer_ids = dcfg.resolve_aux_layer_ids(target.num_hidden_layers)
+        shape = (runner.num_blocks, self.block_size, dcfg.num_key_value_heads, dcfg.head_dim)
+        self.kv = (torch.zeros(shape, dtype=runner.dtype, device=self.device),
+                   torch.zeros(shape, dtype=runner.dtype, device=self.device))
+        # Tree candidates are the draft's deterministic top-k, which rejection sampling treats as one-hot q.
+        self.sample_drafts = config.speculative_accept_mode == "sample" and self.tree is None
+        self.metrics = SpecMetrics()
+        self.trace = config.speculative_trace
+        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        if self.tree is not None:
+            self.tree_mask = self.tree.attention_mask()
+            self.tree_depths = np.asarray(self.tree.depths)
+        log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
+                 list(self.aux_layer_ids), f"tree {self.tree.name} ({self.tree.num_nodes} nodes)" if self.tree
+                 else f"chain gamma {self.gamma}", config.speculative_accept_mode)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: ScheduledBatch) -> SpecStepOutput:
+        for req in sched.preempted:
+            if req.spec_state is not None:
+                req.spec_state = SpecState()
+        for req in sched.requests:
+            if req.spec_state is not None:
+                req.spec_state.sync(req.num_computed_tokens)
+        # A decoding request always has pending rows (its last step's tokens); the check is belt and braces.
+        drafting = [r for r in sched.requests
+                    if r.spec_state is not None and not r.is_prefilling and r.spec_state.pending is not None]
+        timer = self.metrics.timer
+        with timer("draft", self._sync):
+            proposal = self._draft(sched, drafting)
+        with timer("verify", self._sync):
+            hidden, aux, layout = self._target_forward(sched, drafting, proposal)
+        with timer("accept", self._sync):
+            sampled, sampled_reqs = self._sample_plain(hidden, layout.sample_rows, layout.sample_requests)
+            verified = self._verify(hidden, layout.verify_rows, drafting, proposal)
+        with timer("kv_update", self._sync):
+            self._commit(sched, drafting, verified, aux, layout)
+        results = [SpecStepResult(tokens, self.tree.depth if self.tree else self.gamma, len(tokens) - 1, path)
+                   for tokens, path in zip(verified.tokens, verified.paths)]
+        if results:
+            self.metrics.record(results)
+        if self.trace and log.isEnabledFor(logging.DEBUG):
+            with timer("trace"):
+                drafts = proposal.tokens.tolist()
+                for req, res, d in zip(drafting, results, drafts):
+                    log.debug("spec %s at %d: drafts %s accepted %d emitted %s%s", req.request_id, req.num_tokens,
+                              d, res.num_accepted, res.token_ids,
+                              f" path {res.accepted_nodes}" if res.accepted_nodes else "")
+        emitted = [Emitted(req, [tok], i) for i, (req, tok) in
+                   enumerate(zip(sampled_reqs, sampled.token_ids.tolist() if sampled is not None else []))]
+        emitted += [Emitted(req, tokens, -1, len(tokens) - 1) for req, tokens in zip(drafting, verified.tokens)]
+        return SpecStepOutput(emitted, sampled, sampled_reqs)
+
+    # ---- 1-2: drafting -----------------------------------------------------------------------------
+    def _draft(self, sched: ScheduledBatch, drafting: list[Request]) -> "_Proposal":
+        seqs, hidden, last_rows = [], [], {}
+        rows = 0
+        for req in sched.requests:
+            st = req.spec_state
+            if st is None or st.pending is None:
+                continue
+            start, end = st.draft_pos, req.num_computed_tokens
+            seqs.append(_span(start, end, end, req.block_ids))
+            hidden.append(st.pending)
+            rows += end - start
+            last_rows[req.request_id] = rows - 1
+            st.draft_pos, st.pending = end, None
+        if not seqs:
+            return _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
+        ids = torch.tensor(np.concatenate([req.token_ids[s.rope[0] + 1:s.seq_len + 1] for req, s in
+                                           zip((r for r in sched.requests if r.request_id in last_rows), seqs)]),
+                           dtype=torch.long).to(self.device)
+        normed, prenorm = self.draft(ids, torch.cat(hidden), self._pack(seqs), self.kv)
+        if not drafting:
+            return _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
+        last = torch.tensor([last_rows[r.request_id] for r in drafting], device=self.device)
+        logits, h = self.draft.compute_logits(normed[last]), prenorm[last]
+        if self.tree is not None:
+            return self._draft_tree(drafting, logits, h)
+        st = self._sampling(drafting) if self.sample_drafts else None
+        tokens, qs = [], []
+        for j in range(self.gamma):
+            if j:
+                seqs = [_span(r.num_tokens - 2 + j, r.num_tokens - 1 + j, r.num_tokens - 1 + j, r.block_ids)
+                        for r in drafting]
+                normed, h = self.draft(tokens[-1], h, self._pack(seqs), self.kv)
+                logits = self.draft.compute_logits(normed)
+            if st is not None:
+                d, q = sample_propose(logits, st, self.draft.d2t, self.draft.cfg.vocab_size)
+                qs.append(q)
+            else:
+                d = greedy_propose(logits, self.draft.d2t)
+            tokens.append(d)
+        q = torch.stack(qs, 1).flatten(0, 1) if qs else None       # [B * gamma, V], request-major as verify packs
+        return _Proposal(torch.stack(tokens, 1), q)
+
+    def _draft_tree(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
+        """Expand the tree level by level. Level d's forward re-runs every node above it as well (a few
+        rows): each node then sees exactly its ancestors, through the tree mask, and nothing else."""
+        tree, b = self.tree, len(drafting)
+        nodes = torch.zeros(b, tree.num_nodes, dtype=torch.long, device=self.device)
+        nodes[:, 0] = torch.tensor([r.token_ids[-1] for r in drafting], device=self.device)
+        prenorm = h.new_zeros(b, tree.num_nodes, h.shape[-1])
+        prenorm[:, 0] = h
+        parents = torch.tensor(tree.parents, device=self.device)
+        for d in range(tree.depth):
+            if d:
+                m = max(tree.level(d)) + 1                            # nodes 1..m-1 are levels 1..d
+                seqs = [_Seq(r.block_ids, r.num_tokens - 2 + self.tree_depths[1:m], np.arange(r.num_tokens - 1,
+                             r.num_tokens - 2 + m), r.num_tokens - 2 + m, self.tree_mask[1:m, 1:m]) for r in drafting]
+                normed, pre = self.draft(nodes[:, 1:m].flatten(), prenorm[:, parents[1:m]].flatten(0, 1),
+                                         self._pack(seqs), self.kv)
+                prenorm[:, 1:m] = pre.view(b, m - 1, -1)
+                level = torch.tensor(tree.level(d), device=self.device) - 1
+                logits = self.draft.compute_logits(normed.view(b, m - 1, -1)[:, level].flatten(0, 1))
+            k = tree.max_children(d)
+            if k:
+                top = topk_propose(logits, k, self.draft.d2t).view(b, len(tree.level(d)), k)
+                fill_level(tree, d, top, nodes)
+        return _Proposal(nodes)
+
+    # ---- 3: the target forward ---------------------------------------------------------------------
+    def _target_forward(self, sched: ScheduledBatch, drafting: list[Request], proposal: "_Proposal"):
+        drafting_ids = {r.request_id for r in drafting}
+        seqs, id_parts = [], []
+        layout = _Layout()
+        row = 0
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            if req.request_id in drafting_ids:
+                # The last token (n == 1) then the drafts; their ids are filled in on the device below.
+                k = self.lookahead
+                if self.tree is None:
+                    seqs.append(_span(start, start + 1 + k, start + 1 + k, req.block_ids))
+                else:
+                    seqs.append(_Seq(req.block_ids, start + self.tree_depths, np.arange(start, start + 1 + k),
+                                     start + 1 + k, self.tree_mask))
+                id_parts.append(np.asarray([req.token_ids[start]] + [0] * k))
+                layout.verify_rows.append(row)
+                row += 1 + k
+            else:
+                seqs.append(_span(start, end, end, req.block_ids))
+                id_parts.append(np.asarray(req.token_ids[start:end]))
+                row += n
+                if end == req.num_tokens:
+                    layout.sample_rows.append(row - 1)
+                    layout.sample_requests.append(req)
+            layout.starts.append(row - len(id_parts[-1]))
+        ids = torch.tensor(np.concatenate(id_parts), dtype=torch.long).to(self.device)
+        if drafting:
+            width = 1 + self.lookahead
+            base = torch.tensor(layout.verify_rows, device=self.device)[:, None]
+            if self.tree is None:
+                ids[(base + torch.arange(1, width, device=self.device)).flatten()] = proposal.tokens.flatten()
+            else:
+                ids[(base + torch.arange(1, width, device=self.device)).flatten()] = proposal.tokens[:, 1:].flatten()
+        hidden, aux = self.runner.model(ids, self._pack(seqs), self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
+        return hidden, aux, layout
+
+    # ---- 4: sampling, verification, commit ---------------------------------------------------------
+    def _sampling(self, reqs: list[Request]) -> SamplingTensors:
+        return SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device)
+
+    def _sample_plain(self, hidden, rows: list[int], reqs: list[Request]):
+        if not reqs:
+            return None, []
+        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return sample(logits, self._sampling(reqs)).to_host(False), reqs
+
+    def _verify(self, hidden, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
+        if not drafting:
+            return _Verified([], [])
+        width = 1 + self.lookahead
+        idx = (torch.tensor(rows, device=self.device)[:, None] + torch.arange(width, device=self.device)).flatten()
+        logits = self.runner.model.compute_logits(hidden[idx])             # [B * width, V], request-major
+        greedy = all(r.params.temperature == 0 for r in drafting)
+        generators = [r.generator for r in drafting]
+        if not greedy:
+            st = self._sampling(drafting)
+            probs = verify_probs(logits, st.rows(torch.arange(len(drafting), device=self.device)
+                                                 .repeat_interleave(width)))
+        if self.tree is not None:
+            out = (tree_greedy_verify(self.tree, logits, proposal.tokens) if greedy else
+                   tree_rejection_verify(self.tree, probs, proposal.tokens, None, generators))
+            return _Verified(out.token_lists(), out.path_lists())
+        num_draft = torch.full((len(drafting),), self.gamma, dtype=torch.long, device=self.device)
+        out = (greedy_verify(logits, proposal.tokens, num_draft) if greedy else
+               rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q, generators))
+        tokens = out.token_lists()
+        return _Verified(tokens, [None] * len(tokens))
+
+    def _commit(self, sched: ScheduledBatch, drafting: list[Request], verified: "_Verified", aux, layout: "_Layout"):
+        """Tree: move the accepted path's target KV to consecutive slots. Then keep the fused aux states
+        of every newly valid position of a speculative request for its next catch-up."""
+        positions = {r.request_id: i for i, r in enumerate(drafting)}
+        if self.tree is not None and drafting:
+            src, dst = [], []
+            for req, path in zip(drafting, verified.paths):
+                table, base = req.block_ids, req.num_computed_tokens
+                for a, b in tree_kv_moves(path):
+                    src.append(self._slot(table, base + a))
+                    dst.append(self._slot(table, base + b))
+            compact_kv(self.runner.kv_caches, torch.tensor(src, dtype=torch.long, device=self.device),
+                       torch.tensor(dst, dtype=torch.long, device=self.device))
+        rows, owners = [], []
+        for req, n, start in zip(sched.requests, sched.num_new_tokens, layout.starts):
+            if req.spec_state is None:
+                continue
+            i = positions.get(req.request_id)
+            if i is None:
+                keep = range(start, start + n)
+            else:
+                path = verified.paths[i] or range(len(verified.tokens[i]))
+                keep = [start + node for node in path]
+            rows.extend(keep)
+            owners.append((req, len(keep)))
+        if not rows:
+            return
+        fused = self.draft.combine_aux([a[torch.tensor(rows, device=self.device)] for a in aux])
+        for (req, k), part in zip(owners, fused.split([k for _, k in owners])):
+            req.spec_state.draft_pos = req.num_computed_tokens
+            req.spec_state.pending = part
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _slot(self, block_ids: list[int], pos: int) -> int:
+        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _pack(self, seqs: list[_Seq]) -> ForwardBatch:
+        bs = self.block_size
+        # Rows past max_model_len (drafts of a request about to hit the limit) only feed tokens that
+        # will be cut off, so clamping their rotary position just keeps the tables in range.
+        rope = np.minimum(np.concatenate([s.rope for s in seqs]), self.max_model_len - 1)
+        slots = np.concatenate([np.asarray(s.block_ids)[s.kv // bs] * bs + s.kv % bs for s in seqs])
+        query_lens = [len(s.rope) for s in seqs]
+        seq_lens = [int(s.seq_len) for s in seqs]
+        width = max(len(s.block_ids) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_ids)] = s.block_ids
+        dev = self.device
+        mask = None
+        if any(s.mask is not None for s in seqs):
+            mask = batch_tree_mask(query_lens, [s.mask for s in seqs], max(query_lens), dev)
+        return ForwardBatch(
+            positions=torch.from_numpy(rope).to(dev, torch.long),
+            slot_mapping=torch.from_numpy(slots).to(dev, torch.long),
+            query_start_loc=torch.tensor(np.cumsum([0] + query_lens), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            tree_mask=mask,
+        )
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Scalar spec_* counters and rates (the protocol's stats carry scalars only)."""
+        m = self.metrics
+        out = {k: v for k, v in m.as_dict().items() if isinstance(v, (int, float))}
+        out["spec_num_emitted_tokens"] = m.num_emitted_tokens
+        for j, rate in enumerate(m.per_position_acceptance, start=1):
+            out[f"spec_acceptance_pos_{j}"] = rate
+        for key in TIMING_KEYS:
+            out[f"spec_time_{key}_ms"] = 1000.0 * m.timings[key]
+        return out
+
+
+@dataclass
+class _Proposal:
+    tokens: torch.Tensor                # chain: [B, gamma] draft ids; tree: [B, nodes] node tokens (node 0: root)
+    q: torch.Tensor | None = None       # chain, sampled drafts: [B * gamma, V] what each was drawn from
+
+
+@dataclass
+class _Verified:
+    tokens: list[list[int]]             # per drafting request: accepted drafts, then the correction / bonus
+    paths: list[list[int] | None]       # tree: accepted node indices, root first
+
+
+class _Layout:
+    """Where each request's rows landed in the packed target forward."""
+
+    def __init__(self):
+        self.starts: list[int] = []             # first row of each scheduled request
+        self.sample_rows: list[int] = []        # plain rows to sample
+        self.sample_requests: list[Request] = []
+        self.verify_rows: list[int] = []        # first verify row of each drafting request
