@@ -149,7 +149,7 @@ def inprocess_closed_loop(args, model_dir):
     out = {}
     rnd = random.Random(0)
     params = SamplingParams(max_tokens=256, ignore_eos=True)
-    for conc in args.concurrency:
+    for conc in args.inprocess_concurrency:
         n = 0
         def add():
             nonlocal n
@@ -157,7 +157,7 @@ def inprocess_closed_loop(args, model_dir):
             n += 1
         for _ in range(conc):
             add()
-        warm, secs = 5.0, (8.0 if args.quick else 15.0)
+        warm, secs = (3.0, 6.0) if args.quick else (5.0, 15.0)
         t0 = time.perf_counter()
         tokens = 0
         while True:
@@ -221,9 +221,9 @@ def closed_loop(args, model_dir, tmp):
     out = {}
     try:
         for conc in args.concurrency:
-            secs = "8" if args.quick else "15"
+            secs = "6" if args.quick else "15"
             out[f"c{conc}"] = pick(bench(endpoint, ["closed-loop", "--max-concurrency", str(conc), "--input-len", "512",
-                                                    "--output-len", "256", "--warmup-seconds", "5",
+                                                    "--output-len", "256", "--warmup-seconds", "3" if args.quick else "5",
                                                     "--measurement-seconds", secs, "--prompt-mode", "random"],
                                          os.path.join(args.out, f"closed_loop_c{conc}.json")))
     finally:
@@ -243,7 +243,7 @@ def chunked_mix(args, model_dir, tmp):
         try:
             out["chunked" if chunked else "whole_prompt"] = pick(bench(
                 endpoint, ["closed-loop", "--max-concurrency", "32", "--mix", "0.8:128:128,0.2:4096:128",
-                           "--warmup-seconds", "5", "--measurement-seconds", "10" if args.quick else "20",
+                           "--warmup-seconds", "3" if args.quick else "5", "--measurement-seconds", "8" if args.quick else "20",
                            "--prompt-mode", "random"],
                 os.path.join(args.out, f"mix_chunked{int(chunked)}.json")))
         finally:
@@ -339,6 +339,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--inprocess-concurrency", type=int, nargs="+", default=[64])
     ap.add_argument("--skip", nargs="*", default=[])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
