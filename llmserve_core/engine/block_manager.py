@@ -23,10 +23,14 @@ class NoFreeBlocks(Exception):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 recompute_last_hit_block: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # EAGLE: the draft needs the target's hidden states at the tokens just before new ones, which a
+        # cache hit does not produce; recomputing the last hit block gives them (as vLLM does).
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}                    # hash -> block id
@@ -72,6 +76,9 @@ class BlockManager:
             hits.append(block)
             hashes.append(h)
             parent = h
+        if self.recompute_last_hit_block and hits:
+            hits.pop()
+            hashes.pop()
         for block in hits:
             self._ref(block)
         req.block_ids = hits
@@ -100,13 +107,16 @@ class BlockManager:
             self.ref_counts[block] = 1
             req.block_ids.append(block)
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Publish every block of the request that is now full of computed tokens."""
+    def cache_full_blocks(self, req: Request, limit: int | None = None) -> None:
+        """Publish every block of the request that is now full of computed tokens (and below `limit`:
+        with speculation, the positions whose draft KV is written too)."""
         if not self.enable_prefix_caching:
             return
         # Blocks past the block table belong to a preempted or finished request: nothing to publish.
         # Only tokens whose ids are known count (async scheduling may have run ahead of them).
         known = min(req.num_computed_tokens, req.num_tokens - req.num_pending)
+        if limit is not None:
+            known = min(known, limit)
         num_full = min(known // self.block_size, len(req.block_ids))
         tokens = req.token_ids
         for b in range(len(req.block_hashes), num_full):

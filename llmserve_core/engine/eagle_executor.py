@@ -71,16 +71,18 @@ def load_draft(config: EngineConfig, runner, max_positions: int):
 
 @dataclass
 class SpecState:
-    """A speculative request's draft progress: draft KV is valid below draft_pos; `pending` holds the
-    fused aux states of positions draft_pos .. num_computed_tokens - 1, whose draft rows wait for the
-    token after them (known by the time the request is next scheduled)."""
+    """A request's draft progress: draft KV is valid below draft_pos; `pending` holds the fused aux
+    states of positions draft_pos .. num_computed_tokens - 1, whose draft rows wait for the token after
+    them (known by the time the request is next scheduled). Requests that do not draft keep one too, so
+    every block published to the prefix cache carries valid draft rows (the engine publishes blocks
+    only below draft_pos)."""
     draft_pos: int = 0
     pending: torch.Tensor | None = None
 
     def sync(self, num_computed: int) -> None:
         """Start over at num_computed when the state does not describe the request's KV: a new request
-        (possibly served from the prefix cache, whose draft rows are taken as they are) or one that was
-        preempted and recomputed."""
+        (maybe served from the prefix cache, whose blocks hold valid draft rows: they are published only
+        below draft_pos) or one preempted and readmitted."""
         rows = 0 if self.pending is None else self.pending.shape[0]
         if self.draft_pos + rows != num_computed:
             self.draft_pos, self.pending = num_computed, None
@@ -155,14 +157,11 @@ class EagleExecutor:
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch) -> SpecStepOutput:
         for req in sched.preempted:
-            if req.spec_state is not None:
-                req.spec_state = SpecState()
+            req.spec_state = SpecState()
         for req in sched.requests:
-            if req.spec_state is not None:
-                req.spec_state.sync(req.num_computed_tokens)
+            req.spec_state.sync(req.num_computed_tokens)
         # A decoding request always has pending rows (its last step's tokens); the check is belt and braces.
-        drafting = [r for r in sched.requests
-                    if r.spec_state is not None and not r.is_prefilling and r.spec_state.pending is not None]
+        drafting = [r for r in sched.requests if r.speculative and not r.is_prefilling and r.spec_state.pending is not None]
         timer = self.metrics.timer
         with timer("draft", self._sync):
             proposal = self._draft(sched, drafting)
@@ -195,7 +194,7 @@ class EagleExecutor:
         rows = 0
         for req in sched.requests:
             st = req.spec_state
-            if st is None or st.pending is None:
+            if st.pending is None:
                 continue
             start, end = st.draft_pos, req.num_computed_tokens
             seqs.append(_span(start, end, end, req.block_ids))
@@ -342,8 +341,6 @@ class EagleExecutor:
                        torch.tensor(dst, dtype=torch.long, device=self.device))
         rows, owners = [], []
         for req, n, start in zip(sched.requests, sched.num_new_tokens, layout.starts):
-            if req.spec_state is None:
-                continue
             i = positions.get(req.request_id)
             if i is None:
                 keep = range(start, start + n)

@@ -73,7 +73,8 @@ class Engine:
                                   extra_kv_bytes_per_block=draft_kv_bytes_per_block(
                                       config, config.block_size, config.resolved_dtype()))
         self.spec = EagleExecutor(config, self.runner, self.max_model_len) if config.speculative_model else None
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          recompute_last_hit_block=self.spec is not None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, lookahead_tokens=self.lookahead)
         self.model_info = ModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
@@ -99,9 +100,10 @@ class Engine:
                       self.max_model_len)
         if params.seed is not None:
             req.generator = self.runner.make_generator(params.seed)
-        # Logprobs come from the plain sampler, so requests asking for them decode without drafts.
-        if self.spec is not None and params.speculative and params.logprobs is None:
+        if self.spec is not None:
             req.spec_state = SpecState()
+            # Logprobs come from the plain sampler, so requests asking for them decode without drafts.
+            req.speculative = params.speculative and params.logprobs is None
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -236,7 +238,7 @@ class Engine:
                 finished.append(req)
         for req in sched.requests:
             if not req.is_finished:
-                self.block_manager.cache_full_blocks(req)
+                self.block_manager.cache_full_blocks(req, limit=req.spec_state.draft_pos)
         for req in finished:
             self.scheduler.finish(req)
             del self.requests[req.request_id]

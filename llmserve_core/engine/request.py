@@ -41,8 +41,10 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     generator: torch.Generator | None = None  # per-request stream for seeded sampling
-    # Set by the speculative executor for requests that draft; None for plain decoding.
+    # With a draft model loaded: the draft's per-request state (every request keeps its draft KV rows, so
+    # the blocks it publishes to the prefix cache are whole), and whether it drafts when decoding.
     spec_state: object | None = None
+    speculative: bool = False
 
     def __post_init__(self):
         if not self.token_ids:

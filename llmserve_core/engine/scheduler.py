@@ -107,7 +107,7 @@ class Scheduler:
     def _reserve(self, req: Request, num_new: int, out: ScheduledBatch) -> bool:
         """Make room for num_new tokens (plus lookahead when decoding), preempting newer requests."""
         need = req.num_computed_tokens + num_new
-        if not req.is_prefilling and req.spec_state is not None:
+        if not req.is_prefilling and req.speculative:
             need += self.lookahead_tokens
         while not self.blocks.can_allocate(req, need):
             victim = self.running[-1]

@@ -1,0 +1,319 @@
+"""EAGLE-3 inside the engine (CPU, float32): speculation never changes greedy output, sampling stays
+lossless, an oracle draft gets every token accepted, and nothing leaks KV blocks.
+
+The oracle is a test-only stand-in for the draft head that proposes the target's own greedy tokens:
+it stores the token each draft row reads in its KV slot (row p reads token p + 1), rebuilds a row's
+context from the block table and tree mask exactly as attention would see it, and asks transformers'
+Qwen3 for the argmax. Prompts start with a fixed token, the one token no draft row reads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmserve_core import Engine, EngineConfig
+from llmserve_core.engine import eagle_executor
+from llmserve_core.models.eagle3 import Eagle3Config, make_tiny_draft
+from llmserve_proto import SamplingParams
+
+FIRST = 7                                   # every prompt's first token (see the oracle)
+TRAINED_PAIR = Path(__file__).resolve().parents[1] / "llmserve_core/data/trained_pair"
+MODES = {
+    "chain": dict(speculative_gamma=3),
+    "tree-eagle-small": dict(speculative_gamma=3, speculative_tree="eagle-small"),
+    "tree-binary": dict(speculative_gamma=2, speculative_tree="binary"),
+}
+SCHEDULES = {
+    "plain": dict(block_size=8),     # small blocks: short prompts still hit the prefix cache
+    "chunked-tiny-budget": dict(max_num_batched_tokens=7, max_num_seqs=3),
+    "preempting-pool": dict(num_kv_blocks=24, block_size=4),
+}
+
+
+def make_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    shared = [FIRST] + [rnd.randrange(vocab) for _ in range(12)]
+    prompts = [shared + [rnd.randrange(vocab) for _ in range(n)] for n in (1, 6, 19)]      # shared prefix
+    prompts += [[FIRST] + [rnd.randrange(vocab) for _ in range(n)] for n in (0, 3, 30)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, tmp_path_factory):
+    draft = make_tiny_draft(tmp_path_factory.mktemp("draft"), tiny_model_dir, seed=1)
+    return str(tiny_model_dir), draft
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    target, _ = pair
+    engine = Engine(EngineConfig(model=target, device="cpu", dtype="float32"))
+    prompts = make_prompts(engine.model_info.vocab_size, seed=3)
+    # Past max_tokens too, so the oracle also knows the drafts beyond a request's last token.
+    longer = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    return prompts, [c.token_ids for c in longer]
+
+
+def spec_engine(target, draft, **kwargs) -> Engine:
+    return Engine(EngineConfig(model=target, device="cpu", dtype="float32", speculative_model=draft, **kwargs))
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    st = engine.stats()
+    assert st["running"] == 0 and st["waiting"] == 0
+    assert st["free_kv_blocks"] == st["total_kv_blocks"]
+    engine.block_manager.check_invariants()
+
+
+def mixed_params(n: int, max_tokens: int, opt_out_every: int = 0) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                           speculative=not (opt_out_every and i % opt_out_every == 1)) for i in range(n)]
+
+
+# ---- a random draft: mostly rejections, output unchanged ------------------------------------------------
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_random_draft_greedy_output_is_unchanged(pair, plain, mode, schedule):
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, **MODES[mode], **SCHEDULES[schedule])
+    max_new = 10
+    for opt_out in (0, 2):          # the second pass hits the prefix cache and mixes in opted-out requests
+        got = engine.generate(prompts, mixed_params(len(prompts), max_new, opt_out))
+        assert [c.token_ids for c in got] == [e[:max_new] for e in expected]
+        assert all(c.finish_reason == "length" for c in got)
+    st = engine.stats()
+    assert st["spec_num_steps"] > 0 and st["spec_num_draft_tokens"] > 0
+    assert st["spec_acceptance_rate"] < 0.5
+    if schedule == "preempting-pool":
+        assert st["num_preemptions"] > 0
+    if schedule == "plain":
+        assert st["prefix_hit_rate"] > 0
+    assert_all_blocks_free(engine)
+
+
+# ---- the oracle: everything accepted ----------------------------------------------------------------
+
+class OracleDraft:
+    """Proposes the target's greedy token after the context each draft row sees."""
+
+    def __init__(self, hf_model, target_cfg):
+        self.hf = hf_model
+        vocab = target_cfg.vocab_size
+        self.cfg = Eagle3Config(hidden_size=4, num_attention_heads=1, num_key_value_heads=1, head_dim=1,
+                                intermediate_size=4, vocab_size=vocab, draft_vocab_size=vocab,
+                                target_hidden_size=target_cfg.hidden_size, norm_before_residual=True,
+                                aux_layer_ids=(0, 0, 1))
+        self.d2t = torch.zeros(vocab, dtype=torch.long)
+
+    def combine_aux(self, aux):
+        return torch.zeros(aux[0].shape[0], 4)
+
+    def __call__(self, input_ids, hidden, batch, kv_cache):
+        store = kv_cache[0].view(-1)                      # [num_blocks * block_size]: one token id per slot
+        store[batch.slot_mapping] = input_ids.float()
+        block_size = kv_cache[0].shape[1]
+        contexts, start = [], 0
+        for i, (q_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
+            table = batch.block_tables[i].long()
+            pos = torch.arange(seq_len)
+            ctx = store[table[pos // block_size] * block_size + pos % block_size].long().tolist()
+            prefix, own = ctx[:seq_len - q_len], ctx[seq_len - q_len:]
+            for j in range(q_len):
+                seen = ([t for c, t in enumerate(own) if batch.tree_mask[start + j, c]]
+                        if batch.tree_mask is not None else own[:j + 1])
+                contexts.append([FIRST] + prefix + seen)
+            start += q_len
+        width = max(len(c) for c in contexts)
+        ids = torch.tensor([c + [0] * (width - len(c)) for c in contexts])
+        with torch.no_grad():
+            logits = self.hf(input_ids=ids).logits            # right padding: earlier positions never see it
+        nxt = logits[torch.arange(len(contexts)), torch.tensor([len(c) - 1 for c in contexts])].argmax(-1)
+        return nxt.float()[:, None], torch.zeros(len(contexts), 4)
+
+    def compute_logits(self, normed):
+        logits = torch.zeros(normed.shape[0], self.cfg.draft_vocab_size)
+        logits[torch.arange(normed.shape[0]), normed[:, 0].long()] = 1.0
+        return logits
+
+
+@pytest.fixture
+def oracle(monkeypatch, pair):
+    from transformers import Qwen3ForCausalLM
+    hf = Qwen3ForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
+    monkeypatch.setattr(eagle_executor, "load_draft",
+                        lambda config, runner, max_positions: OracleDraft(hf, runner.model_config))
+
+
+@pytest.mark.parametrize("schedule", ["plain", "chunked-preempting"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_oracle_draft_is_always_accepted(pair, plain, oracle, mode, schedule):
+    target, draft = pair
+    prompts, expected = plain
+    extra = SCHEDULES["plain"] if schedule == "plain" else dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=9)
+    engine = spec_engine(target, draft, **MODES[mode], **extra)
+    max_new = 10
+    for opt_out in (0, 3):
+        got = engine.generate(prompts, mixed_params(len(prompts), max_new, opt_out))
+        assert [c.token_ids for c in got] == [e[:max_new] for e in expected]
+    st = engine.stats()
+    depth = MODES[mode]["speculative_gamma"]
+    assert st["spec_num_steps"] > 0
+    assert st["spec_acceptance_rate"] == 1.0
+    assert st["spec_mean_acceptance_length"] == depth + 1
+    assert [st[f"spec_acceptance_pos_{j}"] for j in range(1, depth + 1)] == [1.0] * depth
+    if schedule != "plain":
+        assert st["num_preemptions"] > 0
+    else:
+        assert st["prefix_hit_rate"] > 0
+    assert_all_blocks_free(engine)
+
+
+# ---- the trained pair ----------------------------------------------------------------------------------
+
+def held_out_prompts(n: int, length: int = 24) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from llmserve_core.data import corpus_paragraphs
+    tok = Tokenizer.from_file(str(TRAINED_PAIR / "target/tokenizer.json"))
+    held = [p for i, p in enumerate(corpus_paragraphs()) if i % 20 == 19]      # as the training script splits
+    return [ids[:length] for ids in (tok.encode(t).ids for t in held) if len(ids) >= length][:n]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
+def test_trained_pair_greedy_identical_and_accepts(mode):
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    prompts = held_out_prompts(6)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = Engine(EngineConfig(model=target, device="cpu", dtype="float32")).generate(prompts, params)
+    engine = spec_engine(target, draft, **MODES[mode])
+    got = engine.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    st = engine.stats()
+    # The shipped metrics: 2.38 at gamma 3 offline; a tree accepts more.
+    floor = 2.0 if mode == "chain" else 2.5
+    assert st["spec_mean_acceptance_length"] > floor, st
+    print(f"{mode}: mean acceptance length {st['spec_mean_acceptance_length']:.2f}")
+    assert_all_blocks_free(engine)
+
+
+# ---- sampling is lossless -------------------------------------------------------------------------------
+
+def chi2_critical(df: int, z: float = 3.5) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def exact_pair_distribution(hf, prompt, top_k):
+    """P(first two generated tokens) under temperature 1 and top-k, straight from transformers."""
+    def dist(ids):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        top = logits.topk(top_k)
+        return top.indices.tolist(), torch.softmax(top.values, -1).tolist()
+    out = {}
+    for t1, p1 in zip(*dist(prompt)):
+        for t2, p2 in zip(*dist(prompt + [t1])):
+            out[(t1, t2)] = p1 * p2
+    return out
+
+
+@pytest.mark.parametrize("mode,accept", [("chain", "greedy"), ("chain", "sample"), ("tree-binary", "greedy")])
+def test_sampling_matches_the_target_distribution(mode, accept):
+    """The second token is the first one speculation decides (the first comes from the prefill's plain
+    sample): the joint (t1, t2) frequencies over many seeded requests must match the target exactly."""
+    from transformers import Qwen3ForCausalLM
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    hf = Qwen3ForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = held_out_prompts(1, length=12)[0]
+    top_k, n = 3, 1500
+    expected = exact_pair_distribution(hf, prompt, top_k)
+    engine = spec_engine(target, draft, speculative_accept_mode=accept, max_num_seqs=256, **MODES[mode])
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=1000 + i, ignore_eos=True)
+              for i in range(n)]
+    got = engine.generate([prompt] * n, params)
+    counts: dict = {}
+    for c in got:
+        key = tuple(c.token_ids[:2])
+        assert key in expected, f"sampled {key}, which has probability zero"
+        counts[key] = counts.get(key, 0) + 1
+    cells = [k for k, p in expected.items() if p * n >= 5]
+    rest = 1 - sum(expected[k] for k in cells)
+    stat = sum((counts.get(k, 0) - expected[k] * n) ** 2 / (expected[k] * n) for k in cells)
+    if rest * n >= 5:
+        other = n - sum(counts.get(k, 0) for k in cells)
+        stat += (other - rest * n) ** 2 / (rest * n)
+    df = len(cells) - (0 if rest * n >= 5 else 1)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} over {df} dof"
+    st = engine.stats()
+    assert st["spec_num_accepted_tokens"] > 0 and st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"]
+    assert_all_blocks_free(engine)
+
+
+# ---- plumbing -------------------------------------------------------------------------------------------
+
+def test_logprob_requests_decode_plainly_and_validation_counts_lookahead(pair):
+    target, draft = pair
+    engine = spec_engine(target, draft, num_kv_blocks=4, block_size=4)
+    prompt = [FIRST, 3, 4, 5]
+    got = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True))[0]
+    assert len(got.logprobs) == 4 and all(lp.top[0][0] == t for lp, t in zip(got.logprobs, got.token_ids))
+    assert engine.stats()["spec_num_steps"] == 0
+    # 4 + 12 tokens fill the 4 blocks exactly, but a drafting request also needs room for its drafts.
+    from llmserve_proto import ValidationError
+    with pytest.raises(ValidationError) as e:
+        engine.add_request("big", prompt, SamplingParams(max_tokens=12))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(speculative="yes").validate()
+    assert e.value.field == "speculative"
+
+
+def test_abort_mid_speculation_frees_blocks(pair):
+    target, draft = pair
+    engine = spec_engine(target, draft)
+    engine.add_request("a", [FIRST] + list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", [FIRST] + list(range(2, 30)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["spec_num_steps"] > 0
+    engine.abort("a")
+    engine.abort("b")
+    engine.step()
+    assert_all_blocks_free(engine)
+
+
+def test_trace_logs_each_step(pair, caplog):
+    target, draft = pair
+    engine = spec_engine(target, draft, speculative_trace=True)
+    with caplog.at_level("DEBUG", logger="llmserve.eagle"):
+        engine.generate([[FIRST, 1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert any("accepted" in r.getMessage() for r in caplog.records)
+    assert engine.stats()["spec_time_trace_ms"] > 0
+
+
+def test_bad_tree_name_names_the_field(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="speculative_tree"):
+        spec_engine(target, draft, speculative_tree="no-such-tree")
+    with pytest.raises(FileNotFoundError, match="speculative_model"):
+        spec_engine(target, str(Path(draft).parent / "missing"))
+
+
+def test_stats_are_scalars_with_spec_keys(pair):
+    target, draft = pair
+    engine = spec_engine(target, draft)
+    engine.generate([[FIRST, 9, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    st = engine.stats()
+    for key in ("spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_emitted_tokens",
+                "spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_pos_1",
+                "spec_time_draft_ms", "spec_time_verify_ms", "spec_time_accept_ms", "spec_time_kv_update_ms",
+                "spec_time_trace_ms"):
+        assert key in st
+    assert all(isinstance(v, (int, float, str, bool)) or v is None for v in st.values())
+    json.dumps(st)
