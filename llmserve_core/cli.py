@@ -1,7 +1,7 @@
 """`llmserve-core`: serve a model over the llmserve protocol, or make a tiny test model.
 
     llmserve-core --model DIR [--listen ipc://PATH | tcp://127.0.0.1:PORT] [engine flags...]
-    llmserve-core make-tiny-model DIR [--seed N]
+    llmserve-core make-tiny-model DIR [--seed N] [--draft DRAFT_DIR]
 
 Engine flags are generated from EngineConfig's fields (name -> --name-with-dashes, booleans get a --no-
 form), with the help text taken from the comment beside each field, so a new knob needs no change here.
@@ -93,6 +93,8 @@ def _tiny_parser() -> argparse.ArgumentParser:
                                 description="Write a tiny random-weight Qwen3 directory with a trained tokenizer.")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft", metavar="DRAFT_DIR",
+                   help="also write a matching random EAGLE-3 draft (speculators format) for --speculative-model")
     return p
 
 
@@ -100,6 +102,9 @@ def make_tiny_model_main(argv: list[str]) -> int:
     args = _tiny_parser().parse_args(argv)
     from llmserve_core.models.tiny import make_tiny_model
     print(make_tiny_model(args.dir, seed=args.seed))
+    if args.draft:
+        from llmserve_core.models.eagle3 import make_tiny_draft
+        print(make_tiny_draft(args.draft, args.dir, seed=args.seed + 1))
     return 0
 
 

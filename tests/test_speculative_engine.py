@@ -317,3 +317,42 @@ def test_stats_are_scalars_with_spec_keys(pair):
         assert key in st
     assert all(isinstance(v, (int, float, str, bool)) or v is None for v in st.values())
     json.dumps(st)
+
+
+# ---- the daemon ------------------------------------------------------------------------------------------
+
+def test_daemon_serves_speculatively_and_reports_spec_stats(tmp_path, capsys):
+    """`make-tiny-model --draft` writes a pair; `llmserve-core --speculative-model` serves it, streams the
+    plain engine's greedy tokens and carries the spec_* counters through stats."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from llmserve_client import Client
+    from llmserve_core.cli import main
+
+    model, draft = tmp_path / "m", tmp_path / "m-eagle3"
+    assert main(["make-tiny-model", str(model), "--draft", str(draft)]) == 0
+    assert str(draft) in capsys.readouterr().out and (draft / "config.json").exists()
+    prompt = [FIRST, 11, 12, 13, 14]
+    want = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32")).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    endpoint, log = f"ipc://{tmp_path}/core.sock", tmp_path / "core.log"
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", str(model), "--listen", endpoint,
+                             "--device", "cpu", "--num-kv-blocks", "64", "--speculative-model", str(draft),
+                             "--speculative-gamma", "2", "--log-interval", "0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    try:
+        with Client(endpoint, connect_timeout=60) as c:
+            assert c.model_info.speculative and c.model_info.speculative_model.endswith("m-eagle3")
+            chunks = list(c.stream(prompt, max_tokens=12, temperature=0.0, ignore_eos=True))
+            assert [t for ch in chunks for t in ch.token_ids] == want
+            st = c.stats()
+            assert st["spec_num_steps"] > 0 and st["spec_num_draft_tokens"] == 2 * st["spec_num_steps"]
+            assert "spec_mean_acceptance_length" in st and "spec_time_verify_ms" in st
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
