@@ -1,0 +1,126 @@
+"""Plain vs EAGLE-3 speculative decoding on the shipped trained pair, in-process on the CPU.
+
+Greedy, held-out prompts (every 20th corpus paragraph, which training never saw), fixed output length.
+Reports wall time per generated token for requests run one at a time (batch 1) and all together, the
+acceptance length, and checks that speculative output equals plain output token for token.
+
+    python benchmarks/spec_cpu.py [--num-prompts 16] [--max-tokens 40] [--out benchmarks/results]
+
+The tiny model makes every forward cost about the same fixed Python and launch overhead, whatever its
+batch or query length, so this measures the executor's step count and overhead more than arithmetic:
+it is the CPU counterpart of the H200 timing in spec_timing.py, not a prediction of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from llmserve_core import Engine, EngineConfig  # noqa: E402
+from llmserve_proto import SamplingParams  # noqa: E402
+
+PAIR = ROOT / "llmserve_core/data/trained_pair"
+MODES = {
+    "plain": {},
+    "chain-gamma3": dict(speculative_gamma=3),
+    "tree-eagle-small": dict(speculative_gamma=3, speculative_tree="eagle-small"),
+}
+
+
+def held_out_prompts(n: int, length: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from llmserve_core.data import corpus_paragraphs
+    tok = Tokenizer.from_file(str(PAIR / "target/tokenizer.json"))
+    held = [p for i, p in enumerate(corpus_paragraphs()) if i % 20 == 19]
+    return [ids[:length] for ids in (tok.encode(t).ids for t in held) if len(ids) >= length][:n]
+
+
+def run(mode: str, prompts, params, batch_all: bool, repeats: int) -> dict:
+    extra = MODES[mode]
+    if extra:
+        extra = dict(extra, speculative_model=str(PAIR / "draft"))
+    engine = Engine(EngineConfig(model=str(PAIR / "target"), device="cpu", dtype="float32",
+                                 enable_prefix_caching=False, **extra))
+    engine.generate(prompts[:2], params)                       # warm up
+    before = engine.stats()
+    best, outputs = None, None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if batch_all:
+            outs = engine.generate(prompts, params)
+        else:
+            outs = [engine.generate([p], params)[0] for p in prompts]
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+        outputs = [o.token_ids for o in outs]
+    st = engine.stats()
+    tokens = sum(len(o) for o in outputs)
+    out = {"mode": mode, "batch": len(prompts) if batch_all else 1, "seconds": best, "tokens": tokens,
+           "ms_per_token": 1000 * best / tokens, "engine_steps": (st["num_steps"] - before["num_steps"]) / repeats}
+    if "spec_num_steps" in st:
+        steps = st["spec_num_steps"] - before.get("spec_num_steps", 0)
+        out["mean_acceptance_length"] = (st["spec_num_emitted_tokens"] - before.get("spec_num_emitted_tokens", 0)) / steps
+        out["acceptance_rate"] = ((st["spec_num_accepted_tokens"] - before.get("spec_num_accepted_tokens", 0))
+                                  / (st["spec_num_draft_tokens"] - before.get("spec_num_draft_tokens", 0)))
+        out["time_ms"] = {k[len("spec_time_"):-3]: st[k] - before.get(k, 0) for k in st if k.startswith("spec_time_")}
+    return out, outputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = held_out_prompts(args.num_prompts, args.prompt_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch_all in (False, True):
+        reference = None
+        for mode in MODES:
+            row, outputs = run(mode, prompts, params, batch_all, args.repeats)
+            if reference is None:
+                reference = outputs
+            row["identical_to_plain"] = outputs == reference
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {"commit": commit, "device": "cpu", "threads": args.threads, "num_prompts": len(prompts),
+              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_trained_pair_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# EAGLE-3 on the trained tiny pair, CPU ({args.threads} thread), commit {commit}", "",
+             f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.max_tokens} greedy tokens each, "
+             f"best of {args.repeats}.", "",
+             "| mode | batch | ms / token | speedup vs plain | engine steps | acceptance length | acceptance rate | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(x for x in rows if x["batch"] == r["batch"] and x["mode"] == "plain")
+        al = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
+        rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-"
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['ms_per_token']:.2f} | {base['ms_per_token'] / r['ms_per_token']:.2f}x "
+                     f"| {r['engine_steps']:.0f} | {al} | {rate} | {r['identical_to_plain']} |")
+    lines += ["", "Speculative time per phase (ms, summed over the measured runs):", ""]
+    for r in rows:
+        if "time_ms" in r:
+            lines.append(f"- {r['mode']} batch {r['batch']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["time_ms"].items()))
+    (out / "spec_trained_pair_cpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
