@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*; touch $@
 
 tiny-model: $(STAMP)
-	test -f $(TINY)/config.json || $(PY) -m llmserve_core make-tiny-model $(TINY)
+	test -f $(TINY)/config.json || $(PY) -m llmserve_core make-tiny-model $(TINY) --draft $(TINY)-eagle3
 
-demo: tiny-model
-	$(PY) scripts/demo.py --model $(TINY)
+# The demo serves the shipped trained tiny pair (Qwen3 + EAGLE-3 draft); `make tiny-model` writes a
+# random one (with its draft) for experiments.
+demo: $(STAMP)
+	$(PY) scripts/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
