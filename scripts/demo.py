@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--model", default=os.path.join(pair, "target"))
     ap.add_argument("--speculative-model", default=os.path.join(pair, "draft"),
                     help="EAGLE-3 draft ('' to serve without speculation)")
-    ap.add_argument("--prompt", default="Explain how a socket is closed.")
+    ap.add_argument("--prompt", default="What does the parser return?")
     ap.add_argument("--bench-seconds", type=float, default=6.0)
     args = ap.parse_args()
 
@@ -45,7 +45,7 @@ def main() -> int:
             print(f"connected: {info.model} (vocab {info.vocab_size}, max_model_len {info.max_model_len})\n")
             messages = [{"role": "user", "content": args.prompt}]
             print(f"user> {args.prompt}\nassistant> ", end="", flush=True)
-            stream = client.stream(messages, max_tokens=64, temperature=0.8, top_p=0.95, seed=1)
+            stream = client.stream(messages, max_tokens=64, temperature=0.0)  # greedy: speculation gives the plain tokens
             for chunk in stream:
                 print(chunk.text, end="", flush=True)
             done = stream.completion
