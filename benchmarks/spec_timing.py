@@ -1,0 +1,264 @@
+"""EAGLE-3 step timing at the Qwen3-8B shape: what speedup do a draft step, a verify step and a plain
+decode step imply at a given acceptance length?
+
+Dummy weights for both models (timing does not depend on weight values): the target is Qwen3-8B's
+shape (benchmarks/qwen3_8b.py), the draft the shape of RedHatAI's Qwen3-8B EAGLE-3 speculator (one
+Llama layer, hidden 4096, 32 / 8 heads, head_dim 128, intermediate 12288, draft vocabulary 32000,
+norm_before_residual, aux layers 2, 18, 33). Per batch size, with every request at context ~512:
+
+  t_decode   plain decode step through the model runner (CUDA graphs unless --enforce-eager) + sampling
+  t_decode_eager  the same forward without graphs
+  t_catchup  the draft's catch-up forward (--catchup-rows rows per request: the accepted tokens + bonus)
+             and its first proposal
+  t_draft    one single-token draft step and its proposal
+  t_verify   the packed target forward over 1 + gamma rows per request with aux capture, logits,
+             greedy verification and fusing the accepted rows' aux states for the next catch-up
+  t_step     a whole speculative engine step through EagleExecutor.execute (host work included)
+
+and the implied speedup AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify) at acceptance
+lengths 2.0, 2.5, 3.0 (plus AL * t_decode / t_step). Times are CUDA-event medians after warmup.
+
+    python benchmarks/spec_timing.py --out benchmarks/results/spec_timing_h200        # on the GPU
+    python benchmarks/spec_timing.py --smoke --out /tmp/spec_smoke                     # tiny shapes on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from llmserve_core import Engine, EngineConfig  # noqa: E402
+from llmserve_core.engine.eagle_executor import SpecState, _span  # noqa: E402
+from llmserve_core.engine.request import Request  # noqa: E402
+from llmserve_core.engine.scheduler import ScheduledBatch  # noqa: E402
+from llmserve_core.layers.sampler import SamplingTensors, sample  # noqa: E402
+from llmserve_core.models.eagle3 import speculators_config  # noqa: E402
+from llmserve_core.speculative.propose import greedy_propose  # noqa: E402
+from llmserve_core.speculative.verify import greedy_verify  # noqa: E402
+from llmserve_proto import SamplingParams  # noqa: E402
+
+ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.0)
+GREEDY = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+
+
+def write_models(tmp: Path, smoke: bool) -> tuple[str, str]:
+    """(target dir, draft dir): config files only, loaded with load_format dummy."""
+    if smoke:
+        from llmserve_core.models.eagle3 import make_tiny_draft
+        from llmserve_core.models.tiny import make_tiny_model
+        target = make_tiny_model(tmp / "target", seed=0)
+        return target, make_tiny_draft(tmp / "draft", target, seed=1)
+    from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir
+    target = write_qwen3_8b_dir(str(tmp / "target"))
+    cfg = speculators_config(QWEN3_8B_CONFIG, draft_vocab_size=32000, intermediate_size=12288,
+                             aux_layer_ids=(2, 18, 33), norm_before_residual=True, verifier="Qwen/Qwen3-8B")
+    draft = tmp / "draft"
+    draft.mkdir(parents=True, exist_ok=True)
+    (draft / "config.json").write_text(json.dumps(cfg, indent=2))
+    return target, str(draft)
+
+
+def timer(device: torch.device, warmup: int, iters: int):
+    def measure(fn) -> float:
+        """Median milliseconds of fn(); events bracket host work too, so a host-bound step shows up."""
+        for _ in range(warmup):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+    return measure
+
+
+def decoding_requests(engine: Engine, batch: int, context: int) -> list[Request]:
+    """`batch` requests at `context` tokens, the last one's KV not yet computed (about to decode), with
+    blocks for their drafts. KV contents are whatever the pool holds: timing does not read them."""
+    reqs = []
+    for i in range(batch):
+        req = Request(f"r{i}", [(7 * i + j) % 1000 + 3 for j in range(context)], GREEDY, frozenset(), engine.max_model_len)
+        engine.block_manager.allocate(req, context + engine.lookahead + 1)
+        req.num_computed_tokens = context - 1
+        req.speculative = True
+        reqs.append(req)
+    return reqs
+
+
+@torch.inference_mode()
+def time_batch(engine: Engine, batch: int, args, measure) -> dict:
+    ex, runner, draft = engine.spec, engine.runner, engine.spec.draft
+    device, gamma = runner.device, ex.gamma
+    reqs = decoding_requests(engine, batch, args.context)
+    try:
+        n = args.context                                   # num_tokens of every request
+        sched = ScheduledBatch(reqs, [1] * batch)
+        out: dict = {"batch": batch}
+
+        def decode():
+            runner.launch(sched).result()
+        out["t_decode"] = measure(decode)
+
+        st = SamplingTensors.from_params([GREEDY] * batch, [None] * batch, device)
+
+        def decode_eager():
+            prepared = runner.prepare(sched)
+            hidden = runner.model(prepared.input_ids, prepared.batch, runner.kv_caches)
+            sample(runner.model.compute_logits(hidden[prepared.sample_rows]), st)
+        out["t_decode_eager"] = measure(decode_eager)
+
+        hidden_size = draft.cfg.hidden_size
+        rows = args.catchup_rows
+        catchup_ids = torch.randint(0, 1000, (batch * rows,), device=device)
+        catchup_hidden = torch.randn(batch * rows, hidden_size, device=device, dtype=runner.dtype)
+        last = torch.arange(rows - 1, batch * rows, rows, device=device)
+
+        def catchup():
+            seqs = [_span(n - 1 - rows, n - 1, n - 1, r.block_ids) for r in reqs]
+            normed, _ = draft(catchup_ids, catchup_hidden, ex._pack(seqs), ex.kv)
+            greedy_propose(draft.compute_logits(normed[last]), draft.d2t)
+        out["t_catchup"] = measure(catchup)
+
+        step_ids = torch.randint(0, 1000, (batch,), device=device)
+        step_hidden = torch.randn(batch, hidden_size, device=device, dtype=runner.dtype)
+
+        def draft_step():
+            seqs = [_span(n - 1, n, n, r.block_ids) for r in reqs]
+            normed, _ = draft(step_ids, step_hidden, ex._pack(seqs), ex.kv)
+            greedy_propose(draft.compute_logits(normed), draft.d2t)
+        out["t_draft"] = measure(draft_step)
+
+        width = 1 + gamma
+        verify_ids = torch.randint(0, 1000, (batch * width,), device=device)
+        drafts = torch.randint(0, 1000, (batch, gamma), device=device)
+        num_draft = torch.full((batch,), gamma, device=device)
+
+        def verify():
+            seqs = [_span(n - 1, n - 1 + width, n - 1 + width, r.block_ids) for r in reqs]
+            hidden, aux = runner.model(verify_ids, ex._pack(seqs), runner.kv_caches, aux_layer_ids=ex.aux_layer_ids)
+            result = greedy_verify(runner.model.compute_logits(hidden), drafts, num_draft)
+            keep = torch.arange(batch * rows, device=device) % (batch * width)   # ~AL rows per request
+            draft.combine_aux([a[keep] for a in aux])
+            result.num_accepted.tolist()                   # the host needs the counts: a real sync point
+        out["t_verify"] = measure(verify)
+
+        def spec_step():
+            for r in reqs:    # the state a request has after a step that accepted nothing
+                r.spec_state = SpecState(n - 2, torch.zeros(1, hidden_size, device=device, dtype=runner.dtype))
+            ex.execute(sched)
+        out["t_step"] = measure(spec_step)
+
+        drafting = out["t_catchup"] + (gamma - 1) * out["t_draft"] + out["t_verify"]
+        out["t_spec_components"] = drafting
+        for al in ACCEPTANCE_LENGTHS:
+            out[f"speedup_al{al}"] = al * out["t_decode"] / drafting
+            out[f"speedup_vs_eager_al{al}"] = al * out["t_decode_eager"] / drafting
+            out[f"speedup_step_al{al}"] = al * out["t_decode"] / out["t_step"]
+        return out
+    finally:
+        for r in reqs:
+            engine.block_manager.release(r)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# EAGLE-3 step timing: {result['shape']} on {result['device_name']}, commit {result['commit']}", "",
+             f"gamma {result['gamma']}, context {result['context']}, catch-up rows {result['catchup_rows']}, "
+             f"{result['dtype']}, attention {result['attention_backend']}, decode graphs "
+             f"{'off' if result['enforce_eager'] else 'on'}; milliseconds (CUDA-event medians).", "",
+             "| batch | decode | decode eager | catch-up | draft step | verify | spec step | "
+             + " | ".join(f"x @AL {al}" for al in ACCEPTANCE_LENGTHS) + " | x step @AL 2.5 |",
+             "|---" * (8 + len(ACCEPTANCE_LENGTHS)) + "|"]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['batch']} | failed: {row['error']} |")
+            continue
+        lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_decode_eager']:.2f} | {row['t_catchup']:.2f} "
+                     f"| {row['t_draft']:.2f} | {row['t_verify']:.2f} | {row['t_step']:.2f} | "
+                     + " | ".join(f"{row[f'speedup_al{al}']:.2f}" for al in ACCEPTANCE_LENGTHS)
+                     + f" | {row['speedup_step_al2.5']:.2f} |")
+    lines += ["", "x @AL: AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify), against the plain decode "
+              "the engine runs (graphs on CUDA). x step: AL * t_decode / t_step, the executor's whole step with "
+              "its host work (eager draft and verify)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for spec_timing.json and spec_timing.md")
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--catchup-rows", type=int, default=3, help="draft catch-up rows per request (~ acceptance length)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the script, not the GPU")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    if args.smoke:
+        batches = [b for b in batches if b <= 4] or [1]
+        args.context, args.warmup, args.iters = min(args.context, 48), 1, 3
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = write_models(Path(tmp), args.smoke)
+        block_size = 16
+        per_seq = -(-(args.context + 2 * (args.gamma + 1) + 1) // block_size)
+        engine = Engine(EngineConfig(
+            model=target, device=device.type, load_format="dummy", speculative_model=draft,
+            speculative_gamma=args.gamma, max_num_seqs=max(batches), max_model_len=args.context + 64,
+            num_kv_blocks=max(batches) * per_seq + 1, block_size=block_size, enforce_eager=args.enforce_eager,
+            attention_backend=args.attention_backend, max_num_batched_tokens=max(8192, max(batches) * (args.gamma + 1))))
+        measure = timer(device, args.warmup, args.iters)
+        rows = []
+        for b in batches:
+            try:
+                rows.append(time_batch(engine, b, args, measure))
+            except Exception as e:        # one failing size (e.g. out of memory) must not lose the others
+                traceback.print_exc()
+                rows.append({"batch": b, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            print(json.dumps(rows[-1]), flush=True)
+        result = {
+            "commit": commit, "shape": "tiny (smoke)" if args.smoke else "Qwen3-8B + EAGLE-3 speculator (dummy)",
+            "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(engine.runner.dtype).replace("torch.", ""), "attention_backend": engine.runner.attn_backend.name,
+            "enforce_eager": args.enforce_eager or engine.runner.graphs is None, "gamma": args.gamma,
+            "context": args.context, "catchup_rows": args.catchup_rows, "warmup": args.warmup, "iters": args.iters,
+            "rows": rows,
+        }
+    (out_dir / "spec_timing.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = markdown(result)
+    (out_dir / "spec_timing.md").write_text(md)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main()
