@@ -223,8 +223,17 @@ def exact_pair_distribution(hf, prompt, top_k):
     return out
 
 
+@pytest.fixture
+def one_thread():
+    """Big batches of tiny matmuls: two intra-op threads on a busy 2-core machine run 5x slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("mode,accept", [("chain", "greedy"), ("chain", "sample"), ("tree-binary", "greedy")])
-def test_sampling_matches_the_target_distribution(mode, accept):
+def test_sampling_matches_the_target_distribution(mode, accept, one_thread):
     """The second token is the first one speculation decides (the first comes from the prefill's plain
     sample): the joint (t1, t2) frequencies over many seeded requests must match the target exactly."""
     from transformers import Qwen3ForCausalLM
@@ -371,3 +380,44 @@ def test_spec_timing_smoke(tmp_path):
         assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_draft", "t_verify", "t_step", "speedup_al2.5"))
     saved = json.loads((tmp_path / "spec_timing.json").read_text())
     assert saved["rows"] == result["rows"] and "| 4 |" in (tmp_path / "spec_timing.md").read_text()
+
+
+# ---- fixed-shape graphs ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
+def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
+    """The graph path's static buffers and bucket padding, run eagerly (no CUDA here): same tokens.
+    max_num_seqs 5 gives buckets 1, 2, 4, 5, so 3 live requests run padded to 4."""
+    monkeypatch.setattr(eagle_executor, "use_graphs", lambda config, runner: True)
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, max_num_seqs=5, **MODES[mode])
+    assert engine.spec.verify_graphs.capture is False
+    got = engine.generate(prompts, mixed_params(len(prompts), 10))
+    assert [c.token_ids for c in got] == [e[:10] for e in expected]
+    assert engine.spec.verify_graphs.replays > 0
+    if mode == "chain":
+        assert engine.spec.draft_graphs.replays > 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
+def test_cuda_graphs_equal_eager_tokens(pair, mode):
+    """On the GPU (Triton attention): captured draft-step and verify graphs give eager's tokens."""
+    target, draft = pair
+    prompts = make_prompts(1024, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        engine = Engine(EngineConfig(model=target, device="cuda", dtype="float32", attention_backend="triton",
+                                     speculative_model=draft, enforce_eager=eager, max_num_seqs=8, **MODES[mode]))
+        outs[eager] = [c.token_ids for c in engine.generate(prompts, params)]
+        if not eager:
+            assert engine.spec.verify_graphs.capture and engine.spec.verify_graphs.replays > 0
+        assert_all_blocks_free(engine)
+    assert outs[False] == outs[True]
+    plain_engine = Engine(EngineConfig(model=target, device="cuda", dtype="float32", attention_backend="triton",
+                                       enforce_eager=True))
+    assert [c.token_ids for c in plain_engine.generate(prompts, params)] == outs[True]

@@ -33,6 +33,7 @@ from llmserve_core.config import EngineConfig
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
+from llmserve_core.engine.spec_graphs import FixedRowsGraphs
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
 from llmserve_core.models.eagle3 import Eagle3Config, load_eagle3
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
@@ -42,6 +43,9 @@ from llmserve_core.speculative.types import TIMING_KEYS, SpecMetrics, SpecStepRe
 from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
 
 log = logging.getLogger("llmserve.eagle")
+
+# Verify graphs hold logits for (1 + gamma) rows per request: past this batch the step runs eagerly.
+MAX_GRAPH_BATCH = 128
 
 
 def lookahead_tokens(config: EngineConfig) -> int:
@@ -59,6 +63,11 @@ def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch
         return 0
     cfg = Eagle3Config.from_dir(config.speculative_model)
     return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def use_graphs(config: EngineConfig, runner) -> bool:
+    """CUDA graphs need a device, no opt-out, and a backend that reads every length from device tensors."""
+    return runner.device.type == "cuda" and not config.enforce_eager and runner.attn_backend.name == "triton"
 
 
 def load_draft(config: EngineConfig, runner, max_positions: int):
@@ -149,6 +158,17 @@ class EagleExecutor:
         if self.tree is not None:
             self.tree_mask = self.tree.attention_mask()
             self.tree_depths = np.asarray(self.tree.depths)
+        self.draft_graphs = self.verify_graphs = None
+        if use_graphs(config, runner):
+            capture = self.device.type == "cuda"
+            shape = dict(max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_blocks_per_seq=runner.max_blocks_per_seq,
+                         max_seq_len=max_model_len + self.lookahead, dtype=runner.dtype, device=self.device,
+                         capture=capture)
+            if self.tree is None and self.gamma > 1:
+                self.draft_graphs = FixedRowsGraphs("draft step", self._draft_step, 1, hidden_size=dcfg.hidden_size,
+                                                    **shape)
+            self.verify_graphs = FixedRowsGraphs("verify", self._verify_forward, 1 + self.lookahead, hidden_size=None,
+                                                 tree_mask=self.tree_mask if self.tree is not None else None, **shape)
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
                  list(self.aux_layer_ids), f"tree {self.tree.name} ({self.tree.num_nodes} nodes)" if self.tree
                  else f"chain gamma {self.gamma}", config.speculative_accept_mode)
@@ -166,10 +186,10 @@ class EagleExecutor:
         with timer("draft", self._sync):
             proposal = self._draft(sched, drafting)
         with timer("verify", self._sync):
-            hidden, aux, layout = self._target_forward(sched, drafting, proposal)
+            hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
         with timer("accept", self._sync):
             sampled, sampled_reqs = self._sample_plain(hidden, layout.sample_rows, layout.sample_requests)
-            verified = self._verify(hidden, layout.verify_rows, drafting, proposal)
+            verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
         with timer("kv_update", self._sync):
             self._commit(sched, drafting, verified, aux, layout)
         results = [SpecStepResult(tokens, self.tree.depth if self.tree else self.gamma, len(tokens) - 1, path)
@@ -220,8 +240,11 @@ class EagleExecutor:
             if j:
                 seqs = [_span(r.num_tokens - 2 + j, r.num_tokens - 1 + j, r.num_tokens - 1 + j, r.block_ids)
                         for r in drafting]
-                normed, h = self.draft(tokens[-1], h, self._pack(seqs), self.kv)
-                logits = self.draft.compute_logits(normed)
+                batch = self._pack(seqs)
+                if self.draft_graphs is not None and self.draft_graphs.bucket_for(len(drafting)):
+                    logits, h = self.draft_graphs.run(tokens[-1], h, batch)
+                else:
+                    logits, h = self._draft_step(tokens[-1], h, batch)
             if st is not None:
                 d, q = sample_propose(logits, st, self.draft.d2t, self.draft.cfg.vocab_size)
                 qs.append(q)
@@ -291,8 +314,23 @@ class EagleExecutor:
                 ids[(base + torch.arange(1, width, device=self.device)).flatten()] = proposal.tokens.flatten()
             else:
                 ids[(base + torch.arange(1, width, device=self.device)).flatten()] = proposal.tokens[:, 1:].flatten()
-        hidden, aux = self.runner.model(ids, self._pack(seqs), self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
-        return hidden, aux, layout
+        batch = self._pack(seqs)
+        if (self.verify_graphs is not None and len(drafting) == len(sched.requests)
+                and self.verify_graphs.bucket_for(len(drafting))):
+            # A pure verify batch (the steady state of decoding): logits come out of the graph.
+            logits, *aux = self.verify_graphs.run(ids, None, batch)
+            return None, aux, layout, logits
+        hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
+        return hidden, aux, layout, None
+
+    # The two fixed-shape forwards, as CUDA graphs capture them (eager otherwise).
+    def _draft_step(self, ids, hidden, batch):
+        normed, prenorm = self.draft(ids, hidden, batch, self.kv)
+        return self.draft.compute_logits(normed), prenorm
+
+    def _verify_forward(self, ids, _hidden, batch):
+        hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
+        return (self.runner.model.compute_logits(hidden), *aux)
 
     # ---- 4: sampling, verification, commit ---------------------------------------------------------
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
@@ -304,12 +342,13 @@ class EagleExecutor:
         logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return sample(logits, self._sampling(reqs)).to_host(False), reqs
 
-    def _verify(self, hidden, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
+    def _verify(self, hidden, logits, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
         if not drafting:
             return _Verified([], [])
         width = 1 + self.lookahead
-        idx = (torch.tensor(rows, device=self.device)[:, None] + torch.arange(width, device=self.device)).flatten()
-        logits = self.runner.model.compute_logits(hidden[idx])             # [B * width, V], request-major
+        if logits is None:
+            idx = (torch.tensor(rows, device=self.device)[:, None] + torch.arange(width, device=self.device)).flatten()
+            logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
         greedy = all(r.params.temperature == 0 for r in drafting)
         generators = [r.generator for r in drafting]
         if not greedy:

@@ -1,0 +1,99 @@
+"""CUDA graphs for the speculative steps whose shape is fixed: single-token draft steps (1 row per
+request) and the verify forward (1 + gamma rows, or the tree's nodes, per request), one per batch bucket.
+
+Like DecodeGraphs: each bucket's forward is captured once over static device buffers and replayed with
+fresh inputs copied in. Rows of padding sequences write no KV (slot -1) and attend to a few cached
+slots, so they never touch live state. Every length the kernels read comes from device tensors, and the
+tree mask, identical for every request, is a static buffer too.
+
+capture=False keeps the static buffers and padding but runs the forward eagerly on every call: the same
+bookkeeping without a GPU, which is how the CPU tests check it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.engine.cuda_graphs import batch_buckets
+
+log = logging.getLogger("llmserve.spec_graphs")
+
+# fn(input_ids [T], hidden [T, H] or None, batch) -> tuple of [T, ...] tensors
+StepFn = Callable[[torch.Tensor, torch.Tensor | None, ForwardBatch], tuple[torch.Tensor, ...]]
+
+
+class FixedRowsGraphs:
+    def __init__(self, name: str, fn: StepFn, rows: int, max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
+                 hidden_size: int | None, dtype, device, tree_mask: torch.Tensor | None = None, capture: bool = True):
+        self.name, self.fn, self.rows = name, fn, rows
+        self.buckets = batch_buckets(max_batch)
+        self.max_seq_len = max_seq_len
+        self.capture = capture
+        total = max_batch * rows
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(total, dtype=i64, device=device)
+        self.positions = torch.zeros(total, dtype=i64, device=device)
+        self.slot_mapping = torch.full((total,), -1, dtype=i64, device=device)
+        self.seq_lens = torch.full((max_batch,), rows, dtype=i32, device=device)
+        self.query_start_loc = torch.arange(0, (max_batch + 1) * rows, rows, dtype=i32, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=device)
+        self.hidden = torch.zeros(total, hidden_size, dtype=dtype, device=device) if hidden_size else None
+        self.tree_mask = tree_mask.to(device).repeat(max_batch, 1) if tree_mask is not None else None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.replays = 0
+        if capture:
+            self._capture_all()
+
+    def _batch(self, n: int) -> ForwardBatch:
+        t = n * self.rows
+        return ForwardBatch(self.positions[:t], self.slot_mapping[:t], self.query_start_loc[:n + 1], self.seq_lens[:n],
+                            self.block_tables[:n], max_query_len=self.rows, max_seq_len=self.max_seq_len,
+                            tree_mask=self.tree_mask[:t] if self.tree_mask is not None else None)
+
+    def _call(self, n: int) -> tuple[torch.Tensor, ...]:
+        t = n * self.rows
+        return self.fn(self.input_ids[:t], self.hidden[:t] if self.hidden is not None else None, self._batch(n))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for n in reversed(self.buckets):          # largest first, so smaller graphs reuse its memory pool
+            for _ in range(2):                    # warm up: Triton compiles and autotunes outside capture
+                self._call(n)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._call(n)
+            pool = graph.pool()
+            self.graphs[n] = (graph, out)
+        torch.cuda.synchronize()
+        log.info("captured %s CUDA graphs for batch sizes %s", self.name, self.buckets)
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """Replay for a batch of n sequences with `rows` query rows each; outputs cut to its n * rows rows."""
+        n, t = batch.num_seqs, batch.num_tokens
+        bucket = self.bucket_for(n)
+        padded = bucket * self.rows
+        width = batch.block_tables.shape[1]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.slot_mapping[:t].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        if hidden is not None:
+            self.hidden[:t].copy_(hidden)
+        if bucket > n:
+            self.slot_mapping[t:padded].fill_(-1)
+            self.seq_lens[n:bucket].fill_(self.rows)
+        self.replays += 1
+        if not self.capture:
+            return tuple(o[:t] for o in self._call(bucket))
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return tuple(o[:t] for o in out)
