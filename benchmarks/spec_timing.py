@@ -13,6 +13,7 @@ norm_before_residual, aux layers 2, 18, 33). Per batch size, with every request 
   t_draft    one single-token draft step and its proposal
   t_verify   the packed target forward over 1 + gamma rows per request with aux capture, logits,
              greedy verification and fusing the accepted rows' aux states for the next catch-up
+  t_draft_graph, t_verify_graph  the same through the executor's CUDA graphs (when captured)
   t_step     a whole speculative engine step through EagleExecutor.execute (host work included)
 
 and the implied speedup AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify) at acceptance
@@ -164,13 +165,32 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
             result.num_accepted.tolist()                   # the host needs the counts: a real sync point
         out["t_verify"] = measure(verify)
 
+        # The fixed-shape graphs the executor replays on CUDA (absent with --enforce-eager or on the CPU).
+        if ex.draft_graphs is not None and ex.draft_graphs.bucket_for(batch):
+            def draft_step_graph():
+                seqs = [_span(n - 1, n, n, r.block_ids) for r in reqs]
+                logits, _ = ex.draft_graphs.run(step_ids, step_hidden, ex._pack(seqs))
+                greedy_propose(logits, draft.d2t)
+            out["t_draft_graph"] = measure(draft_step_graph)
+        if ex.verify_graphs is not None and ex.verify_graphs.bucket_for(batch):
+            def verify_graph():
+                seqs = [_span(n - 1, n - 1 + width, n - 1 + width, r.block_ids) for r in reqs]
+                logits, *aux = ex.verify_graphs.run(verify_ids, None, ex._pack(seqs))
+                result = greedy_verify(logits, drafts, num_draft)
+                keep = torch.arange(batch * rows, device=device) % (batch * width)
+                draft.combine_aux([a[keep] for a in aux])
+                result.num_accepted.tolist()
+            out["t_verify_graph"] = measure(verify_graph)
+
         def spec_step():
             for r in reqs:    # the state a request has after a step that accepted nothing
                 r.spec_state = SpecState(n - 2, torch.zeros(1, hidden_size, device=device, dtype=runner.dtype))
             ex.execute(sched)
         out["t_step"] = measure(spec_step)
 
-        drafting = out["t_catchup"] + (gamma - 1) * out["t_draft"] + out["t_verify"]
+        # What the engine runs: graphs where it has them.
+        t_draft, t_verify = out.get("t_draft_graph", out["t_draft"]), out.get("t_verify_graph", out["t_verify"])
+        drafting = out["t_catchup"] + (gamma - 1) * t_draft + t_verify
         out["t_spec_components"] = drafting
         for al in ACCEPTANCE_LENGTHS:
             out[f"speedup_al{al}"] = al * out["t_decode"] / drafting
@@ -187,20 +207,25 @@ def markdown(result: dict) -> str:
              f"gamma {result['gamma']}, context {result['context']}, catch-up rows {result['catchup_rows']}, "
              f"{result['dtype']}, attention {result['attention_backend']}, decode graphs "
              f"{'off' if result['enforce_eager'] else 'on'}; milliseconds (CUDA-event medians).", "",
-             "| batch | decode | decode eager | catch-up | draft step | verify | spec step | "
+             "| batch | decode | decode eager | catch-up | draft step | draft graph | verify | verify graph | spec step | "
              + " | ".join(f"x @AL {al}" for al in ACCEPTANCE_LENGTHS) + " | x step @AL 2.5 |",
-             "|---" * (8 + len(ACCEPTANCE_LENGTHS)) + "|"]
+             "|---" * (10 + len(ACCEPTANCE_LENGTHS)) + "|"]
+
+    def ms(row, key):
+        return f"{row[key]:.2f}" if key in row else "-"
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['batch']} | failed: {row['error']} |")
             continue
         lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_decode_eager']:.2f} | {row['t_catchup']:.2f} "
-                     f"| {row['t_draft']:.2f} | {row['t_verify']:.2f} | {row['t_step']:.2f} | "
+                     f"| {row['t_draft']:.2f} | {ms(row, 't_draft_graph')} | {row['t_verify']:.2f} "
+                     f"| {ms(row, 't_verify_graph')} | {row['t_step']:.2f} | "
                      + " | ".join(f"{row[f'speedup_al{al}']:.2f}" for al in ACCEPTANCE_LENGTHS)
                      + f" | {row['speedup_step_al2.5']:.2f} |")
     lines += ["", "x @AL: AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify), against the plain decode "
-              "the engine runs (graphs on CUDA). x step: AL * t_decode / t_step, the executor's whole step with "
-              "its host work (eager draft and verify)."]
+              "the engine runs (graphs on CUDA), with the graph draft step / verify where they exist. x step: "
+              "AL * t_decode / t_step, the executor's whole step (catch-up of 1 row, graphs where available, host "
+              "work included)."]
     return "\n".join(lines) + "\n"
 
 

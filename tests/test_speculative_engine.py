@@ -367,8 +367,10 @@ def test_daemon_serves_speculatively_and_reports_spec_stats(tmp_path, capsys):
         assert proc.wait(30) == 0, log.read_text()[-3000:]
 
 
-def test_spec_timing_smoke(tmp_path):
-    """benchmarks/spec_timing.py end to end on tiny shapes (the H200 run uses the 8B shapes)."""
+def test_spec_timing_smoke(tmp_path, monkeypatch):
+    """benchmarks/spec_timing.py end to end on tiny shapes (the H200 run uses the 8B shapes), with the
+    graph path in its eager mode so its timing code runs too."""
+    monkeypatch.setattr(eagle_executor, "use_graphs", lambda config, runner: True)
     import importlib.util
     spec = importlib.util.spec_from_file_location("spec_timing", Path(__file__).resolve().parents[1] / "benchmarks/spec_timing.py")
     module = importlib.util.module_from_spec(spec)
@@ -377,7 +379,8 @@ def test_spec_timing_smoke(tmp_path):
     assert [r["batch"] for r in result["rows"]] == [1, 4]
     for row in result["rows"]:
         assert "error" not in row, row
-        assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_draft", "t_verify", "t_step", "speedup_al2.5"))
+        assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_draft", "t_verify", "t_draft_graph",
+                                        "t_verify_graph", "t_step", "speedup_al2.5"))
     saved = json.loads((tmp_path / "spec_timing.json").read_text())
     assert saved["rows"] == result["rows"] and "| 4 |" in (tmp_path / "spec_timing.md").read_text()
 
