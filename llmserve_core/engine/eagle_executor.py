@@ -210,7 +210,8 @@ class EagleExecutor:
 
     # ---- 1-2: drafting -----------------------------------------------------------------------------
     def _draft(self, sched: ScheduledBatch, drafting: list[Request]) -> "_Proposal":
-        seqs, hidden, last_rows = [], [], {}
+        # Catch-up: draft rows for positions draft_pos .. num_computed - 1, reading the tokens one later.
+        seqs, ids, hidden, last_rows = [], [], [], {}
         rows = 0
         for req in sched.requests:
             st = req.spec_state
@@ -218,18 +219,18 @@ class EagleExecutor:
                 continue
             start, end = st.draft_pos, req.num_computed_tokens
             seqs.append(_span(start, end, end, req.block_ids))
+            ids.extend(req.token_ids[start + 1:end + 1])
             hidden.append(st.pending)
             rows += end - start
             last_rows[req.request_id] = rows - 1
             st.draft_pos, st.pending = end, None
+        none = _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
         if not seqs:
-            return _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
-        ids = torch.tensor(np.concatenate([req.token_ids[s.rope[0] + 1:s.seq_len + 1] for req, s in
-                                           zip((r for r in sched.requests if r.request_id in last_rows), seqs)]),
-                           dtype=torch.long).to(self.device)
+            return none
+        ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         normed, prenorm = self.draft(ids, torch.cat(hidden), self._pack(seqs), self.kv)
         if not drafting:
-            return _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
+            return none
         last = torch.tensor([last_rows[r.request_id] for r in drafting], device=self.device)
         logits, h = self.draft.compute_logits(normed[last]), prenorm[last]
         if self.tree is not None:
