@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -46,6 +47,10 @@ class Transport:
         self._outbox: collections.deque[bytes] = collections.deque()
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
+        # Guards the pipe's fds: once closed, their numbers can be reused by anything in the process (another
+        # socket, a ZMQ context), so a late wakeup must never write to them.
+        self._fd_lock = threading.Lock()
+        self._fds_open = True
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         ctx = zmq.Context.instance()
@@ -53,7 +58,10 @@ class Transport:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        # A unique address: pyzmq's default derives it from the socket's fd number, which a later socket in
+        # this process can reuse while the old monitor endpoint is still being torn down.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED,
+                                                      addr=f"inproc://llmserve-client-monitor-{uuid.uuid4().hex}")
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="llmserve-client-io", daemon=True)
         self._thread.start()
@@ -111,10 +119,13 @@ class Transport:
         self._thread.join(timeout=2.0)
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass   # pipe full (a wakeup is pending anyway) or already closed
+        with self._fd_lock:
+            if not self._fds_open:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass   # pipe full: a wakeup is pending anyway
 
     # ---- transport thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -126,11 +137,15 @@ class Transport:
         finally:
             if self.dead is None:
                 self._die(EngineDeadError("client closed"))
-            # A little linger lets a closing client's Goodbye reach the core; a dead core gets none.
-            self._sock.close(linger=200 if self._closing and self.welcome is not None else 0)
+            # Stop the monitor before closing either end of it, then close the socket. A little linger lets a
+            # closing client's Goodbye reach the core; a dead core gets none.
+            self._sock.disable_monitor()
             self._monitor.close(0)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._sock.close(linger=200 if self._closing and self.welcome is not None else 0)
+            with self._fd_lock:
+                self._fds_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _loop(self) -> None:
         sock, poller = self._sock, zmq.Poller()
