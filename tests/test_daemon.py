@@ -292,6 +292,20 @@ def test_cancelling_an_async_stream_aborts_it_in_the_engine(core):
     assert s["requests_aborted_by_client"] >= 1
 
 
+def test_many_short_lived_clients_in_one_process(core):
+    # Clients share one ZMQ context; closing one (also after its core said goodbye or it timed out) must
+    # never disturb the next.
+    endpoint, _, _ = core
+    for i in range(40):
+        with Client(endpoint, connect_timeout=10) as c:
+            if i % 10 == 0:
+                assert len(c.generate([1, 2, i + 3], max_tokens=2).token_ids) == 2
+    with pytest.raises(HandshakeTimeoutError):
+        Client(endpoint + ".absent", connect_timeout=0.2)
+    with Client(endpoint, connect_timeout=10) as c:
+        assert c.stats()["running"] == 0
+
+
 def test_periodic_log_line(core):
     _, _, log = core
     text = open(log).read()
