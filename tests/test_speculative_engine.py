@@ -419,6 +419,8 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
         outs[eager] = [c.token_ids for c in engine.generate(prompts, params)]
         if not eager:
             assert engine.spec.verify_graphs.capture and engine.spec.verify_graphs.replays > 0
+        st = engine.stats()      # phase times come from CUDA events, read once complete
+        assert st["spec_time_draft_ms"] > 0 and st["spec_time_verify_ms"] > 0
         assert_all_blocks_free(engine)
     assert outs[False] == outs[True]
     plain_engine = Engine(EngineConfig(model=target, device="cuda", dtype="float32", attention_backend="triton",

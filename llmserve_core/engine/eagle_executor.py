@@ -24,6 +24,7 @@ overwritten by a later step. The algorithms (proposal, verification, trees) live
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,7 +155,7 @@ class EagleExecutor:
         self.sample_drafts = config.speculative_accept_mode == "sample" and self.tree is None
         self.metrics = SpecMetrics()
         self.trace = config.speculative_trace
-        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
         if self.tree is not None:
             self.tree_mask = self.tree.attention_mask()
             self.tree_depths = np.asarray(self.tree.depths)
@@ -182,22 +183,23 @@ class EagleExecutor:
             req.spec_state.sync(req.num_computed_tokens)
         # A decoding request always has pending rows (its last step's tokens); the check is belt and braces.
         drafting = [r for r in sched.requests if r.speculative and not r.is_prefilling and r.spec_state.pending is not None]
-        timer = self.metrics.timer
-        with timer("draft", self._sync):
+        phase = self.phases
+        phase.collect()
+        with phase("draft"):
             proposal = self._draft(sched, drafting)
-        with timer("verify", self._sync):
+        with phase("verify"):
             hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
-        with timer("accept", self._sync):
+        with phase("accept"):
             sampled, sampled_reqs = self._sample_plain(hidden, layout.sample_rows, layout.sample_requests)
             verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
-        with timer("kv_update", self._sync):
+        with phase("kv_update"):
             self._commit(sched, drafting, verified, aux, layout)
         results = [SpecStepResult(tokens, self.tree.depth if self.tree else self.gamma, len(tokens) - 1, path)
                    for tokens, path in zip(verified.tokens, verified.paths)]
         if results:
             self.metrics.record(results)
         if self.trace and log.isEnabledFor(logging.DEBUG):
-            with timer("trace"):
+            with self.metrics.timer("trace"):            # host work only
                 drafts = proposal.tokens.tolist()
                 for req, res, d in zip(drafting, results, drafts):
                     log.debug("spec %s at %d: drafts %s accepted %d emitted %s%s", req.request_id, req.num_tokens,
@@ -432,6 +434,7 @@ class EagleExecutor:
     # ---- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Scalar spec_* counters and rates (the protocol's stats carry scalars only)."""
+        self.phases.collect()
         m = self.metrics
         out = {k: v for k, v in m.as_dict().items() if isinstance(v, (int, float))}
         out["spec_num_emitted_tokens"] = m.num_emitted_tokens
@@ -440,6 +443,37 @@ class EagleExecutor:
         for key in TIMING_KEYS:
             out[f"spec_time_{key}_ms"] = 1000.0 * m.timings[key]
         return out
+
+
+class PhaseTimer:
+    """Time per step phase without stalling the device: on CUDA, events at the phase boundaries, read
+    once they have completed (a step later at most), so the host keeps queueing work while the GPU runs.
+    On the CPU, plain wall-clock timers."""
+
+    def __init__(self, metrics: SpecMetrics, cuda: bool):
+        self.metrics, self.cuda = metrics, cuda
+        self.unread: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def __call__(self, key: str):
+        if not self.cuda:
+            with self.metrics.timer(key):
+                yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.unread.append((key, start, end))
+
+    def collect(self) -> None:
+        waiting = []
+        for key, start, end in self.unread:
+            if end.query():
+                self.metrics.add_time(key, start.elapsed_time(end) / 1000.0)
+            else:
+                waiting.append((key, start, end))
+        self.unread = waiting
 
 
 @dataclass
