@@ -311,12 +311,9 @@ class EagleExecutor:
             layout.starts.append(row - len(id_parts[-1]))
         ids = torch.tensor(np.concatenate(id_parts), dtype=torch.long).to(self.device)
         if drafting:
-            width = 1 + self.lookahead
             base = torch.tensor(layout.verify_rows, device=self.device)[:, None]
-            if self.tree is None:
-                ids[(base + torch.arange(1, width, device=self.device)).flatten()] = proposal.tokens.flatten()
-            else:
-                ids[(base + torch.arange(1, width, device=self.device)).flatten()] = proposal.tokens[:, 1:].flatten()
+            drafts = proposal.tokens if self.tree is None else proposal.tokens[:, 1:]     # a tree's node 0 is the root
+            ids[(base + torch.arange(1, 1 + self.lookahead, device=self.device)).flatten()] = drafts.flatten()
         batch = self._pack(seqs)
         if (self.verify_graphs is not None and len(drafting) == len(sched.requests)
                 and self.verify_graphs.bucket_for(len(drafting))):
