@@ -38,7 +38,7 @@ from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import _read_rope
-from llmserve_core.models.loader import checkpoint_files
+from llmserve_core.models.loader import PACKED_WEIGHTS, checkpoint_files
 from llmserve_core.speculative.propose import to_target_space
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -335,15 +335,6 @@ class Eagle3DraftModel(nn.Module):
 
 # -- loading --------------------------------------------------------------------------------------
 
-_PACKED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-
-
 def _normalize_name(name: str) -> str:
     if name.startswith("model."):
         name = name[len("model."):]
@@ -365,7 +356,7 @@ def _packed_slices(cfg: Eagle3Config) -> dict[str, tuple[str, int, int]]:
     sizes = {"self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
              "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
     out = {}
-    for piece, (packed, shard) in _PACKED.items():
+    for piece, (packed, shard) in PACKED_WEIGHTS.items():
         s = sizes[packed]
         out[f"layers.0.{piece}.weight"] = (f"layers.0.{packed}.weight", sum(s[:shard]), s[shard])
     return out

@@ -20,7 +20,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # Checkpoint tensors that carry no weights of ours (old exports saved the rotary table).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # HF name piece -> (packed parameter piece, index of the shard within it)
-_PACKED = {
+PACKED_WEIGHTS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
@@ -76,15 +76,15 @@ def checkpoint_files(path) -> list[Path]:
 
 def _checkpoint_names(name: str) -> list[str]:
     """The checkpoint tensor names that make up one of our parameters."""
-    for piece, (packed, _) in _PACKED.items():
+    for piece, (packed, _) in PACKED_WEIGHTS.items():
         if f".{packed}." in name:
-            return [name.replace(f".{packed}.", f".{p}.") for p, (q, _) in _PACKED.items() if q == packed]
+            return [name.replace(f".{packed}.", f".{p}.") for p, (q, _) in PACKED_WEIGHTS.items() if q == packed]
     return [name]
 
 
 def _target(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, int]:
     """(our parameter name, row offset into it or None for a whole tensor, rows) for one checkpoint name."""
-    for piece, (packed, shard) in _PACKED.items():
+    for piece, (packed, shard) in PACKED_WEIGHTS.items():
         if f".{piece}." in hf_name:
             name = hf_name.replace(f".{piece}.", f".{packed}.")
             if packed.endswith("qkv_proj"):
