@@ -209,7 +209,8 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
     mean/max batch size (running) and queue depth (waiting), mean/max KV usage, the prefix hit rate over the
     span (from the hit/query counters when the core reports them), generated tokens per engine step, the last value
     of every spec_* key (speculative decoding) the core reports, and the acceptance rate and mean acceptance
-    length over the span from the spec_* counters when present."""
+    length over the span from the spec_* counters when present. spec_num_* and spec_time_* counters are
+    reported as their growth over the span; other spec_* values as last reported."""
     sel = [(t, s) for t, s in samples if (start is None or t >= start) and (end is None or t <= end)]
     if not sel:
         return {"core_stats_samples": 0}
@@ -237,7 +238,9 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
     if isinstance(last.get("num_preemptions"), int):
         out["core_preemptions"] = _delta(first, last, "num_preemptions")
     for k, v in last.items():
-        if k.startswith("spec_"):
+        if k.startswith(("spec_num_", "spec_time_")):      # counters: what happened inside the span
+            out[f"core_{k}"] = _delta(first, last, k)
+        elif k.startswith("spec_"):                         # rates since the core started: as last reported
             out[f"core_{k}"] = v
     # Speculative counters (the engine's SpecMetrics fields as spec_*) give the acceptance over this span,
     # which the core's own since-start rates cannot.

@@ -99,6 +99,7 @@ def test_stats_summary_uses_counter_deltas_and_spec_keys():
     s = stats_summary(counters)
     assert s["core_spec_acceptance_rate"] == pytest.approx(12 / 30)
     assert s["core_spec_mean_acceptance_length"] == pytest.approx(2.2)
+    assert s["core_spec_num_draft_tokens"] == 30 and s["core_spec_num_steps"] == 10   # growth over the span
     assert stats_summary(samples, start=5.0) == {"core_stats_samples": 0}
 
 
