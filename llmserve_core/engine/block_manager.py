@@ -148,12 +148,6 @@ class BlockManager:
             del self.free[block]
         self.ref_counts[block] += 1
 
-    def reset_prefix_cache(self) -> None:
-        for h, block in list(self.cached.items()):
-            if self.ref_counts[block] == 0:
-                del self.cached[h]
-                self.block_hash[block] = None
-
     def check_invariants(self) -> None:
         """Every block is either referenced or in the free queue, never both; cache entries are consistent."""
         for block in range(self.num_blocks):

@@ -22,12 +22,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, max_model_len: int,
-                 hidden_size: int, dtype, device):
+    def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int, max_model_len: int, device):
         self.model = model
         self.kv_caches = kv_caches
         self.buckets = batch_buckets(max_batch)
-        self.max_batch = max_batch
         self.max_model_len = max_model_len
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(max_batch, dtype=i64, device=device)

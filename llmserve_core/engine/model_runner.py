@@ -121,7 +121,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.attn_backend.name == "torch":
             return None
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
-                            self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
+                            self.max_model_len, self.device)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model_config
