@@ -198,13 +198,19 @@ class Engine:
                 if finish is not None:
                     req.finish_reason = finish
                     finished.append(req)
-        for req in handle.sched.requests:
+        self._retire(handle.sched.requests, finished)
+        return outputs
+
+    def _retire(self, scheduled: list[Request], finished: list[Request]) -> None:
+        """After a step: publish the newly full blocks of the step's live requests (with speculation only
+        below their draft rows, so every cached block carries valid draft KV), then free the finished."""
+        for req in scheduled:
             if not req.is_finished:
-                self.block_manager.cache_full_blocks(req)
+                limit = req.spec_state.draft_pos if self.spec is not None else None
+                self.block_manager.cache_full_blocks(req, limit=limit)
         for req in finished:
             self.scheduler.finish(req)
             del self.requests[req.request_id]
-        return outputs
 
     def _speculative_step(self, sched) -> list[StepOutput]:
         """One synchronous step through the EAGLE executor: a request may gain several tokens, and its KV
@@ -236,12 +242,7 @@ class Engine:
             if finish is not None:
                 req.finish_reason = finish
                 finished.append(req)
-        for req in sched.requests:
-            if not req.is_finished:
-                self.block_manager.cache_full_blocks(req, limit=req.spec_state.draft_pos)
-        for req in finished:
-            self.scheduler.finish(req)
-            del self.requests[req.request_id]
+        self._retire(sched.requests, finished)
         return outputs
 
     @staticmethod
