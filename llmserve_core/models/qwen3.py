@@ -12,6 +12,7 @@ from torch import nn
 
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
+from llmserve_core.layers.linear import Linear
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import ModelConfig
@@ -27,8 +28,8 @@ class Qwen3Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         # Qwen3 normalizes each head of q and k before rotary.
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -55,8 +56,8 @@ class Qwen3MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -102,7 +103,7 @@ class Qwen3ForCausalLM(nn.Module):
         # which for an 8B model would cost more than loading the checkpoint.
         with torch.device("meta"):
             self.model = Qwen3Model(cfg)
-            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.to(dtype).to_empty(device=device)
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
@@ -114,6 +115,8 @@ class Qwen3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP)):
                 m.fused = self.fused
+        if self.lm_head is not None:
+            self.lm_head.fast = self.fused   # the one projection where kernels.gemv beats cuBLAS
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -148,4 +151,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows already selected) -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden, out_dtype=torch.float32)
+        return F.linear(hidden, self.model.embed_tokens.weight).float()

@@ -1,0 +1,141 @@
+"""Skinny matmul y = x @ W^T for 1-16 rows: the lm_head of a decode or small verify step.
+
+At these sizes a linear layer only streams its weight once. One program owns BLOCK_N output columns over
+a slice of K; every row count runs as one 16-row tensor-core tile with the weight tile as the wide
+operand (rows past M are masked, so they cost no memory traffic), and K is split across programs when
+there are too few column blocks to keep every multiprocessor streaming.
+
+Measured on the H200 inside CUDA graphs (benchmarks/gemv_bench.py, benchmarks/results/gemv_h200.json),
+it beats cuBLAS only on the 152k-row lm_head (4.47 against 4.19 TB/s at one row, logits written as
+float32 straight from the accumulator); on the decoder's projections cuBLAS stays ahead (3.3 against
+3.0 TB/s for qkv, 4.07 against 3.70 for gate_up), and fusing RMSNorm or SiLU-and-mul into this kernel's
+prologue lost more than it saved, so layers/linear.py uses it for the lm_head alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    # The weight tile is the dot's left operand ([BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]): the wide side
+    # of the product is the weight's, which suits the tensor cores when only a few rows come in.
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+        if DOT_IEEE:    # float32 models: full-precision products, never tf32
+            acc += tl.dot(w.to(dtype), tl.trans(xv), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(dtype), tl.trans(xv))
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+    y_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        # Split-K without a second launch: every split parks its partial tile, and the split that
+        # arrives last at this column block (the counter's acq_rel atomic orders the partial stores
+        # before it) sums them, writes y and re-arms the counter for the next call.
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        parts = part_ptr + pid_n * SPLIT_K * BLOCK_N * BLOCK_M
+        tl.store(parts + pid_k * BLOCK_N * BLOCK_M + tile, acc)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(parts + s * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                num_stages: int = 4) -> dict:
+    """Tiles for m <= 16 rows: one 16-row tile, column blocks of the weight, and K split until about
+    four programs per multiprocessor are streaming (fewer would leave bandwidth unused). The tile
+    defaults come from the H200 sweep in benchmarks/gemv_bench.py (results in benchmarks/results/)."""
+    n_blocks = -(-n // block_n)
+    split = 1
+    while n_blocks * split < 4 * sms and k % (2 * split * block_k) == 0 and split < 16:
+        split *= 2
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+class _SplitKScratch:
+    """Partial tiles and arrival counters for split-K, one set per device, allocated at the first call and
+    never resized, so CUDA graphs keep valid pointers. gemv_config splits only while there are fewer than
+    4 programs per multiprocessor, so a split call never has more than 8 per multiprocessor: that bounds
+    both buffers. The kernel re-arms the counters to zero itself."""
+
+    def __init__(self):
+        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, part_elems: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self.buffers:
+            programs = 8 * num_sms(device)
+            self.buffers[device] = (torch.empty(programs * 64 * MAX_ROWS, dtype=torch.float32, device=device),
+                                    torch.zeros(programs, dtype=torch.int32, device=device))
+        parts, counts = self.buffers[device]
+        if part_elems > parts.numel() or n_blocks > counts.numel():
+            raise ValueError(f"gemv: split-K over {n_blocks} column blocks needs {part_elems} partial elements, "
+                             f"the scratch holds {parts.numel()} for {counts.numel()} blocks")
+        return parts, counts
+
+
+_SCRATCH = _SplitKScratch()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+         config: dict | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K] -> y [M, N] (in out_dtype, default x's). M must be at most MAX_ROWS."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert 0 < m <= MAX_ROWS, f"gemv: {m} rows, at most {MAX_ROWS}"
+    assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv: rows must be contiguous"
+    assert x.shape[1] == k, "gemv: x does not match the weight"
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    cfg = dict(config or gemv_config(m, n, k, num_sms(x.device)))
+    block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
+    n_blocks = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    parts, counts = _SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
+                                 n_blocks if split > 1 else 0)
+    _gemv_kernel[(n_blocks, split)](
+        x, weight, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, SPLIT_K=split,
+        EVEN_K=k % block_k == 0, DOT_IEEE=x.dtype == torch.float32, **cfg)
+    return y
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    y = F.linear(x, weight)
+    return y if out_dtype is None else y.to(out_dtype)

@@ -1,0 +1,108 @@
+"""The skinny-matmul kernel and the Linear layer's fast path against their torch references.
+
+On the CPU the kernel runs in Triton's interpreter, which rounds to bfloat16 by truncation where torch
+rounds to nearest, and cannot run tensor-core dots on bfloat16 at all: there the kernel is checked in
+float16 and float32 (tightly), and in bfloat16 on the GPU.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
+from llmserve_core.kernels.gemv import MAX_ROWS, gemv, gemv_config, gemv_reference
+from llmserve_core.layers.linear import MAX_ROWS as LINEAR_MAX_ROWS
+from llmserve_core.layers.linear import Linear
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output holds NaN"
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def inputs(m, n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    return x.to(dtype=dtype, device=DEVICE), w.to(dtype=dtype, device=DEVICE)
+
+
+def test_limits_agree():
+    assert MAX_ROWS == LINEAR_MAX_ROWS
+
+
+@pytest.mark.parametrize("m,shape,dtype", list(itertools.product(
+    [1, 2, 3, 5, 16], [(48, 64), (37, 80), (130, 512)], [torch.float32, torch.float16, torch.bfloat16])))
+def test_gemv_matches_reference(m, shape, dtype):
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's interpreter has no bfloat16 dot")
+    n, k = shape
+    x, w = inputs(m, n, k, dtype, seed=m * 1000 + n)
+    out = gemv(x, w)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, gemv_reference(x, w)) <= TOL[dtype]
+
+
+def test_gemv_float32_logits():
+    x, w = inputs(3, 70, 48, torch.float16, seed=7)
+    out = gemv(x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.isfinite().all()
+    assert rel_err(out, gemv_reference(x, w, out_dtype=torch.float32)) <= TOL[torch.float16]
+
+
+def test_gemv_refuses_what_it_cannot_do():
+    x, w = inputs(MAX_ROWS + 1, 16, 32, torch.float32, seed=1)
+    with pytest.raises(AssertionError, match="at most"):
+        gemv(x, w)
+    with pytest.raises(AssertionError, match="does not match"):
+        gemv(x[:2, :16], w)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (151936, 4096), (48, 64)])
+def test_config_fills_the_device_and_splits_k_evenly(n, k):
+    for m in (1, 7, MAX_ROWS):
+        cfg = gemv_config(m, n, k, sms=132)
+        assert cfg["BLOCK_M"] >= m
+        programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+        assert cfg["SPLIT_K"] == 1 or (programs <= 8 * 132 and k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]) == 0)
+        if k >= 4096:
+            assert programs >= 4 * 132 or cfg["SPLIT_K"] == 16
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_reduces_once_and_rearms(split):
+    """Two calls in a row through the same counters: the second must see them re-armed to zero."""
+    x, w = inputs(3, 128, 256, torch.float32, seed=split)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=2)
+    first, second = gemv(x, w, config=cfg), gemv(x * 2, w, config=cfg)
+    ref = gemv_reference(x, w)
+    assert rel_err(first, ref) < 1e-5 and rel_err(second, 2 * ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 4, MAX_ROWS + 3])
+def test_linear_fast_path_equals_eager(rows):
+    torch.manual_seed(rows)
+    lin = Linear(64, 96)
+    with torch.no_grad():
+        lin.weight.normal_(0, 64 ** -0.5)
+    x = torch.randn(rows, 64)
+    eager = (lin(x), lin(x, out_dtype=torch.float64))
+    lin.fast = True
+    fast = (lin(x), lin(x, out_dtype=torch.float64))
+    for f, e in zip(fast, eager):
+        assert f.dtype == e.dtype and rel_err(f, e) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_gemv_qwen3_8b_shapes_bf16(m):
+    for n, k in [(151936, 4096), (6144, 4096), (4096, 12288)]:
+        x, w = inputs(m, n, k, torch.bfloat16, seed=m + n)
+        assert rel_err(gemv(x, w, out_dtype=torch.float32), gemv_reference(x.double(), w.double())) < 1e-2
