@@ -1,0 +1,170 @@
+"""Decode steps of the Qwen3-8B shape as the engine runs them: step time against the honest floor, and
+the kernels each step launches (per layer, with times), at batch 1, 64 and 256.
+
+The floor of a decode step over B sequences at context c is max(bytes / copy bandwidth, FLOPs / bf16
+peak), both ceilings measured in the same run. Bytes: every weight except the embedding table (a step
+reads B of its rows), plus the KV of B * c tokens. FLOPs: 2 per weight per row, plus attention's
+4 * c * heads * head_dim per row and layer.
+
+Step times are wall-clock medians of Engine.step() in steady decoding (host work included); the kernel
+list comes from one profiled stretch of steps (CUDA graph replays included).
+
+    python benchmarks/decode_profile.py --label now --out $OUT/decode_now.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from qwen3_8b import QWEN3_8B_CONFIG, kv_bytes_per_token, write_qwen3_8b_dir  # noqa: E402
+
+C = QWEN3_8B_CONFIG
+
+
+def nonembed_params() -> int:
+    h, i, L, v, d = C["hidden_size"], C["intermediate_size"], C["num_hidden_layers"], C["vocab_size"], C["head_dim"]
+    q, kv = C["num_attention_heads"] * d, C["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * d
+    return L * per_layer + h + v * h            # layers, final norm, lm_head
+
+
+def step_floor_ms(batch: int, ctx: int, bw: float, peak: float) -> dict:
+    nbytes = 2 * (nonembed_params() + batch * C["hidden_size"]) + batch * ctx * kv_bytes_per_token()
+    flops = 2 * nonembed_params() * batch + 4 * batch * ctx * C["num_hidden_layers"] * C["num_attention_heads"] * C["head_dim"]
+    return {"bytes": nbytes, "flops": flops, "bytes_ms": nbytes / bw * 1e3, "flops_ms": flops / peak * 1e3,
+            "floor_ms": max(nbytes / bw, flops / peak) * 1e3}
+
+
+def measure_ceilings() -> tuple[float, float]:
+    from triton.testing import do_bench
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() / (do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median") / 1e3)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192**3 / (do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e3)
+    return bw, peak
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    if "gemv" in n or "gemm" in n or "nvjet" in n or "cutlass" in n or "xmma" in n or "splitk" in n:
+        return "gemm"
+    if "paged_decode" in n or "paged_prefill" in n or "flash" in n or "attn" in n or "fmha" in n:
+        return "attention"
+    return "other"
+
+
+def profile_steps(engine, steps: int) -> tuple[list[tuple[str, float, float]], float]:
+    """(kernels as (name, start_us, dur_us), wall ms) over `steps` engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e["name"], e["ts"], e["dur"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    return sorted(kernels, key=lambda k: k[1]), wall
+
+
+def busy_us(kernels) -> float:
+    busy, cur_s, cur_e = 0.0, None, None
+    for _, s, d in kernels:
+        e = s + d
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
+def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool) -> dict:
+    from llmserve_core import Engine, EngineConfig
+    from llmserve_proto import SamplingParams
+    engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
+                                 max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
+                                 gpu_memory_utilization=0.85, enforce_eager=eager))
+    params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
+    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    step_ms = statistics.median(times)
+    prof_steps = 10
+    kernels, wall = profile_steps(engine, prof_steps)
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    by_cat = collections.Counter()
+    for name, _, dur in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += dur
+        by_cat[category(name)] += dur
+    busy = busy_us(kernels)
+    span = kernels[-1][1] + kernels[-1][2] - kernels[0][1] if kernels else 0.0
+    floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak)
+    rows = sorted(((n, c / prof_steps, t / prof_steps) for n, (c, t) in per_name.items()), key=lambda r: -r[2])
+    del engine
+    torch.cuda.empty_cache()
+    return {
+        "batch": batch, "ctx": ctx, "eager": eager, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
+        **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
+        "kernels_per_step": len(kernels) / prof_steps,
+        "gpu_ms_per_step": {k: v / prof_steps / 1e3 for k, v in by_cat.items()},
+        "busy_ms_per_step": busy / prof_steps / 1e3, "idle_fraction": 1 - busy / span if span else None,
+        "kernel_table": [{"name": n[:90], "calls": c, "us": t} for n, c, t in rows],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", default="now")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    bw, peak = measure_ceilings()
+    model_dir = write_qwen3_8b_dir(tempfile.mkdtemp())
+    res = {"label": args.label, "copy_bandwidth_tb_s": bw / 1e12, "bf16_peak_tflops": peak / 1e12, "runs": []}
+    for b in map(int, args.batches.split(",")):
+        r = run_batch(model_dir, b, args.ctx, bw, peak, args.steps, args.eager)
+        res["runs"].append(r)
+        print(f"[{args.label}] batch {b}: step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
+              f"({100 * r['fraction_of_floor']:.0f}%), {r['kernels_per_step']:.0f} kernels/step, GPU busy "
+              f"{r['busy_ms_per_step']:.3f} ms {json.dumps({k: round(v, 3) for k, v in r['gpu_ms_per_step'].items()})}",
+              flush=True)
+        for row in r["kernel_table"][:14]:
+            print(f"    {row['calls']:7.1f} x {row['us'] / max(row['calls'], 1):8.2f} us = {row['us']:9.1f} us  {row['name']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
