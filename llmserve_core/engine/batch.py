@@ -28,6 +28,9 @@ class ForwardBatch:
     # [T, max_query_len] bool, row t says which query tokens of its own sequence token t may see,
     # on top of the whole cached prefix. None means plain causal.
     tree_mask: torch.Tensor | None = None
+    # When every sequence brings the same number R of query rows (a verify of 1 + gamma rows, a padded
+    # draft catch-up, a decode), R; else 0. Attention may then run these rows through its decode kernel.
+    uniform_query_len: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -426,6 +426,7 @@ class EagleExecutor:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             tree_mask=mask,
+            uniform_query_len=query_lens[0] if len(set(query_lens)) == 1 else 0,
         )
 
     # ---- reporting ---------------------------------------------------------------------------------

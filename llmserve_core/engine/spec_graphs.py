@@ -51,7 +51,8 @@ class FixedRowsGraphs:
         t = n * self.rows
         return ForwardBatch(self.positions[:t], self.slot_mapping[:t], self.query_start_loc[:n + 1], self.seq_lens[:n],
                             self.block_tables[:n], max_query_len=self.rows, max_seq_len=self.max_seq_len,
-                            tree_mask=self.tree_mask[:t] if self.tree_mask is not None else None)
+                            tree_mask=self.tree_mask[:t] if self.tree_mask is not None else None,
+                            uniform_query_len=self.rows)
 
     def _call(self, n: int) -> tuple[torch.Tensor, ...]:
         t = n * self.rows

@@ -1,4 +1,9 @@
-"""Decode attention over the paged KV cache: one query token per sequence, split-KV (flash-decoding).
+"""Decode attention over the paged KV cache: a few query rows per sequence, split-KV (flash-decoding).
+
+A plain decode brings one query row per sequence; a speculative verify (or a padded draft catch-up)
+brings the same small number of rows for every sequence, its last positions, seen causally or through a
+tree mask. One program covers all of a sequence's rows for one KV head, so verifying 1 + gamma rows
+reads the KV once, as a decode does, instead of going through the prefill kernel's wide tiles.
 
 Stage 1 partitions each sequence's context into `num_splits` contiguous pieces, one program per
 (sequence, KV head, piece); the program holds every query head of its KV group, so each K/V tile is read
@@ -19,13 +24,14 @@ MAX_SPLITS = 128
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                          sm_scale_log2,
-                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
                          stride_ob, stride_oh, num_splits,
-                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         SINGLE: tl.constexpr, MIN_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                         SINGLE: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_TREE: tl.constexpr,
+                         PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -37,13 +43,19 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    g = tl.arange(0, BLOCK_G)
+    # Tile row i is query row j = i // GROUP of this sequence (its last ROWS positions), head i % GROUP of
+    # the KV group: every query row of the sequence shares each K/V tile read.
+    i = tl.arange(0, BLOCK_G)
+    j = i // GROUP
+    heads = kvh * GROUP + i % GROUP
+    rows = b * ROWS + j
     d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    g_mask = g < GROUP
+    g_mask = i < ROWS * GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    prefix = seq_len - ROWS          # positions every query row sees
+    limit = prefix + j + 1           # causal: query row j sits at position prefix + j
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -57,26 +69,38 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, m
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        if HAS_TREE:
+            # Among the last ROWS positions a row sees what its tree-mask row allows (its ancestors).
+            own = (n[None, :] >= prefix) & n_mask[None, :] & g_mask[:, None]
+            bit = tl.load(tree_ptr + rows[:, None] * stride_tree + (n[None, :] - prefix), mask=own, other=0)
+            visible = n_mask[None, :] & ((n[None, :] < prefix) | (bit != 0))
+        elif ROWS == 1:
+            visible = n_mask[None, :]
+        else:
+            visible = n_mask[None, :] & (n[None, :] < limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        # A row that sees nothing in this tile yet keeps m at -inf: shift by 0 there instead of NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    # An empty piece (past the end of its sequence) leaves l_i == 0: write zeros and a -inf weight.
+    # An empty piece (past the end of its sequence, or of a row's view) leaves l_i == 0: write zeros and
+    # a -inf weight.
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SINGLE:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        row = (b * num_heads + heads) * num_splits + split            # mid_o [B, H, S, D], mid_lse [B, H, S]
-        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        mid = (rows * num_heads + heads) * num_splits + split        # mid_o [T, H, S, D], mid_lse [T, H, S]
+        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+        tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
 
 
 @triton.jit
@@ -138,16 +162,32 @@ class DecodeScratch:
 _default_scratch = DecodeScratch()
 
 
+# Query rows per sequence x heads per KV group that one program's tile holds at most.
+MAX_TILE_ROWS = 128
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
-                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """q: [B, num_heads, head_dim], one token per sequence; seq_lens: [B] context length including it."""
-    batch, num_heads, head_dim = q.shape
+                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
+    (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
+    including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
+    [B * rows, >= rows] the rows its mask row allows."""
+    tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = num_heads // num_kv_heads
+    assert tokens % rows_per_seq == 0 and rows_per_seq * group <= MAX_TILE_ROWS, \
+        f"paged_decode: {tokens} rows are not {rows_per_seq} per sequence, or too many for one tile"
+    batch = tokens // rows_per_seq
+    if tree_mask is not None:
+        assert tree_mask.shape[0] == tokens and tree_mask.shape[1] >= rows_per_seq, "tree_mask: [T, >= rows_per_seq]"
+        tree = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+    else:
+        tree = seq_lens   # never read
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -157,20 +197,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if block_n is None:
         block_n = choose_block_n(num_splits) if q.is_cuda else 16
     scratch = scratch or _default_scratch
-    mid_o, mid_lse = scratch.get(batch * num_heads * num_splits, head_dim, q.device)
+    mid_o, mid_lse = scratch.get(tokens * num_heads * num_splits, head_dim, q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SINGLE=num_splits == 1, MIN_SPLIT=block_n,
+        block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
+        num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=max(16, triton.next_power_of_2(rows_per_seq * group)),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        SINGLE=num_splits == 1, MIN_SPLIT=block_n, HAS_TREE=tree_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
+        _decode_reduce_kernel[(tokens, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from llmserve_core.engine.batch import ForwardBatch
-from llmserve_core.kernels.paged_decode import DecodeScratch, paged_decode
+from llmserve_core.kernels.paged_decode import MAX_TILE_ROWS, DecodeScratch, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.store_kv import store_kv
 
@@ -26,5 +26,10 @@ class TritonAttentionBackend:
             # One query row per sequence, in sequence order, so row b of q belongs to sequence b.
             return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
                                 scratch=self.scratch)
+        rows = batch.uniform_query_len
+        if rows and rows * (q.shape[1] // k_cache.shape[2]) <= MAX_TILE_ROWS:
+            # A verify (or padded catch-up): a few rows per sequence read the KV once, like a decode.
+            return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
+                                scratch=self.scratch, rows_per_seq=rows, tree_mask=batch.tree_mask)
         return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                              batch.max_query_len, scale, tree_mask=batch.tree_mask)
