@@ -401,6 +401,7 @@ def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
     assert engine.spec.verify_graphs.replays > 0
     if mode == "chain":
         assert engine.spec.draft_graphs.replays > 0
+    assert engine.spec.catchup_graphs.replays > 0       # decoding steps catch up through the padded graph
     assert_all_blocks_free(engine)
 
 

@@ -35,6 +35,7 @@ from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.spec_graphs import FixedRowsGraphs
+from llmserve_core.layers.fast_path import use_cuda_graphs
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
 from llmserve_core.models.eagle3 import Eagle3Config, load_eagle3
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
@@ -67,8 +68,8 @@ def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch
 
 
 def use_graphs(config: EngineConfig, runner) -> bool:
-    """CUDA graphs need a device, no opt-out, and a backend that reads every length from device tensors."""
-    return runner.device.type == "cuda" and not config.enforce_eager and runner.attn_backend.name == "triton"
+    """The executor's graphs follow the runner's switch (tests turn them on without CUDA, capture off)."""
+    return use_cuda_graphs(runner.device, runner.attn_backend, config.enforce_eager)
 
 
 def load_draft(config: EngineConfig, runner, max_positions: int):
@@ -159,7 +160,14 @@ class EagleExecutor:
         if self.tree is not None:
             self.tree_mask = self.tree.attention_mask()
             self.tree_depths = np.asarray(self.tree.depths)
-        self.draft_graphs = self.verify_graphs = None
+        self.pin = self.device.type == "cuda"
+        if self.tree is not None:
+            self.tree_parents = torch.tensor(self.tree.parents, device=self.device)
+            self.tree_levels = [torch.tensor(self.tree.level(d), device=self.device) - 1 for d in range(self.tree.depth)]
+        # A decoding request catches up on at most the tokens its last step emitted: its accepted drafts
+        # plus one. The catch-up graph pads every request to that many rows.
+        self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
+        self.draft_graphs = self.verify_graphs = self.catchup_graphs = None
         if use_graphs(config, runner):
             capture = self.device.type == "cuda"
             shape = dict(max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_blocks_per_seq=runner.max_blocks_per_seq,
@@ -170,6 +178,8 @@ class EagleExecutor:
                                                     **shape)
             self.verify_graphs = FixedRowsGraphs("verify", self._verify_forward, 1 + self.lookahead, hidden_size=None,
                                                  tree_mask=self.tree_mask if self.tree is not None else None, **shape)
+            self.catchup_graphs = FixedRowsGraphs("catch-up", self._catchup_forward, self.catchup_rows,
+                                                  hidden_size=dcfg.hidden_size, out_rows=1, **shape)
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
                  list(self.aux_layer_ids), f"tree {self.tree.name} ({self.tree.num_nodes} nodes)" if self.tree
                  else f"chain gamma {self.gamma}", config.speculative_accept_mode)
@@ -213,28 +223,18 @@ class EagleExecutor:
     # ---- 1-2: drafting -----------------------------------------------------------------------------
     def _draft(self, sched: ScheduledBatch, drafting: list[Request]) -> "_Proposal":
         # Catch-up: draft rows for positions draft_pos .. num_computed - 1, reading the tokens one later.
-        seqs, ids, hidden, last_rows = [], [], [], {}
-        rows = 0
-        for req in sched.requests:
-            st = req.spec_state
-            if st.pending is None:
-                continue
-            start, end = st.draft_pos, req.num_computed_tokens
-            seqs.append(_span(start, end, end, req.block_ids))
-            ids.extend(req.token_ids[start + 1:end + 1])
-            hidden.append(st.pending)
-            rows += end - start
-            last_rows[req.request_id] = rows - 1
-            st.draft_pos, st.pending = end, None
+        pending = [r for r in sched.requests if r.spec_state.pending is not None]
         none = _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
-        if not seqs:
+        if not pending:
             return none
-        ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        normed, prenorm = self.draft(ids, torch.cat(hidden), self._pack(seqs), self.kv)
+        if (self.catchup_graphs is not None and [r.request_id for r in pending] == [r.request_id for r in drafting]
+                and self.catchup_graphs.bucket_for(len(drafting))
+                and all(r.num_computed_tokens - r.spec_state.draft_pos <= self.catchup_rows for r in drafting)):
+            logits, h = self._catchup_padded(drafting)
+        else:
+            logits, h = self._catchup_eager(pending, drafting)
         if not drafting:
             return none
-        last = torch.tensor([last_rows[r.request_id] for r in drafting], device=self.device)
-        logits, h = self.draft.compute_logits(normed[last]), prenorm[last]
         if self.tree is not None:
             return self._draft_tree(drafting, logits, h)
         st = self._sampling(drafting) if self.sample_drafts else None
@@ -257,15 +257,56 @@ class EagleExecutor:
         q = torch.stack(qs, 1).flatten(0, 1) if qs else None       # [B * gamma, V], request-major as verify packs
         return _Proposal(torch.stack(tokens, 1), q)
 
+    def _catchup_eager(self, pending: list[Request], drafting: list[Request]):
+        """One draft forward over every pending row; (logits, pre-norm) of each drafting request's last row
+        (its first proposal), or (None, None) when nothing drafts."""
+        seqs, ids, hidden, last_rows = [], [], [], {}
+        rows = 0
+        for req in pending:
+            st = req.spec_state
+            start, end = st.draft_pos, req.num_computed_tokens
+            seqs.append(_span(start, end, end, req.block_ids))
+            ids.extend(req.token_ids[start + 1:end + 1])
+            hidden.append(st.pending)
+            rows += end - start
+            last_rows[req.request_id] = rows - 1
+            st.draft_pos, st.pending = end, None
+        normed, prenorm = self.draft(self._h2d(ids, torch.long), torch.cat(hidden), self._pack(seqs), self.kv)
+        if not drafting:
+            return None, None
+        last = self._h2d([last_rows[r.request_id] for r in drafting], torch.long)
+        return self.draft.compute_logits(normed[last]), prenorm[last]
+
+    def _catchup_padded(self, drafting: list[Request]):
+        """The same through the catch-up graph: each request's span padded in front to catchup_rows rows,
+        so its real rows are the last ones and its last row is the proposal. A padding row sits at an
+        already computed position (clamped at 0), writes no KV (slot -1), and its outputs are dropped;
+        the span never reaches past the request's own KV."""
+        width, b = self.catchup_rows, len(drafting)
+        seqs, ids, dest = [], [], []
+        for i, req in enumerate(drafting):
+            st = req.spec_state
+            start, end = st.draft_pos, req.num_computed_tokens
+            pad = width - (end - start)
+            seqs.append(_Seq(req.block_ids, np.maximum(np.arange(start - pad, end), 0),
+                             np.concatenate([np.full(pad, -1), np.arange(start, end)]), end))
+            ids.extend([0] * pad + req.token_ids[start + 1:end + 1])
+            dest.extend(range(i * width + pad, (i + 1) * width))
+        hidden = torch.cat([r.spec_state.pending for r in drafting])
+        for req in drafting:
+            req.spec_state.draft_pos, req.spec_state.pending = req.num_computed_tokens, None
+        padded = hidden.new_zeros(b * width, hidden.shape[1]).index_copy_(0, self._h2d(dest, torch.long), hidden)
+        return self.catchup_graphs.run(self._h2d(ids, torch.long), padded, self._pack(seqs))
+
     def _draft_tree(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
         """Expand the tree level by level. Level d's forward re-runs every node above it as well (a few
         rows): each node then sees exactly its ancestors, through the tree mask, and nothing else."""
         tree, b = self.tree, len(drafting)
         nodes = torch.zeros(b, tree.num_nodes, dtype=torch.long, device=self.device)
-        nodes[:, 0] = torch.tensor([r.token_ids[-1] for r in drafting], device=self.device)
+        nodes[:, 0] = self._h2d([r.token_ids[-1] for r in drafting], torch.long)
         prenorm = h.new_zeros(b, tree.num_nodes, h.shape[-1])
         prenorm[:, 0] = h
-        parents = torch.tensor(tree.parents, device=self.device)
+        parents = self.tree_parents
         for d in range(tree.depth):
             if d:
                 m = max(tree.level(d)) + 1                            # nodes 1..m-1 are levels 1..d
@@ -274,7 +315,7 @@ class EagleExecutor:
                 normed, pre = self.draft(nodes[:, 1:m].flatten(), prenorm[:, parents[1:m]].flatten(0, 1),
                                          self._pack(seqs), self.kv)
                 prenorm[:, 1:m] = pre.view(b, m - 1, -1)
-                level = torch.tensor(tree.level(d), device=self.device) - 1
+                level = self.tree_levels[d]
                 logits = self.draft.compute_logits(normed.view(b, m - 1, -1)[:, level].flatten(0, 1))
             k = tree.max_children(d)
             if k:
@@ -309,9 +350,9 @@ class EagleExecutor:
                     layout.sample_rows.append(row - 1)
                     layout.sample_requests.append(req)
             layout.starts.append(row - len(id_parts[-1]))
-        ids = torch.tensor(np.concatenate(id_parts), dtype=torch.long).to(self.device)
+        ids = self._h2d(np.concatenate(id_parts), torch.long)
         if drafting:
-            base = torch.tensor(layout.verify_rows, device=self.device)[:, None]
+            base = self._h2d(layout.verify_rows, torch.long)[:, None]
             drafts = proposal.tokens if self.tree is None else proposal.tokens[:, 1:]     # a tree's node 0 is the root
             ids[(base + torch.arange(1, 1 + self.lookahead, device=self.device)).flatten()] = drafts.flatten()
         batch = self._pack(seqs)
@@ -328,18 +369,26 @@ class EagleExecutor:
         normed, prenorm = self.draft(ids, hidden, batch, self.kv)
         return self.draft.compute_logits(normed), prenorm
 
+    def _catchup_forward(self, ids, hidden, batch):
+        """Padded catch-up rows -> (logits, pre-norm) of each request's last row, its first proposal."""
+        normed, prenorm = self.draft(ids, hidden, batch, self.kv)
+        width = self.catchup_rows
+        last = slice(width - 1, None, width)
+        return self.draft.compute_logits(normed[last]), prenorm[last]
+
     def _verify_forward(self, ids, _hidden, batch):
         hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
         return (self.runner.model.compute_logits(hidden), *aux)
 
     # ---- 4: sampling, verification, commit ---------------------------------------------------------
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
-        return SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device)
+        return SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
+                                           pin=self.pin)
 
     def _sample_plain(self, hidden, rows: list[int], reqs: list[Request]):
         if not reqs:
             return None, []
-        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.runner.model.compute_logits(hidden[self._h2d(rows, torch.long)])
         return sample(logits, self._sampling(reqs)).to_host(False), reqs
 
     def _verify(self, hidden, logits, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
@@ -347,14 +396,13 @@ class EagleExecutor:
             return _Verified([], [])
         width = 1 + self.lookahead
         if logits is None:
-            idx = (torch.tensor(rows, device=self.device)[:, None] + torch.arange(width, device=self.device)).flatten()
+            idx = (self._h2d(rows, torch.long)[:, None] + torch.arange(width, device=self.device)).flatten()
             logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
         greedy = all(r.params.temperature == 0 for r in drafting)
         generators = [r.generator for r in drafting]
         if not greedy:
             st = self._sampling(drafting)
-            probs = verify_probs(logits, st.rows(torch.arange(len(drafting), device=self.device)
-                                                 .repeat_interleave(width)))
+            probs = verify_probs(logits, st.repeat_rows(width))
         if self.tree is not None:
             out = (tree_greedy_verify(self.tree, logits, proposal.tokens) if greedy else
                    tree_rejection_verify(self.tree, probs, proposal.tokens, None, generators))
@@ -376,8 +424,7 @@ class EagleExecutor:
                 for a, b in tree_kv_moves(path):
                     src.append(self._slot(table, base + a))
                     dst.append(self._slot(table, base + b))
-            compact_kv(self.runner.kv_caches, torch.tensor(src, dtype=torch.long, device=self.device),
-                       torch.tensor(dst, dtype=torch.long, device=self.device))
+            compact_kv(self.runner.kv_caches, self._h2d(src, torch.long), self._h2d(dst, torch.long))
         rows, owners = [], []
         for req, n, start in zip(sched.requests, sched.num_new_tokens, layout.starts):
             i = positions.get(req.request_id)
@@ -390,7 +437,8 @@ class EagleExecutor:
             owners.append((req, len(keep)))
         if not rows:
             return
-        fused = self.draft.combine_aux([a[torch.tensor(rows, device=self.device)] for a in aux])
+        index = self._h2d(rows, torch.long)
+        fused = self.draft.combine_aux([a[index] for a in aux])
         for (req, k), part in zip(owners, fused.split([k for _, k in owners])):
             req.spec_state.draft_pos = req.num_computed_tokens
             req.spec_state.pending = part
@@ -399,12 +447,23 @@ class EagleExecutor:
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _h2d(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """Host values to the device without stalling the host: through pinned memory from torch's caching
+        host allocator (which keeps a block until its copy is done) and an asynchronous copy. A pageable
+        copy would first wait for every queued kernel, so the host could never run ahead of the GPU."""
+        t = torch.as_tensor(values, dtype=dtype)
+        if not self.pin:
+            return t.clone()
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _pack(self, seqs: list[_Seq]) -> ForwardBatch:
         bs = self.block_size
         # Rows past max_model_len (drafts of a request about to hit the limit) only feed tokens that
         # will be cut off, so clamping their rotary position just keeps the tables in range.
         rope = np.minimum(np.concatenate([s.rope for s in seqs]), self.max_model_len - 1)
-        slots = np.concatenate([np.asarray(s.block_ids)[s.kv // bs] * bs + s.kv % bs for s in seqs])
+        # KV position -1 marks a padding row: it writes nothing (slot -1).
+        slots = np.concatenate([np.where(s.kv >= 0, np.asarray(s.block_ids)[np.maximum(s.kv, 0) // bs] * bs + s.kv % bs, -1)
+                                for s in seqs])
         query_lens = [len(s.rope) for s in seqs]
         seq_lens = [int(s.seq_len) for s in seqs]
         width = max(len(s.block_ids) for s in seqs)
@@ -416,11 +475,11 @@ class EagleExecutor:
         if any(s.mask is not None for s in seqs):
             mask = batch_tree_mask(query_lens, [s.mask for s in seqs], max(query_lens), dev)
         return ForwardBatch(
-            positions=torch.from_numpy(rope).to(dev, torch.long),
-            slot_mapping=torch.from_numpy(slots).to(dev, torch.long),
-            query_start_loc=torch.tensor(np.cumsum([0] + query_lens), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            positions=self._h2d(rope, torch.long),
+            slot_mapping=self._h2d(slots, torch.long),
+            query_start_loc=self._h2d(np.cumsum([0] + query_lens), torch.int32),
+            seq_lens=self._h2d(seq_lens, torch.int32),
+            block_tables=self._h2d(tables, torch.int32),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,

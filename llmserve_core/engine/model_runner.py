@@ -18,6 +18,7 @@ from llmserve_core.engine.cuda_graphs import DecodeGraphs
 from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.layers.attention import get_backend
+from llmserve_core.layers.fast_path import use_cuda_graphs
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
@@ -117,8 +118,7 @@ class ModelRunner:
         return max(0, int(budget))
 
     def _capture_graphs(self) -> DecodeGraphs | None:
-        """Decode graphs need a device, a backend that reads lengths from device tensors, and no opt-out."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.attn_backend.name == "torch":
+        if not use_cuda_graphs(self.device, self.attn_backend, self.config.enforce_eager):
             return None
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
                             self.max_model_len, self.device)

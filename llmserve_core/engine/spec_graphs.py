@@ -1,5 +1,6 @@
 """CUDA graphs for the speculative steps whose shape is fixed: single-token draft steps (1 row per
-request) and the verify forward (1 + gamma rows, or the tree's nodes, per request), one per batch bucket.
+request), the draft catch-up padded to the most rows a step can emit, and the verify forward (1 + gamma
+rows, or the tree's nodes, per request), one per batch bucket.
 
 Like DecodeGraphs: each bucket's forward is captured once over static device buffers and replayed with
 fresh inputs copied in. Rows of padding sequences write no KV (slot -1) and attend to a few cached
@@ -27,8 +28,10 @@ StepFn = Callable[[torch.Tensor, torch.Tensor | None, ForwardBatch], tuple[torch
 
 class FixedRowsGraphs:
     def __init__(self, name: str, fn: StepFn, rows: int, max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
-                 hidden_size: int | None, dtype, device, tree_mask: torch.Tensor | None = None, capture: bool = True):
+                 hidden_size: int | None, dtype, device, tree_mask: torch.Tensor | None = None, capture: bool = True,
+                 out_rows: int | None = None):
         self.name, self.fn, self.rows = name, fn, rows
+        self.out_rows = rows if out_rows is None else out_rows     # output rows per sequence
         self.buckets = batch_buckets(max_batch)
         self.max_seq_len = max_seq_len
         self.capture = capture
@@ -77,7 +80,7 @@ class FixedRowsGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """Replay for a batch of n sequences with `rows` query rows each; outputs cut to its n * rows rows."""
+        """Replay for a batch of n sequences with `rows` query rows each; outputs cut to its n * out_rows rows."""
         n, t = batch.num_seqs, batch.num_tokens
         bucket = self.bucket_for(n)
         padded = bucket * self.rows
@@ -93,8 +96,9 @@ class FixedRowsGraphs:
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)
         self.replays += 1
+        keep = n * self.out_rows
         if not self.capture:
-            return tuple(o[:t] for o in self._call(bucket))
+            return tuple(o[:keep] for o in self._call(bucket))
         graph, out = self.graphs[bucket]
         graph.replay()
-        return tuple(o[:t] for o in out)
+        return tuple(o[:keep] for o in out)

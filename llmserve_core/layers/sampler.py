@@ -49,11 +49,12 @@ class SamplingTensors:
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
-    def rows(self, index: torch.Tensor) -> "SamplingTensors":
-        """The parameters of a subset (or repetition) of rows, e.g. one row per verified draft position."""
-        idx = index.tolist()
-        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
-                               [self.generators[i] for i in idx], self.all_greedy, self.need_top_k,
+    def repeat_rows(self, times: int) -> "SamplingTensors":
+        """Each row's parameters `times` times in a row, e.g. once per verified position of a request;
+        on the device alone, so the host never waits for it."""
+        return SamplingTensors(self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
+                               self.top_p.repeat_interleave(times), self.min_p.repeat_interleave(times),
+                               [g for g in self.generators for _ in range(times)], self.all_greedy, self.need_top_k,
                                self.need_top_p, self.need_min_p, self.max_num_logprobs)
 
 

@@ -35,6 +35,8 @@ from torch import nn
 
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
+from llmserve_core.layers.fast_path import fast_path
+from llmserve_core.layers.linear import MAX_ROWS as GEMV_MAX_ROWS
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import _read_rope
@@ -155,6 +157,8 @@ class Eagle3Config:
 
 
 class Eagle3Attention(nn.Module):
+    fused = False   # set by the draft model on the fast path: rotary as one in-place Triton kernel
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -165,23 +169,34 @@ class Eagle3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def qkv(self, x: torch.Tensor, cos, sin):
-        """x [..., 2H] -> q [..., heads, d], k, v [..., kv_heads, d], rotary applied."""
+    def qkv(self, x: torch.Tensor, cos, sin, positions: torch.Tensor | None = None):
+        """x [..., 2H] -> q [..., heads, d], k, v [..., kv_heads, d], rotary applied. Fused (packed rows
+        [T, 2H] only): cos/sin are the whole cache tables and `positions` picks each row's."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.fused:
+            from llmserve_core.kernels.rotary import rotary_inplace
+            rotary_inplace(q, k, positions, cos, sin)
+            return q, k, v
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
 
 
 class Eagle3MLP(nn.Module):
+    fused = False   # set by the draft model on the fast path: SiLU-and-mul as one Triton kernel
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.fused:
+            from llmserve_core.kernels.silu_mul import silu_mul
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -234,6 +249,12 @@ class Eagle3DraftModel(nn.Module):
                                       cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dtype, device)
         self._shared_embed: torch.Tensor | None = None
         self._shared_lm_head: torch.Tensor | None = None
+        # The target's switch: on the fast path norms, rotary, SiLU-and-mul and the head run as Triton
+        # kernels; the dense training/test forward keeps the eager modules.
+        self.fused = fast_path(device, attn_backend)
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Eagle3Attention, Eagle3MLP)):
+                m.fused = self.fused
 
     # -- weights shared with the target ------------------------------------------------------------
     def share_target_weights(self, embed_weight: torch.Tensor | None, lm_head_weight: torch.Tensor | None) -> None:
@@ -277,8 +298,10 @@ class Eagle3DraftModel(nn.Module):
         (normed [T, H] for logits, pre-norm [T, H] to feed the next draft step)."""
         layer = self.layers[0]
         x, residual = layer.attn_input(F.embedding(input_ids, self.embed_weight), hidden)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        if self.fused:
+            q, k, v = layer.self_attn.qkv(x, self.rotary.cos, self.rotary.sin, batch.positions)
+        else:
+            q, k, v = layer.self_attn.qkv(x, *self.rotary.cos_sin(batch.positions))
         out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, layer.self_attn.scale)
         h, residual = layer.finish(layer.self_attn.o_proj(out.flatten(-2)), residual)
         return self.norm(h, residual)
@@ -292,6 +315,8 @@ class Eagle3DraftModel(nn.Module):
         positions <= r and, of steps 1..s, only the keys of its own chain, exactly what a draft step
         sees at inference. `earlier` holds the (k, v) of steps 0..s-1; returns (normed, pre-norm, (k, v)).
         """
+        if self.fused:
+            raise RuntimeError("forward_dense: the eager reference; load the draft with the torch attention backend")
         earlier = earlier or []
         if len(earlier) != step:
             raise ValueError(f"forward_dense: step {step} needs the keys of {step} earlier steps, got {len(earlier)}")
@@ -323,6 +348,9 @@ class Eagle3DraftModel(nn.Module):
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """normed [N, H] -> float32 logits over the draft vocabulary [N, draft_vocab]."""
+        if self.fused and 0 < normed.shape[0] <= GEMV_MAX_ROWS:
+            from llmserve_core.kernels.gemv import gemv
+            return gemv(normed, self.lm_head_weight, out_dtype=torch.float32)
         return F.linear(normed, self.lm_head_weight).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
+from llmserve_core.layers.fast_path import fast_path
 from llmserve_core.layers.linear import Linear
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
@@ -111,7 +112,7 @@ class Qwen3ForCausalLM(nn.Module):
         # On CUDA with a fast attention backend, norms, q/k-norm+rotary and SiLU-and-mul run as Triton
         # kernels: at decode sizes launch latency, not arithmetic, is what the eager versions cost.
         # The torch backend keeps the whole model eager, as the reference.
-        self.fused = torch.device(device).type == "cuda" and getattr(attn_backend, "name", "torch") != "torch"
+        self.fused = fast_path(device, attn_backend)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP)):
                 m.fused = self.fused
