@@ -456,6 +456,16 @@ class EagleExecutor:
             return t.clone()
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    def _h2d_many(self, arrays: list, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Several host arrays of one dtype in a single copy; returns device views, reshaped as given."""
+        flat = [np.asarray(a).reshape(-1) for a in arrays]
+        dev = self._h2d(np.concatenate(flat), dtype)
+        views, at = [], 0
+        for a, f in zip(arrays, flat):
+            views.append(dev[at:at + f.size].view(np.shape(a)))
+            at += f.size
+        return views
+
     def _pack(self, seqs: list[_Seq]) -> ForwardBatch:
         bs = self.block_size
         # Rows past max_model_len (drafts of a request about to hit the limit) only feed tokens that
@@ -474,12 +484,15 @@ class EagleExecutor:
         mask = None
         if any(s.mask is not None for s in seqs):
             mask = batch_tree_mask(query_lens, [s.mask for s in seqs], max(query_lens), dev)
+        positions, slot_mapping = self._h2d_many([rope, slots], torch.long)
+        query_start_loc, seq_lens_dev, block_tables = self._h2d_many(
+            [np.cumsum([0] + query_lens), seq_lens, tables], torch.int32)
         return ForwardBatch(
-            positions=self._h2d(rope, torch.long),
-            slot_mapping=self._h2d(slots, torch.long),
-            query_start_loc=self._h2d(np.cumsum([0] + query_lens), torch.int32),
-            seq_lens=self._h2d(seq_lens, torch.int32),
-            block_tables=self._h2d(tables, torch.int32),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_dev,
+            block_tables=block_tables,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
