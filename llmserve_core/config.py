@@ -33,10 +33,20 @@ class EngineConfig:
     async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
     # EAGLE-3 speculative decoding.
     speculative_model: str | None = None
-    speculative_gamma: int = 3
+    speculative_gamma: int | None = None      # draft depth (chain: drafts per step); default 3
+    speculative_num_steps: int | None = None  # the same, under SGLang's name (set one of the two)
+    speculative_eagle_topk: int = 1           # children per expanded draft node; > 1 grows a dynamic tree
+    speculative_num_draft_tokens: int | None = None  # tree nodes verified per request, root included (dynamic default: topk * steps + 1)
     speculative_accept_mode: str = "greedy"   # greedy | sample
-    speculative_tree: str | None = None
+    speculative_tree: str | None = None       # a static tree's name (chain, eagle-small, binary), or dynamic
+    speculative_policy: str = "adaptive"      # adaptive: draft only as deep as pays, from measured acceptance and step costs | always
     speculative_trace: bool = False
+
+    def draft_shape(self):
+        """What each speculative step drafts (chain, static or dynamic tree), checked."""
+        from llmserve_core.speculative.shape import draft_shape
+        return draft_shape(self.speculative_gamma, self.speculative_num_steps, self.speculative_eagle_topk,
+                           self.speculative_num_draft_tokens, self.speculative_tree)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -60,11 +70,9 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "must be auto, safetensors or dummy")
-        need(self.speculative_gamma >= 1, "speculative_gamma", "must be >= 1")
         need(self.speculative_accept_mode in ("greedy", "sample"), "speculative_accept_mode", "must be greedy or sample")
-        if self.speculative_tree is not None:
-            from llmserve_core.speculative.tree import get_tree
-            get_tree(self.speculative_tree, self.speculative_gamma)    # raises naming speculative_tree
+        need(self.speculative_policy in ("adaptive", "always"), "speculative_policy", "must be adaptive or always")
+        self.draft_shape()                # raises naming the speculative_* field at fault
         self.resolved_dtype()
 
     @classmethod

@@ -266,13 +266,13 @@ def test_tree_greedy_verify_paths():
     # Request 2: argmax at root 6: nothing accepted.
     argmax = [[5, 0, 2, 0, 0, 0, 9], [4, 3, 0, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0, 0]]
     logits = one_hot_logits(sum(argmax, []), vocab)
-    out = tree_greedy_verify(tree, logits, tokens)
+    out = tree_greedy_verify(tree.batch(3), logits, tokens)
     assert out.token_lists() == [[5, 2, 9], [4, 3], [6]]
     assert out.path_lists() == [[0, 2, 6], [0, 1], [0]]
     assert out.num_accepted.tolist() == [2, 1, 0]
     # Greedy rows through the sampled path give the same answer.
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
-    sampled = tree_rejection_verify(tree, one_hot, tokens)
+    sampled = tree_rejection_verify(tree.batch(3), one_hot, tokens)
     assert sampled.token_lists() == out.token_lists() and sampled.path_lists() == out.path_lists()
 
 
@@ -293,7 +293,7 @@ def test_tree_rejection_sampling_is_lossless(with_q):
             picks = q[parent].topk(len(kids)).indices.expand(trials, -1)
         for r, kid in enumerate(kids):
             tokens[:, kid] = picks[:, r]
-    out = tree_rejection_verify(tree, p.repeat(trials, 1), tokens, q.repeat(trials, 1) if with_q else None)
+    out = tree_rejection_verify(tree.batch(trials), p.repeat(trials, 1), tokens, q.repeat(trials, 1) if with_q else None)
     assert_distribution(out.token_ids[:, 0], p[0])
     for node in (1, 2):
         at = out.path_nodes[:, 1] == node
@@ -308,7 +308,7 @@ def test_tree_rejection_seeded_rows_reproducible():
     tree = tree_case()
     p = torch.softmax(torch.randn(tree.num_nodes, 6), -1)
     tokens = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
-    runs = [tree_rejection_verify(tree, p, tokens, generators=[torch.Generator().manual_seed(s)]).token_lists()
+    runs = [tree_rejection_verify(tree.batch(1), p, tokens, generators=[torch.Generator().manual_seed(s)]).token_lists()
             for s in (11, 11, 12)]
     assert runs[0] == runs[1]
 
@@ -332,7 +332,7 @@ def test_tree_rejection_many_siblings_drawn_without_replacement():
     q = torch.softmax(torch.randn(5, vocab) * 2, -1)
     tokens = torch.zeros(trials, 5, dtype=torch.long)
     tokens[:, 1:] = torch.multinomial(q[0].expand(trials, -1), 4, replacement=False)
-    out = tree_rejection_verify(tree, p.repeat(trials, 1), tokens, q.repeat(trials, 1))
+    out = tree_rejection_verify(tree.batch(trials), p.repeat(trials, 1), tokens, q.repeat(trials, 1))
     assert_distribution(out.token_ids[:, 0], p[0])
 
 

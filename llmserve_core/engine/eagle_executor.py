@@ -6,7 +6,8 @@ on, synchronously (the next step's drafts need this step's accepted tokens):
   1. draft catch-up: one batched draft forward over, for each speculative request of the batch, the
      positions whose target aux states are known but whose draft rows are not computed yet (the last
      step's accepted tokens, or the last prefill chunk). A decoding request's last row proposes d1;
-  2. chain: gamma - 1 more batched single-token draft steps; tree: one draft forward per tree level;
+  2. chain: gamma - 1 more batched single-token draft steps; static tree: one draft forward per tree
+     level; dynamic tree: one draft forward per level over the frontiers grown so far (dynamic_tree.py);
   3. ONE target forward over the whole batch: prefill chunks and plain decodes as without speculation,
      plus the verify rows of each drafting request (the last token, then its drafts), capturing the
      aux hidden states the draft reads;
@@ -38,8 +39,9 @@ from llmserve_core.engine.spec_graphs import FixedRowsGraphs
 from llmserve_core.layers.fast_path import use_cuda_graphs
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
 from llmserve_core.models.eagle3 import Eagle3Config, load_eagle3
+from llmserve_core.speculative.dynamic_tree import TreeGrowth
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
-from llmserve_core.speculative.tree import batch_tree_mask, compact_kv, fill_level, get_tree, tree_greedy_verify, \
+from llmserve_core.speculative.tree import TreeBatch, batch_tree_mask, compact_kv, fill_level, tree_greedy_verify, \
     tree_kv_moves, tree_rejection_verify
 from llmserve_core.speculative.types import TIMING_KEYS, SpecMetrics, SpecStepResult
 from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
@@ -54,9 +56,7 @@ def lookahead_tokens(config: EngineConfig) -> int:
     """KV slots a drafting request needs beyond its next token: its drafts (chain) or tree nodes."""
     if config.speculative_model is None:
         return 0
-    if config.speculative_tree:
-        return get_tree(config.speculative_tree, config.speculative_gamma).num_nodes - 1
-    return config.speculative_gamma
+    return config.draft_shape().lookahead
 
 
 def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -139,26 +139,32 @@ class EagleExecutor:
         self.device = runner.device
         self.block_size = runner.block_size
         self.max_model_len = max_model_len
-        self.gamma = config.speculative_gamma
-        self.tree = get_tree(config.speculative_tree, self.gamma) if config.speculative_tree else None
-        self.lookahead = lookahead_tokens(config)
+        self.shape = config.draft_shape()
+        self.gamma = self.shape.depth
+        self.tree = self.shape.static_tree
+        self.dynamic = self.shape.dynamic
+        self.lookahead = self.shape.lookahead
+        self.verify_width = self.shape.verify_width      # target rows of a full-depth drafting request
         self.draft = load_draft(config, runner, max_model_len + self.lookahead)
         target = runner.model_config
         dcfg = self.draft.cfg
         if dcfg.vocab_size != target.vocab_size or dcfg.target_hidden_size != target.hidden_size:
             raise ValueError(f"speculative_model: the draft expects vocab {dcfg.vocab_size} and target hidden size "
                              f"{dcfg.target_hidden_size}, the target has {target.vocab_size} and {target.hidden_size}")
+        if self.dynamic is not None and self.dynamic.topk > dcfg.draft_vocab_size:
+            raise ValueError(f"speculative_eagle_topk: {self.dynamic.topk} exceeds the draft's vocabulary "
+                             f"({dcfg.draft_vocab_size} tokens)")
         self.aux_layer_ids = dcfg.resolve_aux_layer_ids(target.num_hidden_layers)
         shape = (runner.num_blocks, self.block_size, dcfg.num_key_value_heads, dcfg.head_dim)
         self.kv = (torch.zeros(shape, dtype=runner.dtype, device=self.device),
                    torch.zeros(shape, dtype=runner.dtype, device=self.device))
         # Tree candidates are the draft's deterministic top-k, which rejection sampling treats as one-hot q.
-        self.sample_drafts = config.speculative_accept_mode == "sample" and self.tree is None
+        self.sample_drafts = config.speculative_accept_mode == "sample" and self.shape.kind == "chain"
         self.metrics = SpecMetrics()
         self.trace = config.speculative_trace
         self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
         if self.tree is not None:
-            self.tree_mask = self.tree.attention_mask()
+            self.tree_mask = self.tree.attention_mask(self.device)
             self.tree_depths = np.asarray(self.tree.depths)
         self.pin = self.device.type == "cuda"
         if self.tree is not None:
@@ -173,20 +179,24 @@ class EagleExecutor:
             shape = dict(max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_blocks_per_seq=runner.max_blocks_per_seq,
                          max_seq_len=max_model_len + self.lookahead, dtype=runner.dtype, device=self.device,
                          capture=capture)
-            if self.tree is None and self.gamma > 1:
+            if self.shape.kind == "chain" and self.gamma > 1:
                 self.draft_graphs = FixedRowsGraphs("draft step", self._draft_step, 1, hidden_size=dcfg.hidden_size,
                                                     **shape)
-            self.verify_graphs = FixedRowsGraphs("verify", self._verify_forward, 1 + self.lookahead, hidden_size=None,
-                                                 tree_mask=self.tree_mask if self.tree is not None else None, **shape)
+            # A dynamic tree's mask changes every step: the graph takes it as an input (this is its initial value).
+            mask = (self.tree_mask if self.tree is not None else
+                    torch.ones(self.verify_width, self.verify_width, dtype=torch.bool).tril() if self.dynamic else None)
+            self.verify_graphs = FixedRowsGraphs("verify", self._verify_forward, self.verify_width, hidden_size=None,
+                                                 tree_mask=mask, **shape)
             self.catchup_graphs = FixedRowsGraphs("catch-up", self._catchup_forward, self.catchup_rows,
                                                   hidden_size=dcfg.hidden_size, out_rows=1, **shape)
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
-                 list(self.aux_layer_ids), f"tree {self.tree.name} ({self.tree.num_nodes} nodes)" if self.tree
-                 else f"chain gamma {self.gamma}", config.speculative_accept_mode)
+                 list(self.aux_layer_ids), self.shape.describe(), config.speculative_accept_mode)
 
     # ---- the step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: ScheduledBatch) -> SpecStepOutput:
+    def execute(self, sched: ScheduledBatch, gamma: int | None = None) -> SpecStepOutput:
+        """One step; `gamma` (chain only) drafts fewer tokens than configured this step."""
+        self.step_gamma = self.gamma if gamma is None or self.shape.kind != "chain" else min(gamma, self.gamma)
         for req in sched.preempted:
             req.spec_state = SpecState()
         for req in sched.requests:
@@ -204,7 +214,7 @@ class EagleExecutor:
             verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
         with phase("kv_update"):
             self._commit(sched, drafting, verified, aux, layout)
-        results = [SpecStepResult(tokens, self.tree.depth if self.tree else self.gamma, len(tokens) - 1, path)
+        results = [SpecStepResult(tokens, self.step_gamma, len(tokens) - 1, path)
                    for tokens, path in zip(verified.tokens, verified.paths)]
         if results:
             self.metrics.record(results)
@@ -235,11 +245,13 @@ class EagleExecutor:
             logits, h = self._catchup_eager(pending, drafting)
         if not drafting:
             return none
+        if self.dynamic is not None:
+            return self._draft_dynamic(drafting, logits, h)
         if self.tree is not None:
             return self._draft_tree(drafting, logits, h)
         st = self._sampling(drafting) if self.sample_drafts else None
         tokens, qs = [], []
-        for j in range(self.gamma):
+        for j in range(self.step_gamma):
             if j:
                 seqs = [_span(r.num_tokens - 2 + j, r.num_tokens - 1 + j, r.num_tokens - 1 + j, r.block_ids)
                         for r in drafting]
@@ -321,11 +333,37 @@ class EagleExecutor:
             if k:
                 top = topk_propose(logits, k, self.draft.d2t).view(b, len(tree.level(d)), k)
                 fill_level(tree, d, top, nodes)
-        return _Proposal(nodes)
+        return _Proposal(nodes, trees=tree.batch(b, self.device), depths=np.tile(self.tree_depths, (b, 1)),
+                         masks=self.tree_mask.expand(b, -1, -1))
+
+    def _draft_dynamic(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
+        """Grow each request's tree (speculative/dynamic_tree.py): level d's draft forward runs the
+        frontiers of levels 1..d (fixed rows across levels, KV from position num_tokens - 1 on), each
+        node reading its parent's draft state and seeing its ancestors through the growth's mask."""
+        shape, b = self.dynamic, len(drafting)
+        growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.draft.d2t)
+        prenorm = h.new_zeros(b, 1 + shape.num_expanded, h.shape[-1])     # 0: the root; e + 1: expanded node e
+        prenorm[:, 0] = h
+        depths = shape.row_depths(shape.num_expanded).numpy()
+        while not growth.done:
+            tokens, source, mask = growth.draft_rows()
+            m = tokens.shape[1]
+            seqs = [_Seq(r.block_ids, r.num_tokens - 2 + depths[:m], np.arange(r.num_tokens - 1, r.num_tokens - 1 + m),
+                         r.num_tokens - 1 + m, mask[i]) for i, r in enumerate(drafting)]
+            hidden = prenorm.gather(1, source[:, :, None].expand(-1, -1, prenorm.shape[-1]))
+            normed, pre = self.draft(tokens.flatten(), hidden.flatten(0, 1), self._pack(seqs), self.kv)
+            prenorm[:, 1:m + 1] = pre.view(b, m, -1)
+            frontier = normed.view(b, m, -1)[:, m - shape.topk:].flatten(0, 1)
+            growth.grow(torch.log_softmax(self.draft.compute_logits(frontier).float(), -1))
+        roots = self._h2d([r.token_ids[-1] for r in drafting], torch.long)
+        trees, nodes = growth.finish(roots)
+        # Rotary positions are host-side in the packed batch: the depths cross over once per step.
+        return _Proposal(nodes, trees=trees, depths=trees.depths().cpu().numpy(), masks=trees.attention_masks())
 
     # ---- 3: the target forward ---------------------------------------------------------------------
     def _target_forward(self, sched: ScheduledBatch, drafting: list[Request], proposal: "_Proposal"):
         drafting_ids = {r.request_id for r in drafting}
+        width = proposal.width
         seqs, id_parts = [], []
         layout = _Layout()
         row = 0
@@ -333,15 +371,15 @@ class EagleExecutor:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             if req.request_id in drafting_ids:
                 # The last token (n == 1) then the drafts; their ids are filled in on the device below.
-                k = self.lookahead
-                if self.tree is None:
-                    seqs.append(_span(start, start + 1 + k, start + 1 + k, req.block_ids))
+                i = len(layout.verify_rows)
+                if proposal.trees is None:
+                    seqs.append(_span(start, start + width, start + width, req.block_ids))
                 else:
-                    seqs.append(_Seq(req.block_ids, start + self.tree_depths, np.arange(start, start + 1 + k),
-                                     start + 1 + k, self.tree_mask))
-                id_parts.append(np.asarray([req.token_ids[start]] + [0] * k))
+                    seqs.append(_Seq(req.block_ids, start + proposal.depths[i], np.arange(start, start + width),
+                                     start + width, proposal.masks[i]))
+                id_parts.append(np.asarray([req.token_ids[start]] + [0] * (width - 1)))
                 layout.verify_rows.append(row)
-                row += 1 + k
+                row += width
             else:
                 seqs.append(_span(start, end, end, req.block_ids))
                 id_parts.append(np.asarray(req.token_ids[start:end]))
@@ -353,10 +391,10 @@ class EagleExecutor:
         ids = self._h2d(np.concatenate(id_parts), torch.long)
         if drafting:
             base = self._h2d(layout.verify_rows, torch.long)[:, None]
-            drafts = proposal.tokens if self.tree is None else proposal.tokens[:, 1:]     # a tree's node 0 is the root
-            ids[(base + torch.arange(1, 1 + self.lookahead, device=self.device)).flatten()] = drafts.flatten()
+            drafts = proposal.tokens if proposal.trees is None else proposal.tokens[:, 1:]   # a tree's node 0 is the root
+            ids[(base + torch.arange(1, width, device=self.device)).flatten()] = drafts.flatten()
         batch = self._pack(seqs)
-        if (self.verify_graphs is not None and len(drafting) == len(sched.requests)
+        if (self.verify_graphs is not None and len(drafting) == len(sched.requests) and width == self.verify_width
                 and self.verify_graphs.bucket_for(len(drafting))):
             # A pure verify batch (the steady state of decoding): logits come out of the graph.
             logits, *aux = self.verify_graphs.run(ids, None, batch)
@@ -394,7 +432,7 @@ class EagleExecutor:
     def _verify(self, hidden, logits, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
         if not drafting:
             return _Verified([], [])
-        width = 1 + self.lookahead
+        width = proposal.width
         if logits is None:
             idx = (self._h2d(rows, torch.long)[:, None] + torch.arange(width, device=self.device)).flatten()
             logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
@@ -403,11 +441,11 @@ class EagleExecutor:
         if not greedy:
             st = self._sampling(drafting)
             probs = verify_probs(logits, st.repeat_rows(width))
-        if self.tree is not None:
-            out = (tree_greedy_verify(self.tree, logits, proposal.tokens) if greedy else
-                   tree_rejection_verify(self.tree, probs, proposal.tokens, None, generators))
+        if proposal.trees is not None:
+            out = (tree_greedy_verify(proposal.trees, logits, proposal.tokens) if greedy else
+                   tree_rejection_verify(proposal.trees, probs, proposal.tokens, None, generators))
             return _Verified(out.token_lists(), out.path_lists())
-        num_draft = torch.full((len(drafting),), self.gamma, dtype=torch.long, device=self.device)
+        num_draft = torch.full((len(drafting),), self.step_gamma, dtype=torch.long, device=self.device)
         out = (greedy_verify(logits, proposal.tokens, num_draft) if greedy else
                rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q, generators))
         tokens = out.token_lists()
@@ -417,7 +455,7 @@ class EagleExecutor:
         """Tree: move the accepted path's target KV to consecutive slots. Then keep the fused aux states
         of every newly valid position of a speculative request for its next catch-up."""
         positions = {r.request_id: i for i, r in enumerate(drafting)}
-        if self.tree is not None and drafting:
+        if drafting and verified.paths[0] is not None:
             src, dst = [], []
             for req, path in zip(drafting, verified.paths):
                 table, base = req.block_ids, req.num_computed_tokens
@@ -550,6 +588,14 @@ class PhaseTimer:
 class _Proposal:
     tokens: torch.Tensor                # chain: [B, gamma] draft ids; tree: [B, nodes] node tokens (node 0: root)
     q: torch.Tensor | None = None       # chain, sampled drafts: [B * gamma, V] what each was drawn from
+    trees: TreeBatch | None = None      # trees: each request's parents
+    depths: np.ndarray | None = None    # trees: [B, nodes] node depths (host: they set rotary positions)
+    masks: torch.Tensor | None = None   # trees: [B, nodes, nodes] ancestor masks
+
+    @property
+    def width(self) -> int:
+        """Verify rows per drafting request: the root and its drafts."""
+        return self.tokens.shape[1] + (0 if self.trees is not None else 1)
 
 
 @dataclass

@@ -5,7 +5,8 @@ rows, or the tree's nodes, per request), one per batch bucket.
 Like DecodeGraphs: each bucket's forward is captured once over static device buffers and replayed with
 fresh inputs copied in. Rows of padding sequences write no KV (slot -1) and attend to a few cached
 slots, so they never touch live state. Every length the kernels read comes from device tensors, and the
-tree mask, identical for every request, is a static buffer too.
+tree mask is a buffer too, copied in each replay (a dynamic tree's differs per request and step; padding
+rows keep an earlier valid mask).
 
 capture=False keeps the static buffers and padding but runs the forward eagerly on every call: the same
 bookkeeping without a GPU, which is how the CPU tests check it.
@@ -92,6 +93,8 @@ class FixedRowsGraphs:
         self.block_tables[:n, :width].copy_(batch.block_tables)
         if hidden is not None:
             self.hidden[:t].copy_(hidden)
+        if self.tree_mask is not None:
+            self.tree_mask[:t].copy_(batch.tree_mask)
         if bucket > n:
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)

@@ -1,12 +1,12 @@
-"""Static candidate trees: layout, attention mask, verification and the KV moves that commit a path.
+"""Candidate trees: layout, attention mask, verification and the KV moves that commit a path.
 
-A tree is fixed before serving starts. Node 0 is the root: the last accepted token, whose KV is not
-cached yet. Every other node is a draft candidate: the rank-th most likely draft token after its
-parent. Nodes are numbered level by level (parents before children), so a request's verify forward
-carries its nodes as query tokens 0..N-1, node i at position base + depth[i], and sees its cached
-prefix plus its own ancestors. Verification walks down from the root; the accepted path is then
-moved so that path node k sits at query offset k (where a chain would have put it) and the other
-nodes are dropped.
+A static tree (CandidateTree) is fixed before serving starts; a dynamic one (dynamic_tree.py) is grown
+per request and step. Both reach verification as a TreeBatch: per-request parent arrays. Node 0 is the
+root: the last accepted token, whose KV is not cached yet. Every other node is a draft candidate.
+Parents come before children, so a request's verify forward carries its nodes as query tokens 0..N-1,
+node i at position base + depth[i], and sees its cached prefix plus its own ancestors. Verification
+walks down from the root; the accepted path is then moved so that path node k sits at query offset k
+(where a chain would have put it) and the other nodes are dropped.
 """
 from __future__ import annotations
 
@@ -84,14 +84,58 @@ class CandidateTree:
     def position_offsets(self, device=None) -> torch.Tensor:
         return torch.tensor(self.depths, dtype=torch.long, device=device)
 
-    def children_table(self, device=None) -> torch.Tensor:
-        """[N, max_children] node ids ordered by rank, padded with -1."""
-        width = max(1, max(len(c) for c in self.children))
-        table = torch.full((self.num_nodes, width), -1, dtype=torch.long)
-        for i, kids in enumerate(self.children):
-            if kids:
-                table[i, :len(kids)] = torch.tensor(kids, dtype=torch.long)
-        return table.to(device)
+    def batch(self, batch: int, device=None) -> "TreeBatch":
+        """This tree for each of `batch` requests, as verification takes it."""
+        parents = torch.tensor(self.parents, dtype=torch.long, device=device).expand(batch, -1)
+        return TreeBatch(parents, self.depth, max(1, max(len(c) for c in self.children)))
+
+
+@dataclass
+class TreeBatch:
+    """One verify step's candidate trees, N nodes per request (trees may differ between requests).
+    Siblings are tried in node order, so number a node's children best first."""
+    parents: torch.Tensor       # [B, N] int64: parent node of each node, -1 at node 0; parents[b, i] < i
+    max_depth: int              # bound on every node's depth (how far a walk from the root can go)
+    max_children: int           # bound on any node's number of children
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[1]
+
+    def children_table(self) -> torch.Tensor:
+        """[B, N, max_children] child node ids in node order, padded with -1."""
+        par = self.parents
+        batch, n = par.shape
+        idx = torch.arange(n, device=par.device)
+        # A child's slot: how many earlier nodes share its parent.
+        rank = ((par[:, :, None] == par[:, None, :]) & (idx[None, None, :] < idx[None, :, None])).sum(-1)
+        table = torch.full((batch, n, self.max_children), -1, dtype=torch.long, device=par.device)
+        b, i = (par >= 0).nonzero(as_tuple=True)
+        if bool((rank[b, i] >= self.max_children).any()):
+            raise ValueError(f"tree: a node has more than max_children = {self.max_children} children")
+        table[b, par[b, i], rank[b, i]] = i
+        return table
+
+    def depths(self) -> torch.Tensor:
+        """[B, N] distance of each node from the root."""
+        return ancestor_masks(self.parents, self.max_depth).sum(-1) - 1
+
+    def attention_masks(self) -> torch.Tensor:
+        """[B, N, N] bool: node i sees node j iff j is i or one of its ancestors."""
+        return ancestor_masks(self.parents, self.max_depth)
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, N, N] bool from [B, N] parent arrays (-1: no parent): row i marks i and its ancestors, found by
+    following parents max_depth times (vectorized, no host sync)."""
+    batch, n = parents.shape
+    mask = torch.zeros(batch, n, n, dtype=torch.bool, device=parents.device)
+    anc = torch.arange(n, device=parents.device).expand(batch, n)
+    for _ in range(max_depth + 1):
+        live = anc >= 0
+        mask |= torch.nn.functional.one_hot(anc.clamp_min(0), n).bool() & live[..., None]
+        anc = torch.where(live, parents.gather(1, anc.clamp_min(0)), anc)
+    return mask
 
 
 def _chain(depth: int):
@@ -132,13 +176,14 @@ def batch_tree_mask(query_lens: list[int], masks: list[torch.Tensor | None], max
     with ordinary sequences (None: causal among their own query tokens)."""
     rows = []
     for n, m in zip(query_lens, masks):
-        own = torch.ones(n, n, dtype=torch.bool).tril() if m is None else m.to("cpu", torch.bool)
+        # Built where the masks live (dynamic trees' masks are on the device): no round trip to the host.
+        own = torch.ones(n, n, dtype=torch.bool, device=device).tril() if m is None else m.to(device, torch.bool)
         if own.shape != (n, n):
             raise ValueError(f"tree mask: expected [{n}, {n}], got {list(own.shape)}")
         rows.append(torch.nn.functional.pad(own, (0, max_query_len - n)))
     if not rows:
         return torch.zeros(0, max_query_len, dtype=torch.bool, device=device)
-    return torch.cat(rows).to(device)
+    return torch.cat(rows)
 
 
 def fill_level(tree: CandidateTree, d: int, topk_ids: torch.Tensor, node_tokens: torch.Tensor) -> None:
@@ -163,16 +208,16 @@ class TreeVerifyOutput:
         return [row[:c] for row, c in zip(self.path_nodes.tolist(), (self.num_accepted + 1).tolist())]
 
 
-def _check_tree_inputs(tree: CandidateTree, rows: int, node_tokens: torch.Tensor) -> int:
-    if node_tokens.dim() != 2 or node_tokens.shape[1] != tree.num_nodes:
-        raise ValueError(f"node_tokens: expected [B, {tree.num_nodes}], got {list(node_tokens.shape)}")
+def _check_tree_inputs(tree: TreeBatch, rows: int, node_tokens: torch.Tensor) -> int:
+    if node_tokens.dim() != 2 or node_tokens.shape != tree.parents.shape:
+        raise ValueError(f"node_tokens: expected {list(tree.parents.shape)} like the parents, got {list(node_tokens.shape)}")
     batch = node_tokens.shape[0]
     if rows != batch * tree.num_nodes:
         raise ValueError(f"target rows: expected B * {tree.num_nodes} = {batch * tree.num_nodes}, got {rows}")
     return batch
 
 
-def tree_greedy_verify(tree: CandidateTree, target_logits: torch.Tensor, node_tokens: torch.Tensor) -> TreeVerifyOutput:
+def tree_greedy_verify(tree: TreeBatch, target_logits: torch.Tensor, node_tokens: torch.Tensor) -> TreeVerifyOutput:
     """Walk down from the root, each time into the child whose token is the target's argmax at the
     current node; emit the argmax along the path plus the one after its last node. target_logits
     [B * N, V] holds request b's node rows at b * N .. b * N + N - 1."""
@@ -180,15 +225,15 @@ def tree_greedy_verify(tree: CandidateTree, target_logits: torch.Tensor, node_to
     device = target_logits.device
     target_ids = target_logits.argmax(dim=-1).view(batch, tree.num_nodes)
     node_tokens = node_tokens.to(device)
-    table = tree.children_table(device)
+    table = tree.children_table().to(device)
     ar = torch.arange(batch, device=device)
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, tree.depth + 1), -1, dtype=torch.long, device=device)
+    path = torch.full((batch, tree.max_depth + 1), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    for d in range(1, tree.depth + 1):
-        kids = table[cur]                                              # [B, C]
+    for d in range(1, tree.max_depth + 1):
+        kids = table[ar, cur]                                          # [B, C]
         kid_tokens = node_tokens.gather(1, kids.clamp_min(0))
         match = (kid_tokens == target_ids[ar, cur][:, None]) & (kids >= 0) & active[:, None]
         found = match.any(dim=1)
@@ -201,7 +246,7 @@ def tree_greedy_verify(tree: CandidateTree, target_logits: torch.Tensor, node_to
 
 
 def tree_rejection_verify(
-    tree: CandidateTree,
+    tree: TreeBatch,
     target_probs: torch.Tensor,                 # [B * N, V] from verify_probs: p at each node
     node_tokens: torch.Tensor,                  # [B, N] candidate tokens (node 0 unused)
     draft_probs: torch.Tensor | None = None,    # [B * N, V] q at each node: what its children were drawn from
@@ -225,14 +270,14 @@ def tree_rejection_verify(
     ar = torch.arange(batch, device=device)
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, tree.depth + 1), -1, dtype=torch.long, device=device)
+    path = torch.full((batch, tree.max_depth + 1), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     p = target_probs[ar * n].float()
-    table = tree.children_table(device)
-    for d in range(1, tree.depth + 1):
+    table = tree.children_table().to(device)
+    for d in range(1, tree.max_depth + 1):
         q = draft_probs[ar * n + cur].float() if draft_probs is not None else None
-        kids = table[cur]
+        kids = table[ar, cur]
         moved = torch.zeros(batch, dtype=torch.bool, device=device)
         for r in range(kids.shape[1]):
             trying = active & ~moved & (kids[:, r] >= 0)
