@@ -6,6 +6,8 @@ acceptance length, and checks that speculative output equals plain output token 
 
     python benchmarks/spec_cpu.py [--num-prompts 16] [--max-tokens 40] [--out benchmarks/results]
 
+    python benchmarks/spec_cpu.py --modes plain,dynamic-6x4-32   # a subset
+
 The tiny model makes every forward cost about the same fixed Python and launch overhead, whatever its
 batch or query length, so this measures the executor's step count and overhead more than arithmetic:
 it is the CPU counterpart of the H200 timing in spec_timing.py, not a prediction of it.
@@ -33,6 +35,11 @@ MODES = {
     "plain": {},
     "chain-gamma3": dict(speculative_gamma=3),
     "tree-eagle-small": dict(speculative_gamma=3, speculative_tree="eagle-small"),
+    # Dynamic trees: --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens.
+    "dynamic-3x4-13": dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=13),
+    "dynamic-5x4-24": dict(speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=24),
+    "dynamic-6x4-32": dict(speculative_num_steps=6, speculative_eagle_topk=4, speculative_num_draft_tokens=32),
+    "dynamic-8x8-64": dict(speculative_num_steps=8, speculative_eagle_topk=8, speculative_num_draft_tokens=64),
 }
 
 
@@ -48,7 +55,8 @@ def held_out_prompts(n: int, length: int) -> list[list[int]]:
 def make_engine(mode: str) -> Engine:
     extra = MODES[mode]
     if extra:
-        extra = dict(extra, speculative_model=str(PAIR / "draft"))
+        # Pinned to drafting every step: this measures what each draft shape accepts and costs.
+        extra = dict(extra, speculative_model=str(PAIR / "draft"), speculative_policy="always")
     return Engine(EngineConfig(model=str(PAIR / "target"), device="cpu", dtype="float32",
                                enable_prefix_caching=False, **extra))
 
@@ -62,15 +70,15 @@ def timed(engine: Engine, prompts, params, batch_all: bool):
     return time.perf_counter() - t0, time.process_time() - c0, [o.token_ids for o in outs]
 
 
-def measure(prompts, params, batch_all: bool, repeats: int) -> list[dict]:
+def measure(prompts, params, batch_all: bool, repeats: int, modes: list[str]) -> list[dict]:
     """Modes interleaved within each repeat, so load from other processes on a shared machine hits
     them alike; the median repeat is reported."""
-    engines = {mode: make_engine(mode) for mode in MODES}
+    engines = {mode: make_engine(mode) for mode in modes}
     for engine in engines.values():
         engine.generate(prompts[:2], params)                   # warm up
     before = {mode: e.stats() for mode, e in engines.items()}
-    wall = {mode: [] for mode in MODES}
-    cpu = {mode: [] for mode in MODES}
+    wall = {mode: [] for mode in modes}
+    cpu = {mode: [] for mode in modes}
     outputs = {}
     for _ in range(repeats):
         for mode, engine in engines.items():
@@ -105,12 +113,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = ap.parse_args()
+    modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(unknown)}")
     torch.set_num_threads(args.threads)
     prompts = held_out_prompts(args.num_prompts, args.prompt_len)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    rows = measure(prompts, params, False, args.repeats) + measure(prompts, params, True, args.repeats)
+    rows = measure(prompts, params, False, args.repeats, modes) + measure(prompts, params, True, args.repeats, modes)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"commit": commit, "device": "cpu", "threads": args.threads, "num_prompts": len(prompts),
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rows": rows}

@@ -41,6 +41,36 @@ def test_prefix_hit_shares_blocks_and_keeps_last_token():
     assert bm.admit(c) == 4
 
 
+def test_draft_row_flags_follow_published_blocks_and_valid_twins_replace_flagged_ones():
+    bm = BlockManager(16, 4)
+    a = make_req("a", range(13))                       # 3 full blocks
+    a.num_computed_tokens = bm.admit(a)
+    bm.allocate(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a, draft_valid_until=5)       # draft rows valid below 5: block 0 only
+    assert [bm.draft_rows_valid[b] for b in a.block_ids[:3]] == [True, False, False]
+    hit = make_req("hit", range(13))
+    assert bm.admit(hit) == 12
+    assert bm.draft_valid_tokens(hit, 12) == 4
+    bm.release(hit)
+    # A twin computing the same prefix with valid draft rows takes over the cache entries it improves.
+    twin = make_req("twin", range(13))
+    bm.allocate(twin, twin.num_tokens)
+    twin.num_computed_tokens = twin.num_tokens
+    bm.cache_full_blocks(twin, draft_valid_until=13)
+    assert bm.cached[twin.block_hashes[0]] == a.block_ids[0]        # already valid: kept
+    assert bm.cached[twin.block_hashes[1]] == twin.block_ids[1]     # flagged: replaced
+    again = make_req("again", range(13))
+    assert bm.admit(again) == 12 and bm.draft_valid_tokens(again, 12) == 12
+    for r in (a, twin, again):
+        bm.release(r)
+    bm.check_invariants()
+    # Reusing the replaced block for other tokens must not drop the entry that now names its twin.
+    while bm.num_free_blocks:
+        bm.allocate(make_req("x", [1]), 1)
+    assert bm.num_cached_blocks == 0 and all(bm.ref_counts)
+
+
 def test_release_keeps_cache_until_evicted_lru():
     bm = BlockManager(4, 2)
     a = make_req("a", [1, 2, 3, 4, 5])

@@ -19,6 +19,7 @@ import torch
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine import eagle_executor
 from llmserve_core.models.eagle3 import Eagle3Config, make_tiny_draft
+from llmserve_core.speculative.policy import Decision, SpecPolicy
 from llmserve_proto import SamplingParams
 
 FIRST = 7                                   # every prompt's first token (see the oracle)
@@ -365,7 +366,7 @@ def test_daemon_serves_speculatively_and_reports_spec_stats(tmp_path, capsys):
     endpoint, log = f"ipc://{tmp_path}/core.sock", tmp_path / "core.log"
     proc = subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", str(model), "--listen", endpoint,
                              "--device", "cpu", "--num-kv-blocks", "64", "--speculative-model", str(draft),
-                             "--speculative-gamma", "2", "--log-interval", "0"],
+                             "--speculative-gamma", "2", "--speculative-policy", "always", "--log-interval", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
     try:
         with Client(endpoint, connect_timeout=60) as c:
@@ -375,6 +376,7 @@ def test_daemon_serves_speculatively_and_reports_spec_stats(tmp_path, capsys):
             st = c.stats()
             assert st["spec_num_steps"] > 0 and st["spec_num_draft_tokens"] == 2 * st["spec_num_steps"]
             assert "spec_mean_acceptance_length" in st and "spec_time_verify_ms" in st
+            assert st["spec_policy_gamma"] == 2 and st["spec_num_plain_steps"] == 0 and st["spec_num_drafted_steps"] > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-3000:]
@@ -440,3 +442,111 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
     plain_engine = Engine(EngineConfig(model=target, device="cuda", dtype="float32", attention_backend="triton",
                                        enforce_eager=True))
     assert [c.token_ids for c in plain_engine.generate(prompts, params)] == outs[True]
+
+
+# ---- the adaptive policy: plain and drafting steps mixed ----------------------------------------------------
+
+class ScriptedPolicy(SpecPolicy):
+    """Decides from a fixed random script instead of measurements, so every switch is exercised."""
+
+    def __init__(self, widths, seed, plain_share=0.5):
+        super().__init__(widths)
+        rnd = random.Random(seed)
+        depths = list(widths)
+        self.script = [0 if rnd.random() < plain_share else rnd.choice(depths) for _ in range(4096)]
+        self.calls = 0
+
+    def _decide(self, batch, num_spec, costs):
+        self.calls += 1
+        return Decision(self.script[self.calls % len(self.script)])
+
+
+SWITCH_SCHEDULES = {
+    "plain": dict(block_size=8),
+    "async-chunked": dict(async_scheduling=True, max_num_batched_tokens=7, max_num_seqs=3, block_size=8),
+    "async-preempting": dict(async_scheduling=True, num_kv_blocks=24, block_size=4),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SWITCH_SCHEDULES))
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small", "tree-dynamic"])
+def test_switching_between_plain_and_drafting_steps_keeps_greedy_output(pair, plain, mode, schedule):
+    """Plain steps (async where asked) and drafting steps of varying depth in a random order, with prefix
+    hits, chunking, preemption and opt-outs: the tokens never change, and nothing leaks."""
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, speculative_policy="adaptive", **MODES[mode], **SWITCH_SCHEDULES[schedule])
+    engine.policy = ScriptedPolicy(engine.spec.policy_widths(), seed=len(mode) + len(schedule))
+    max_new = 12
+    for opt_out in (0, 3):
+        got = engine.generate(prompts, mixed_params(len(prompts), max_new, opt_out))
+        assert [c.token_ids for c in got] == [e[:max_new] for e in expected]
+    st = engine.stats()
+    assert st["spec_num_plain_steps"] > 0 and st["spec_num_drafted_steps"] > 0 and st["spec_num_steps"] > 0
+    if schedule == "async-preempting":
+        assert st["num_preemptions"] > 0
+    if schedule == "plain":
+        assert st["prefix_hit_rate"] > 0
+    assert_all_blocks_free(engine)
+
+
+def test_oracle_after_plain_steps_stays_exact(pair, plain, oracle):
+    """Draft rows skipped by plain steps hold no valid state (the oracle then reads stale tokens): output
+    is still the target's, and the state marks where its rows stopped being valid."""
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, speculative_policy="adaptive", **MODES["chain"], **SCHEDULES["plain"])
+    engine.policy = ScriptedPolicy(engine.spec.policy_widths(), seed=4, plain_share=0.3)
+    seen_gap = []
+    original = engine._retire
+
+    def retire(scheduled, finished):
+        original(scheduled, finished)
+        seen_gap.extend(r.spec_state.first_invalid is not None for r in scheduled if r.spec_state.draft_pos is not None)
+    engine._retire = retire
+    got = engine.generate(prompts, mixed_params(len(prompts), 10))
+    assert [c.token_ids for c in got] == [e[:10] for e in expected]
+    assert any(seen_gap)
+    st = engine.stats()
+    assert 0 < st["spec_acceptance_rate"] <= 1.0
+    assert_all_blocks_free(engine)
+
+
+def test_plain_steps_keep_the_prefix_cache_and_flag_missing_draft_rows(pair, plain):
+    """With the policy on plain decoding, blocks are still published (so prefix caching works as without
+    a draft), flagged as holding no draft rows; a later request hitting them knows its draft rows there
+    are invalid; an engine drafting every step publishes only valid blocks."""
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, speculative_policy="adaptive", block_size=4)
+    engine.policy = ScriptedPolicy(engine.spec.policy_widths(), seed=1, plain_share=1.0)
+    got = engine.generate(prompts[:1], mixed_params(1, 10))
+    assert got[0].token_ids == expected[0][:10]
+    bm = engine.block_manager
+    flagged = [b for b in bm.cached.values() if not bm.draft_rows_valid[b]]
+    assert flagged and engine.stats()["spec_num_drafted_steps"] == 0
+    engine.add_request("again", prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    state = engine.requests["again"].spec_state
+    assert engine.requests["again"].num_cached_tokens > 0 and state.first_invalid is not None
+    while engine.has_unfinished():
+        engine.step()
+    other = spec_engine(target, draft, block_size=4)
+    other.generate(prompts[:1], mixed_params(1, 10))
+    assert all(other.block_manager.draft_rows_valid[b] for b in other.block_manager.cached.values())
+    assert_all_blocks_free(engine)
+
+
+def test_adaptive_policy_turns_a_useless_draft_off(pair, plain):
+    """A random draft accepts almost nothing: the measured policy settles on plain steps (probing now and
+    then), with the plain engine's tokens."""
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, speculative_policy="adaptive", **MODES["chain"])
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = engine.generate(prompts, params)
+    assert [c.token_ids for c in got] == expected
+    st = engine.stats()
+    assert st["spec_num_plain_steps"] > st["spec_num_drafted_steps"]
+    assert st["spec_policy_expected_length"] < 2.0
+    assert_all_blocks_free(engine)

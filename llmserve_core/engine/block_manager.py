@@ -33,6 +33,10 @@ class BlockManager:
         self.recompute_last_hit_block = recompute_last_hit_block
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
+        # With a draft model: whether a published block's draft KV rows are valid (speculative steps
+        # computed them) or not (plain steps ran there). Requests hitting a block read it through
+        # draft_valid_tokens.
+        self.draft_rows_valid: list[bool] = [True] * num_blocks
         self.cached: dict[bytes, int] = {}                    # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
@@ -107,9 +111,9 @@ class BlockManager:
             self.ref_counts[block] = 1
             req.block_ids.append(block)
 
-    def cache_full_blocks(self, req: Request, limit: int | None = None) -> None:
-        """Publish every block of the request that is now full of computed tokens (and below `limit`:
-        with speculation, the positions whose draft KV is written too)."""
+    def cache_full_blocks(self, req: Request, limit: int | None = None, draft_valid_until: int | None = None) -> None:
+        """Publish every block of the request that is now full of computed tokens (and below `limit`),
+        flagging those past `draft_valid_until` as holding no valid draft rows."""
         if not self.enable_prefix_caching:
             return
         # Blocks past the block table belong to a preempted or finished request: nothing to publish.
@@ -124,9 +128,18 @@ class BlockManager:
             h = hash_block(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
             req.block_hashes.append(h)
             block = req.block_ids[b]
-            if h not in self.cached:                  # a twin block may already hold the same prefix
+            valid = draft_valid_until is None or (b + 1) * self.block_size <= draft_valid_until
+            twin = self.cached.get(h)                 # a twin block may already hold the same prefix
+            if twin is None or (valid and not self.draft_rows_valid[twin]):
                 self.cached[h] = block
                 self.block_hash[block] = h
+                self.draft_rows_valid[block] = valid
+
+    def draft_valid_tokens(self, req: Request, num_tokens: int) -> int:
+        """Of the request's first num_tokens (cache hits), how many lead with valid draft rows."""
+        blocks = req.block_ids[:num_tokens // self.block_size]
+        valid = next((i for i, b in enumerate(blocks) if not self.draft_rows_valid[b]), len(blocks))
+        return min(valid * self.block_size, num_tokens)
 
     def release(self, req: Request) -> None:
         """Drop the request's references. Tail blocks go to the free queue first, so they are evicted

@@ -82,21 +82,42 @@ def load_draft(config: EngineConfig, runner, max_positions: int):
 
 @dataclass
 class SpecState:
-    """A request's draft progress: draft KV is valid below draft_pos; `pending` holds the fused aux
-    states of positions draft_pos .. num_computed_tokens - 1, whose draft rows wait for the token after
-    them (known by the time the request is next scheduled). Requests that do not draft keep one too, so
-    every block published to the prefix cache carries valid draft rows (the engine publishes blocks
-    only below draft_pos)."""
-    draft_pos: int = 0
+    """A request's draft progress. Draft KV rows below draft_pos are written; `pending` holds the fused
+    aux states of positions draft_pos .. num_computed_tokens - 1, whose draft rows wait for the token
+    after them (known by the time the request is next scheduled). Requests that do not draft keep one
+    too, so the blocks they publish carry draft rows.
+
+    Gaps: a plain step (the adaptive policy's "no drafting") computes target KV without aux states, so
+    those positions never get draft rows. Rows from first_invalid on (None: no gap) are therefore not
+    what the draft would have computed: later draft forwards read them anyway, which costs acceptance
+    but never exactness (verification decides every token). The prefix cache keeps this honest: blocks
+    are published with a flag saying whether their draft rows are valid (below valid_until), and a
+    request served from the cache starts its first_invalid at the first block without."""
+    draft_pos: int | None = None        # None: not started (new, or preempted and readmitted)
     pending: torch.Tensor | None = None
+    first_invalid: int | None = None
+
+    def start(self, num_computed: int, valid_prefix: int) -> None:
+        """Begin at num_computed (the prefix cache's hit, or 0); draft rows below valid_prefix are valid."""
+        self.draft_pos, self.pending = num_computed, None
+        self.first_invalid = valid_prefix if valid_prefix < num_computed else None
 
     def sync(self, num_computed: int) -> None:
-        """Start over at num_computed when the state does not describe the request's KV: a new request
-        (maybe served from the prefix cache, whose blocks hold valid draft rows: they are published only
-        below draft_pos) or one preempted and readmitted."""
+        """Catch up with the request's KV after steps that did not draft: positions draft_pos ..
+        num_computed - 1 never got (or, with pending aux dropped, never will get) draft rows."""
         rows = 0 if self.pending is None else self.pending.shape[0]
         if self.draft_pos + rows != num_computed:
+            if self.first_invalid is None or self.first_invalid > self.draft_pos:
+                self.first_invalid = self.draft_pos
             self.draft_pos, self.pending = num_computed, None
+
+    def publish_limits(self, num_computed: int) -> tuple[int, int]:
+        """(publish full blocks below, their draft rows are valid below). Without a gap, blocks wait
+        until their draft rows exist (below draft_pos: the pending rows get theirs next step); after a
+        gap the rows past it stay invalid, so every computed block may go, flagged."""
+        if self.first_invalid is None:
+            return self.draft_pos, self.draft_pos
+        return num_computed, self.first_invalid
 
 
 @dataclass
@@ -114,6 +135,7 @@ class SpecStepOutput:
     emitted: list[Emitted]
     sampled: SamplerOutput | None      # the plain rows' sampler output (logprobs live here)
     sampled_requests: list[Request]
+    num_accepted: list[int]            # per request that drafted: drafts accepted (what the policy learns from)
 
 
 @dataclass
@@ -197,8 +219,6 @@ class EagleExecutor:
     def execute(self, sched: ScheduledBatch, gamma: int | None = None) -> SpecStepOutput:
         """One step; `gamma` (chain only) drafts fewer tokens than configured this step."""
         self.step_gamma = self.gamma if gamma is None or self.shape.kind != "chain" else min(gamma, self.gamma)
-        for req in sched.preempted:
-            req.spec_state = SpecState()
         for req in sched.requests:
             req.spec_state.sync(req.num_computed_tokens)
         # A decoding request always has pending rows (its last step's tokens); the check is belt and braces.
@@ -228,7 +248,14 @@ class EagleExecutor:
         emitted = [Emitted(req, [tok], i) for i, (req, tok) in
                    enumerate(zip(sampled_reqs, sampled.token_ids.tolist() if sampled is not None else []))]
         emitted += [Emitted(req, tokens, -1, len(tokens) - 1) for req, tokens in zip(drafting, verified.tokens)]
-        return SpecStepOutput(emitted, sampled, sampled_reqs)
+        return SpecStepOutput(emitted, sampled, sampled_reqs, [r.num_accepted for r in results])
+
+    def policy_widths(self) -> dict[int, int]:
+        """Draft depths the policy may pick, with the verify rows each costs a request: a chain may draft
+        fewer tokens on any step; a tree is drafted whole or not at all."""
+        if self.shape.kind == "chain":
+            return {g: g + 1 for g in range(1, self.gamma + 1)}
+        return {self.gamma: self.verify_width}
 
     # ---- 1-2: drafting -----------------------------------------------------------------------------
     def _draft(self, sched: ScheduledBatch, drafting: list[Request]) -> "_Proposal":

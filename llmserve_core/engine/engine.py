@@ -15,6 +15,7 @@ from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler
 from llmserve_core.models.config import ModelConfig
+from llmserve_core.speculative.policy import Decision, MeasuredCosts, SpecPolicy, batch_bucket
 from llmserve_proto import SamplingParams, ValidationError
 
 
@@ -82,10 +83,13 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []     # abort notices, reported by the next step
         self._in_flight = None                   # the launched step whose results are not read yet
+        # Plain steps launch ahead where the plain engine would; a drafting step needs the previous step's
+        # tokens, so it first completes the plain step in flight (speculative steps are synchronous).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        if self.spec is not None:
-            self.async_scheduling = False    # a step's drafts need the previous step's accepted tokens
+        self.policy = SpecPolicy(self.spec.policy_widths(), config.speculative_policy) if self.spec else None
+        self.step_costs = MeasuredCosts()
+        self._last_step: tuple[int, int] | None = None      # (draft depth, batch) of the last step with work
         self.num_steps = 0
         self.num_tokens_scheduled = 0            # in the last step
         self.total_prompt_tokens = 0
@@ -154,12 +158,21 @@ class Engine:
         device, so the host never waits for the GPU between steps. Without it the step completes here.
         """
         outputs, self._pending = self._pending, []
+        started = time.perf_counter()
+        has_work = self.scheduler.running or self.scheduler.waiting
+        decision = self._decide() if self.spec is not None and has_work else None
+        if decision is not None and decision.gamma and self._in_flight is not None:
+            outputs.extend(self._complete(self._in_flight))
+            self._in_flight = None
         sched = self.scheduler.schedule()
         self.num_tokens_scheduled = sched.total_tokens
         launched = None
-        if sched.requests and self.spec is not None:
+        if self.spec is not None:
+            self._start_spec_states(sched)
+        if sched.requests and decision is not None and decision.gamma:
             self.num_steps += 1
-            outputs.extend(self._speculative_step(sched))
+            outputs.extend(self._speculative_step(sched, decision))
+            self._record_step_cost(sched, decision, started)
             return outputs
         if sched.requests:
             self.num_steps += 1
@@ -176,7 +189,40 @@ class Engine:
             done = launched
         if done is not None:
             outputs.extend(self._complete(done))
+        if decision is not None:
+            self._record_step_cost(sched, decision, started)
         return outputs
+
+    # ---- the speculation policy ------------------------------------------------------------------
+    def _decide(self) -> Decision:
+        """Draft depth for the coming step (0: plain), from the requests that will run."""
+        running = self.scheduler.running
+        batch = min(self.config.max_num_seqs, len(running) + len(self.scheduler.waiting))
+        speculative = sum(r.speculative for r in running) + sum(r.speculative for r in self.scheduler.waiting)
+        return self.policy.decide(max(batch, 1), min(speculative, batch), self.step_costs)
+
+    def _record_step_cost(self, sched, decision: Decision, started: float) -> None:
+        """Time steady decode steps only: all-decode batches whose previous step ran the same way (so an
+        async plain step is timed by the wait for its predecessor, i.e. the device's step period)."""
+        if not sched.requests:
+            self._last_step = None
+            return
+        key = (decision.gamma, batch_bucket(len(sched.requests)))
+        steady = self._last_step == key and sched.total_tokens == len(sched.requests)
+        self._last_step = key
+        if steady:
+            width = self.policy.widths[decision.gamma] if decision.gamma else 1
+            self.step_costs.record(key[1], width, time.perf_counter() - started)
+
+    def _start_spec_states(self, sched) -> None:
+        """Preempted requests lost their KV, draft rows too; new and readmitted ones start at their cache
+        hit, whose draft rows are valid as far as the cached blocks say."""
+        for req in sched.preempted:
+            req.spec_state = SpecState()
+        for req in sched.requests:
+            if req.spec_state.draft_pos is None:
+                req.spec_state.start(req.num_computed_tokens,
+                                     self.block_manager.draft_valid_tokens(req, req.num_computed_tokens))
 
     def _complete(self, handle) -> list[StepOutput]:
         sampled = handle.result()
@@ -205,17 +251,26 @@ class Engine:
         """After a step: publish the newly full blocks of the step's live requests (with speculation only
         below their draft rows, so every cached block carries valid draft KV), then free the finished."""
         for req in scheduled:
-            if not req.is_finished:
-                limit = req.spec_state.draft_pos if self.spec is not None else None
-                self.block_manager.cache_full_blocks(req, limit=limit)
+            if req.is_finished:
+                continue
+            if self.spec is None:
+                self.block_manager.cache_full_blocks(req)
+                continue
+            state = req.spec_state
+            if state.draft_pos is None:          # preempted in this step's scheduling: nothing to publish
+                continue
+            state.sync(req.num_computed_tokens)  # after a plain step: the positions it ran have no draft rows
+            limit, valid = state.publish_limits(req.num_computed_tokens)
+            self.block_manager.cache_full_blocks(req, limit=limit, draft_valid_until=valid)
         for req in finished:
             self.scheduler.finish(req)
             del self.requests[req.request_id]
 
-    def _speculative_step(self, sched) -> list[StepOutput]:
+    def _speculative_step(self, sched, decision: Decision) -> list[StepOutput]:
         """One synchronous step through the EAGLE executor: a request may gain several tokens, and its KV
         may become valid beyond the scheduled position (its accepted drafts)."""
-        result = self.spec.execute(sched)
+        result = self.spec.execute(sched, decision.gamma)
+        self.policy.observe(decision, result.num_accepted)
         for req, n in zip(sched.requests, sched.num_new_tokens):
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
@@ -313,4 +368,15 @@ class Engine:
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
             **(self.spec.stats() if self.spec is not None else {}),
+            **(self._policy_stats() if self.policy is not None else {}),
+        }
+
+    def _policy_stats(self) -> dict:
+        p = self.policy
+        return {
+            "spec_policy_gamma": p.last.gamma,                      # the latest step's draft depth (0: plain)
+            "spec_policy_expected_length": p.acceptance.expected_emitted(p.deepest),
+            "spec_num_drafted_steps": p.num_drafted_steps,          # engine steps through the executor
+            "spec_num_plain_steps": p.num_plain_steps,              # engine steps on the plain path
+            "spec_num_probe_steps": p.num_probe_steps,              # drafted only to re-measure acceptance
         }
