@@ -36,10 +36,12 @@ MODES = {
     "chain-gamma3": dict(speculative_gamma=3),
     "tree-eagle-small": dict(speculative_gamma=3, speculative_tree="eagle-small"),
     # Dynamic trees: --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens.
-    "dynamic-3x4-13": dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=13),
     "dynamic-5x4-24": dict(speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=24),
     "dynamic-6x4-32": dict(speculative_num_steps=6, speculative_eagle_topk=4, speculative_num_draft_tokens=32),
     "dynamic-8x8-64": dict(speculative_num_steps=8, speculative_eagle_topk=8, speculative_num_draft_tokens=64),
+    # The adaptive policy over the 6x4 tree: it drafts only where its measured step costs say it pays.
+    "dynamic-6x4-32-adaptive": dict(speculative_num_steps=6, speculative_eagle_topk=4, speculative_num_draft_tokens=32,
+                                    speculative_policy="adaptive"),
 }
 
 
@@ -55,10 +57,12 @@ def held_out_prompts(n: int, length: int) -> list[list[int]]:
 def make_engine(mode: str) -> Engine:
     extra = MODES[mode]
     if extra:
-        # Pinned to drafting every step: this measures what each draft shape accepts and costs.
-        extra = dict(extra, speculative_model=str(PAIR / "draft"), speculative_policy="always")
+        # Pinned to drafting every step unless the mode says otherwise: what each draft shape accepts and costs.
+        extra = {"speculative_model": str(PAIR / "draft"), "speculative_policy": "always", **extra}
+    # A pool of 1024 blocks (16k tokens) holds every prompt at once; the default 1 GiB per engine would
+    # take gigabytes across the modes.
     return Engine(EngineConfig(model=str(PAIR / "target"), device="cpu", dtype="float32",
-                               enable_prefix_caching=False, **extra))
+                               enable_prefix_caching=False, num_kv_blocks=1024, **extra))
 
 
 def timed(engine: Engine, prompts, params, batch_all: bool):
@@ -97,10 +101,12 @@ def measure(prompts, params, batch_all: bool, repeats: int, modes: list[str]) ->
         if "spec_num_steps" in st:
             def d(key):
                 return st[key] - b[key]
-            row["mean_acceptance_length"] = d("spec_num_emitted_tokens") / d("spec_num_steps")
-            row["acceptance_rate"] = d("spec_num_accepted_tokens") / d("spec_num_draft_tokens")
+            if d("spec_num_steps"):           # an adaptive mode may not have drafted at all
+                row["mean_acceptance_length"] = d("spec_num_emitted_tokens") / d("spec_num_steps")
+                row["acceptance_rate"] = d("spec_num_accepted_tokens") / d("spec_num_draft_tokens")
             row["time_ms_per_step"] = {k[len("spec_time_"):-3]: d(k) / d("num_steps")
                                        for k in st if k.startswith("spec_time_")}
+            row["policy_steps"] = {k: d(f"spec_num_{k}_steps") for k in ("drafted", "plain", "probe")}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -135,15 +141,17 @@ def main() -> None:
              f"median of {args.repeats} repeats (modes interleaved). A shared 2-core machine: wall times move by "
              "tens of percent between runs; CPU time is steadier.", "",
              "| mode | batch | wall ms / token | CPU ms / token | speedup (wall) | speedup (CPU) | engine steps "
-             "| acceptance length | acceptance rate | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| drafted / plain steps | acceptance length | acceptance rate | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next(x for x in rows if x["batch"] == r["batch"] and x["mode"] == "plain")
         al = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
         rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-"
+        ps = r.get("policy_steps")
+        steps = f"{ps['drafted'] / args.repeats:.0f} / {ps['plain'] / args.repeats:.0f}" if ps else "-"
         lines.append(f"| {r['mode']} | {r['batch']} | {r['ms_per_token']:.2f} | {r['cpu_ms_per_token']:.2f} "
                      f"| {base['ms_per_token'] / r['ms_per_token']:.2f}x | {base['cpu_ms_per_token'] / r['cpu_ms_per_token']:.2f}x "
-                     f"| {r['engine_steps']:.0f} | {al} | {rate} | {r['identical_to_plain']} |")
+                     f"| {r['engine_steps']:.0f} | {steps} | {al} | {rate} | {r['identical_to_plain']} |")
     lines += ["", "Speculative time per engine step by phase (ms; 'verify' is the whole packed target forward):", ""]
     for r in rows:
         if "time_ms_per_step" in r:

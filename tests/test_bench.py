@@ -101,6 +101,15 @@ def test_stats_summary_uses_counter_deltas_and_spec_keys():
     assert s["core_spec_mean_acceptance_length"] == pytest.approx(2.2)
     assert s["core_spec_num_draft_tokens"] == 30 and s["core_spec_num_steps"] == 10   # growth over the span
     assert stats_summary(samples, start=5.0) == {"core_stats_samples": 0}
+    # The speculation policy's decisions: step counters as growth, the latest depth as reported, all in the table.
+    policy = [(t, {**d, "spec_num_plain_steps": 100 * i, "spec_num_drafted_steps": 7 * i, "spec_num_probe_steps": i,
+                   "spec_policy_gamma": i - 1}) for i, (t, d) in enumerate(counters, start=1)]
+    s = stats_summary(policy)
+    assert (s["core_spec_num_plain_steps"], s["core_spec_num_drafted_steps"], s["core_spec_num_probe_steps"]) == (100, 7, 1)
+    assert s["core_spec_policy_gamma"] == 1
+    from llmserve_bench.report import format_columns
+    table = format_columns([("run", s)])
+    assert "spec_num_plain_steps:" in table and "spec_policy_gamma:" in table
 
 
 def test_slo_and_mix_parsing():

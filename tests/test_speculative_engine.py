@@ -402,7 +402,7 @@ def test_spec_timing_smoke(tmp_path, monkeypatch):
 
 # ---- fixed-shape graphs ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small", "tree-dynamic"])
 def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
     """The graph path's static buffers and bucket padding, run eagerly (no CUDA here): same tokens.
     max_num_seqs 5 gives buckets 1, 2, 4, 5, so 3 live requests run padded to 4."""
@@ -422,7 +422,7 @@ def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small", "tree-dynamic"])
 def test_cuda_graphs_equal_eager_tokens(pair, mode):
     """On the GPU (Triton attention): captured draft-step and verify graphs give eager's tokens."""
     target, draft = pair
@@ -431,7 +431,8 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
     outs = {}
     for eager in (True, False):
         engine = Engine(EngineConfig(model=target, device="cuda", dtype="float32", attention_backend="triton",
-                                     speculative_model=draft, enforce_eager=eager, max_num_seqs=8, **MODES[mode]))
+                                     speculative_model=draft, enforce_eager=eager, max_num_seqs=8,
+                                     speculative_policy="always", **MODES[mode]))
         outs[eager] = [c.token_ids for c in engine.generate(prompts, params)]
         if not eager:
             assert engine.spec.verify_graphs.capture and engine.spec.verify_graphs.replays > 0

@@ -1,7 +1,8 @@
 """EAGLE-3 speculative decoding: a peer of the model runner that owns the draft head and the draft KV.
 
-It borrows the runner's target model and KV caches and runs every step of an engine with speculation
-on, synchronously (the next step's drafts need this step's accepted tokens):
+It borrows the runner's target model and KV caches and runs the engine's drafting steps (the policy
+picks which, speculative/policy.py; the others are plain steps), synchronously (the next step's drafts
+need this step's accepted tokens):
 
   1. draft catch-up: one batched draft forward over, for each speculative request of the batch, the
      positions whose target aux states are known but whose draft rows are not computed yet (the last

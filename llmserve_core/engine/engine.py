@@ -248,8 +248,8 @@ class Engine:
         return outputs
 
     def _retire(self, scheduled: list[Request], finished: list[Request]) -> None:
-        """After a step: publish the newly full blocks of the step's live requests (with speculation only
-        below their draft rows, so every cached block carries valid draft KV), then free the finished."""
+        """After a step: publish the newly full blocks of the step's live requests (with speculation, each
+        flagged with whether its draft rows are valid: see SpecState), then free the finished."""
         for req in scheduled:
             if req.is_finished:
                 continue
