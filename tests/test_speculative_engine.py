@@ -326,6 +326,14 @@ def test_bad_tree_name_names_the_field(pair):
         spec_engine(target, draft, speculative_tree="no-such-tree")
     with pytest.raises(FileNotFoundError, match="speculative_model"):
         spec_engine(target, str(Path(draft).parent / "missing"))
+    for bad, field in ((dict(speculative_tree="eagle-small", speculative_eagle_topk=4), "speculative_eagle_topk"),
+                       (dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=99),
+                        "speculative_num_draft_tokens"),
+                       (dict(speculative_gamma=2, speculative_num_steps=4), "speculative_num_steps"),
+                       (dict(speculative_num_steps=2**63), "speculative_num_steps"),
+                       (dict(speculative_policy="sometimes"), "speculative_policy")):
+        with pytest.raises(ValueError, match=field):
+            spec_engine(target, draft, **bad)
 
 
 def test_stats_are_scalars_with_spec_keys(pair):
