@@ -168,6 +168,7 @@ class EagleExecutor:
         self.dynamic = self.shape.dynamic
         self.lookahead = self.shape.lookahead
         self.verify_width = self.shape.verify_width      # target rows of a full-depth drafting request
+        self.step_gamma = self.gamma                     # this step's draft depth (the policy may lower a chain's)
         self.draft = load_draft(config, runner, max_model_len + self.lookahead)
         target = runner.model_config
         dcfg = self.draft.cfg
@@ -222,7 +223,8 @@ class EagleExecutor:
         self.step_gamma = self.gamma if gamma is None or self.shape.kind != "chain" else min(gamma, self.gamma)
         for req in sched.requests:
             req.spec_state.sync(req.num_computed_tokens)
-        # A decoding request always has pending rows (its last step's tokens); the check is belt and braces.
+        # A decoding request has pending rows (its last step's tokens) unless plain steps ran since: then
+        # this step only computes its aux states, and it drafts from the next one on.
         drafting = [r for r in sched.requests if r.speculative and not r.is_prefilling and r.spec_state.pending is not None]
         phase = self.phases
         phase.collect()
