@@ -121,6 +121,8 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         def decode():
             runner.launch(sched).result()
         out["t_decode"] = measure(decode)
+        if args.dynamic_tree:
+            return whole_step_only(engine, reqs, sched, n, out, measure)
 
         st = SamplingTensors.from_params([GREEDY] * batch, [None] * batch, device)
 
@@ -202,6 +204,21 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
             engine.block_manager.release(r)
 
 
+def whole_step_only(engine, reqs, sched, n, out, measure) -> dict:
+    """A tree's step has no chain components to sum: its whole step against a decode."""
+    ex, runner = engine.spec, engine.runner
+    hidden_size = ex.draft.cfg.hidden_size
+
+    def spec_step():
+        for r in reqs:
+            r.spec_state = SpecState(n - 2, torch.zeros(1, hidden_size, device=runner.device, dtype=runner.dtype))
+        ex.execute(sched)
+    out["t_step"] = measure(spec_step)
+    for al in ACCEPTANCE_LENGTHS + (3.5,):
+        out[f"speedup_step_al{al}"] = al * out["t_decode"] / out["t_step"]
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [f"# EAGLE-3 step timing: {result['shape']} on {result['device_name']}, commit {result['commit']}", "",
              f"gamma {result['gamma']}, context {result['context']}, catch-up rows {result['catchup_rows']}, "
@@ -213,6 +230,19 @@ def markdown(result: dict) -> str:
 
     def ms(row, key):
         return f"{row[key]:.2f}" if key in row else "-"
+    if result.get("dynamic_tree"):
+        lines[2] = (f"dynamic tree (steps, top-k, nodes) {result['dynamic_tree']}, context {result['context']}, "
+                    f"{result['dtype']}, attention {result['attention_backend']}; milliseconds (CUDA-event medians).")
+        lines[4:6] = ["| batch | decode | spec step | step / decode | x step @AL 2.5 | x step @AL 3.0 | x step @AL 3.5 |",
+                      "|---|---|---|---|---|---|---|"]
+        for row in result["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['batch']} | failed: {row['error']} |")
+                continue
+            lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_step']:.2f} | "
+                         f"{row['t_step'] / row['t_decode']:.2f} | {row['speedup_step_al2.5']:.2f} | "
+                         f"{row['speedup_step_al3.0']:.2f} | {row['speedup_step_al3.5']:.2f} |")
+        return "\n".join(lines) + "\n"
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['batch']} | failed: {row['error']} |")
@@ -241,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the script, not the GPU")
+    ap.add_argument("--commit", default=None, help="the commit to name (default: git rev-parse, where there is a .git)")
+    ap.add_argument("--dynamic-tree", default=None, metavar="STEPS,TOPK,NODES",
+                    help="time a dynamic tree's whole step instead of a chain's components, e.g. 6,4,32")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.smoke:
@@ -249,14 +282,23 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or "unknown"
+    tree = {}
+    if args.dynamic_tree:
+        steps, topk, nodes = (int(v) for v in args.dynamic_tree.split(","))
+        tree = dict(speculative_tree="dynamic", speculative_num_steps=steps, speculative_eagle_topk=topk,
+                    speculative_num_draft_tokens=nodes)
+        args.gamma = steps
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_models(Path(tmp), args.smoke)
         block_size = 16
-        per_seq = -(-(args.context + 2 * (args.gamma + 1) + 1) // block_size)
+        per_seq = -(-(args.context + 2 * (args.gamma + 1) + 1 + (tree.get("speculative_num_draft_tokens") or 0))
+                    // block_size)
         engine = Engine(EngineConfig(
             model=target, device=device.type, load_format="dummy", speculative_model=draft,
-            speculative_gamma=args.gamma, max_num_seqs=max(batches), max_model_len=args.context + 64,
+            speculative_gamma=None if tree else args.gamma, max_num_seqs=max(batches), max_model_len=args.context + 64,
+            speculative_policy="always", **tree,
             num_kv_blocks=max(batches) * per_seq + 1, block_size=block_size, enforce_eager=args.enforce_eager,
             attention_backend=args.attention_backend, max_num_batched_tokens=max(8192, max(batches) * (args.gamma + 1))))
         measure = timer(device, args.warmup, args.iters)
@@ -276,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
             "dtype": str(engine.runner.dtype).replace("torch.", ""), "attention_backend": engine.runner.attn_backend.name,
             "enforce_eager": args.enforce_eager or engine.runner.graphs is None, "gamma": args.gamma,
             "context": args.context, "catchup_rows": args.catchup_rows, "warmup": args.warmup, "iters": args.iters,
+            "dynamic_tree": args.dynamic_tree,
             "rows": rows,
         }
     (out_dir / "spec_timing.json").write_text(json.dumps(result, indent=2) + "\n")
