@@ -8,11 +8,12 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels.fp8_gemv import choose_gemv_config, fp8_gemv, fp8_gemv_reference
-from llmserve_core.kernels.fp8_quant import FP8, FP8_MAX, dequantize_weight, from_cache, quantize_activation, \
-    quantize_activation_reference, quantize_per_block, quantize_per_channel, to_cache_dtype
+from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.paged_decode import paged_decode, paged_decode_reference
 from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
 from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
+from llmserve_core.layers.fp8 import FP8, FP8_MAX, dequantize_weight, from_cache, quantize_per_block, \
+    quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from test_kernels import paged_cache, prefill_case, rel_err
 
@@ -166,6 +167,18 @@ def test_paged_prefill_fp8_cache():
     ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 0.25, k_scale=0.02, v_scale=0.5)
     assert rel_err(out, ref) < 1e-5
     assert torch.equal(from_cache(kc8, 0.02), kc8.float() * 0.02)
+
+
+@pytest.mark.parametrize("rows,tree", [(4, False), (3, True)])
+def test_decode_rows_fp8_cache(rows, tree):
+    """A speculative verify's rows through the decode kernel over an FP8 cache."""
+    q, kc, vc, bt, qsl, lens, mask = prefill_case([rows] * 3, [7, 40, 0], 4, 2, 16, 4, torch.float32, DEVICE,
+                                                  seed=rows, tree=tree)
+    kc8, vc8 = fp8_cache(kc, vc, 0.03, 0.2)
+    out = paged_decode(q, kc8, vc8, bt, lens, 0.3, num_splits=2, rows_per_seq=rows, tree_mask=mask,
+                       k_scale=0.03, v_scale=0.2)
+    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 0.3, tree_mask=mask, k_scale=0.03, v_scale=0.2)
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_scales_are_ignored_for_a_bf16_cache():

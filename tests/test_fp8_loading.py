@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from batch_helpers import make_batch, make_kv_caches
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.kernels.fp8_quant import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
+from llmserve_core.layers.fp8 import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
@@ -352,3 +352,25 @@ def test_eagle3_over_an_fp8_target_is_lossless():
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert engine.runner.kv_caches[0][0].dtype == FP8 and engine.spec.kv[0].dtype == torch.float32
     assert engine.stats()["spec_mean_acceptance_length"] > 1.5
+
+
+def test_fp8_on_the_cpu_needs_no_triton(tiny_model_dir):
+    """Triton is an extra: the CPU reference paths of FP8 weights and the FP8 KV cache must not import it."""
+    import subprocess
+    import sys
+    code = f"""
+import sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ImportError("triton is not installed")
+sys.meta_path.insert(0, NoTriton())
+from llmserve_core import Engine, EngineConfig
+from llmserve_proto import SamplingParams
+e = Engine(EngineConfig(model={str(tiny_model_dir)!r}, device="cpu", quantization="fp8", kv_cache_dtype="fp8_e4m3"))
+print(len(e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("4")

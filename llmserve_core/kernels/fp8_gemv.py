@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.fp8_quant import dequantize_weight
+from llmserve_core.layers.fp8 import dequantize_weight
 
 NUM_SMS = 132            # H200; only sizes the grid, correctness never depends on it
 MAX_ROWS = 16

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.fp8_quant import from_cache
+from llmserve_core.layers.fp8 import from_cache
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
 MAX_SPLITS = 128

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.fp8_quant import from_cache
+from llmserve_core.layers.fp8 import from_cache
 
 
 @triton.jit

@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_triton
-from llmserve_core.kernels.fp8_gemv import fp8_gemv
-from llmserve_core.kernels.fp8_quant import FP8, dequantize_weight, quantize_activation, quantize_per_block, \
-    quantize_per_channel
+from llmserve_core.layers.fp8 import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 
 GEMV_MAX_ROWS = 16
 
@@ -61,12 +58,15 @@ class Fp8Linear(nn.Module):
         if not x.is_cuda:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
+            from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton
             out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block)
         else:
             out = self._w8a8(x2.contiguous())
         return out.view(*shape[:-1], self.out_features)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_triton
+        from llmserve_core.kernels.fp8_quant import quantize_activation
         if self.block is None:
             a, a_scale = quantize_activation(x)
             return w8a8_gemm_per_channel(a, a_scale, self.weight, self.weight_scale, x.dtype)

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from llmserve_core.engine.batch import ForwardBatch
-from llmserve_core.kernels.fp8_quant import from_cache, to_cache_dtype
+from llmserve_core.layers.fp8 import to_cache_dtype
 
 
 class AttentionBackend(Protocol):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from llmserve_core.engine.batch import ForwardBatch
-from llmserve_core.kernels.fp8_quant import from_cache
+from llmserve_core.layers.fp8 import from_cache
 from llmserve_core.layers.attention.base import store_kv_reference
 
 
