@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_gemm_per_channel,  # noqa: E402
                                             w8a8_gemm_reference, w8a8_gemm_triton)
-from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.layers.fp8 import dequantize_weight, quantize_per_block, quantize_per_channel  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
@@ -171,10 +171,10 @@ def weight_copies(ctx, n, k, make):
 def gemv(ctx):
     out = {}
     gen = torch.Generator(device=ctx.device).manual_seed(0)
-    # (block_n, block_k, split_k, num_warps, num_stages)
-    sweep_configs = ((16, 128, 1, 4, 4), (32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (16, 128, 2, 4, 4),
-                     (16, 128, 1, 8, 4), (16, 256, 1, 4, 4), (32, 256, 1, 4, 3), (16, 128, 1, 4, 6),
-                     (32, 128, 2, 4, 4), (16, 512, 1, 4, 3))
+    # (block_n, block_k, num_warps, num_stages); the K split follows from the tile, as in kernels/gemv.py
+    sweep_configs = ((64, 128, 4, 4), (64, 256, 4, 4), (32, 128, 4, 4), (64, 128, 8, 4), (64, 128, 4, 3),
+                     (64, 128, 4, 6), (32, 256, 4, 4), (64, 512, 4, 3), (64, 256, 8, 3))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if ctx.cuda else 8
     for name, (n, k) in timed_shapes(ctx).items():
         w_bf16 = weight_copies(ctx, n, k, lambda: torch.randn(n, k, device=ctx.device, generator=gen).to(ctx.dtype) * 0.02)
         per_channel = [quantize_per_channel(w) for w in w_bf16]
@@ -196,11 +196,10 @@ def gemv(ctx):
         if name in ("qkv", "down"):     # the tile sweep behind choose_gemv_config, at one row
             x = torch.randn(1, k, device=ctx.device, generator=gen).to(ctx.dtype)
             sweep = {}
-            for bn, bk, split, warps, stages in sweep_configs[:2] if ctx.smoke else sweep_configs:
-                t = time_us(ctx, [lambda q=q, s=s: fp8_gemv(x, q, s, block_n=bn, block_k=bk, split_k=split,
-                                                            num_warps=warps, num_stages=stages)
-                                  for q, s in per_channel] * 2)
-                sweep[f"bn{bn}_bk{bk}_split{split}_w{warps}_s{stages}"] = {"us": t, "gb_s": n * k / t / 1e3}
+            for bn, bk, warps, stages in sweep_configs[:2] if ctx.smoke else sweep_configs:
+                cfg = fp8_gemv_config(1, n, k, None, sms, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                t = time_us(ctx, [lambda q=q, s=s: fp8_gemv(x, q, s, config=cfg) for q, s in per_channel] * 2)
+                sweep[f"bn{bn}_bk{bk}_split{cfg['SPLIT_K']}_w{warps}_s{stages}"] = {"us": t, "gb_s": n * k / t / 1e3}
             out[f"{name}_m1_sweep"] = sweep
         del w_bf16, per_channel, block
         if ctx.cuda:

@@ -7,7 +7,7 @@ import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
-from llmserve_core.kernels.fp8_gemv import choose_gemv_config, fp8_gemv, fp8_gemv_reference
+from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.paged_decode import paged_decode, paged_decode_reference
 from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
@@ -71,26 +71,36 @@ def test_quantize_activation(m, k, group, dtype):
 
 @pytest.mark.parametrize("m,n,k,block,block_n,split_k", [
     (1, 48, 96, None, 16, 1),
-    (3, 40, 200, None, 16, 3),          # N and K not multiples of the tiles; split-K by atomics
+    (3, 40, 200, None, 16, 3),          # N and K not multiples of the tiles; the last split runs past K
     (16, 64, 128, (32, 32), 32, 1),     # block scales, every row of the 16-row tile real
     (5, 50, 160, (16, 32), 16, 2),      # ragged blocks at both edges, split-K over block scales
+    (2, 70, 256, (32, 32), 32, 4),      # split-K: the last split to arrive sums the parked tiles
 ])
 def test_fp8_gemv(m, n, k, block, block_n, split_k):
     gen = torch.Generator().manual_seed(m + n + k)
     w, s = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
-    out = fp8_gemv(x, w, s, block, block_n=block_n, block_k=32, split_k=split_k)
-    assert out.shape == (m, n) and out.dtype == x.dtype
-    assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 1e-5
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
+    for _ in range(2):                  # twice: the split-K counters must re-arm themselves
+        out = fp8_gemv(x, w, s, block, config=config)
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 1e-5
+
+
+def test_fp8_gemv_default_config():
+    gen = torch.Generator().manual_seed(9)
+    for block in (None, (128, 128)):
+        w, s = random_fp8_weight(96, 1024, block, gen)
+        x = torch.randn(4, 1024, generator=gen).to(DEVICE)
+        assert rel_err(fp8_gemv(x, w, s, block), fp8_gemv_reference(x, w, s, block)) < 1e-5
 
 
 def test_gemv_config_fills_the_gpu_at_qwen3_8b_shapes():
     for n, k in QWEN3_8B_LINEARS:
         for block in (None, (128, 128)):
-            cfg = choose_gemv_config(n, k, block)
-            assert -(-n // cfg["block_n"]) * cfg["split_k"] >= 132
-            assert block is None or block[1] % cfg["block_k"] == 0
-    assert choose_gemv_config(64, 4096, None)["split_k"] > 1
+            cfg = fp8_gemv_config(1, n, k, block)
+            assert -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 4 * 132
+            assert block is None or block[1] % cfg["BLOCK_K"] == 0
 
 
 # ---------------------------------------------------------------- W8A8 GEMM

@@ -2,13 +2,14 @@
 
 At decode sizes the whole cost of a linear layer is streaming its weight from HBM, so the kernel reads
 each FP8 weight byte once, widens it to the activation dtype in registers and multiplies on the tensor
-cores (the 16-row tile pads the few real rows; the MMA is free next to the memory traffic). Activations stay
-in bf16: quantizing them would cost a launch and buy nothing here.
+cores; activations stay in their dtype (quantizing them would cost a launch and buy nothing here).
 
-Each program owns BLOCK_N output columns over a 1/SPLIT_K slice of K. Small N (few column tiles) splits K
-so every SM has weight to stream; the partial sums then meet in a float32 buffer by atomic add.
-Scales are either one per output row (applied once at the end) or one per scale-block (applied per K
-tile, which never straddles a scale block because BLOCK_K divides the block's K side).
+The layout is kernels/gemv.py's, measured there on the H200 for bf16: one program owns BLOCK_N output
+columns over a slice of K, the weight tile is the dot's wide left operand against one 16-row tile of x
+(rows past M are masked and cost no traffic), and K is split until about four programs per
+multiprocessor stream; the split that arrives last at a column block sums the parked partial tiles, in
+the same launch, using gemv.py's graph-safe scratch. Scales are one per output row (applied once per
+split) or one per scale block (applied per K tile, which never straddles a block: BLOCK_K divides it).
 """
 from __future__ import annotations
 
@@ -16,99 +17,104 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms
+from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
 from llmserve_core.layers.fp8 import dequantize_weight
-
-NUM_SMS = 132            # H200; only sizes the grid, correctness never depends on it
-MAX_ROWS = 16
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
-                     stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
+                     stride_sn, stride_sk,
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    n_mask = n < N
-    m_mask = m < M
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_hi
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+        if DOT_IEEE:    # float32 models: full-precision products, never tf32
+            part = tl.dot(w.to(dtype), tl.trans(xv), input_precision="ieee")
+        else:
+            part = tl.dot(w.to(dtype), tl.trans(xv))
         if BLOCK_SCALED:
-            s = tl.load(s_ptr + (n // SCALE_N) * stride_sn + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)
-            acc += part * s[None, :]
+            # (a split past the end of K reads no weight, and no scale either)
+            s = tl.load(s_ptr + (offs_n // SCALE_N) * stride_sn + (k0 // SCALE_K) * stride_sk,
+                        mask=n_mask & (k0 < K), other=0.0)
+            acc += part * s[:, None]
         else:
             acc += part
     if not BLOCK_SCALED:
-        acc = acc * tl.load(s_ptr + n, mask=n_mask, other=0.0)[None, :]
-    dst = out_ptr + m[:, None] * stride_om + n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+    y_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        tl.atomic_add(dst, acc, mask=mask)
+        # As kernels/gemv.py: park the partial tile; the split arriving last (acq_rel counter) sums them,
+        # writes y and re-arms the counter for the next call.
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        parts = part_ptr + pid_n * SPLIT_K * BLOCK_N * BLOCK_M
+        tl.store(parts + pid_k * BLOCK_N * BLOCK_M + tile, acc)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(parts + s * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-def choose_gemv_config(n: int, k: int, block: tuple[int, int] | None, num_sms: int = NUM_SMS) -> dict:
-    """Narrow column tiles until there are about two programs per SM, then split K if still short.
-
-    At Qwen3-8B's shapes (N 4096-24576) the tiles alone give 256-384 programs, so no split is needed and the
-    output is written once in its dtype; split-K serves narrow layers (and the tiny test models).
-    """
-    block_k = 128 if block is None else min(128, block[1])
-    block_n = 16
-    for candidate in (64, 32):
-        if triton.cdiv(n, candidate) >= 2 * num_sms:
-            block_n = candidate
-            break
-    programs = triton.cdiv(n, block_n)
-    split_k = 1
-    if programs < num_sms:
-        split_k = max(1, min(triton.cdiv(num_sms, programs), k // (4 * block_k), 16))
-    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=4)
+def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
+                    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> dict:
+    """gemv.py's tiles and K split; a block-scaled weight caps BLOCK_K at the scale block's K side."""
+    if block is not None:
+        block_k = min(block_k, block[1])
+    return gemv_config(m, n, k, sms, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-             *, block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-             num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+             config: dict | None = None) -> torch.Tensor:
     """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype."""
     m, k = x.shape
     n = w.shape[0]
-    assert m <= MAX_ROWS, f"fp8_gemv: at most {MAX_ROWS} rows, got {m}"
-    assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
-    cfg = choose_gemv_config(n, k, block)
-    block_n = block_n or cfg["block_n"]
-    block_k = block_k or cfg["block_k"]
-    split_k = split_k or cfg["split_k"]
+    assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
+    assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
+    cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device)))
+    block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     if block is not None:
         assert block[1] % block_k == 0, "fp8_gemv: BLOCK_K must divide the scale block's K side"
+        assert scale.dim() == 2, "fp8_gemv: block scales must be [ceil(N/bn), ceil(K/bk)]"
         stride_sn, stride_sk = scale.stride(0), scale.stride(1)
     else:
         assert scale.shape == (n,), f"fp8_gemv: per-channel scale must be [{n}], got {tuple(scale.shape)}"
         stride_sn, stride_sk = 1, 0
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.to(x.dtype)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, w, scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), stride_sn, stride_sk,
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_blocks = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    parts, counts = SPLIT_K_SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
+                                        n_blocks if split > 1 else 0)
+    _fp8_gemv_kernel[(n_blocks, split)](
+        x, w, scale, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, stride_sn, stride_sk,
         SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, BLOCK_SCALED=block is not None,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-    )
-    return out.to(x.dtype) if split_k > 1 else out
+        SPLIT_K=split, EVEN_K=k_per_split * split == k, DOT_IEEE=x.dtype == torch.float32, **cfg)
+    return y
 
 
 def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
