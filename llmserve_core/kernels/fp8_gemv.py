@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms
+from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
 from llmserve_core.layers.fp8 import dequantize_weight
 
@@ -63,22 +63,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    y_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        # As kernels/gemv.py: park the partial tile; the split arriving last (acq_rel counter) sums them,
-        # writes y and re-arms the counter for the next call.
-        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        parts = part_ptr + pid_n * SPLIT_K * BLOCK_N * BLOCK_M
-        tl.store(parts + pid_k * BLOCK_N * BLOCK_M + tile, acc)
-        arrived = tl.atomic_add(count_ptr + pid_n, 1)
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(parts + s * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+                  BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
