@@ -128,6 +128,7 @@ def test_fp8_linear_matches_its_dequantized_twin():
         out = layer(x)
         assert out.shape == (2, 3, 48)
         assert torch.allclose(out, x @ layer.dequantized_weight().t(), atol=1e-5)
+        assert layer(torch.zeros(0, 64)).shape == (0, 48)
 
 
 # ---------------------------------------------------------------- FP8 KV cache
@@ -219,6 +220,16 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
             assert rel_err(w8a8_gemm_triton(a, a_s.view(-1, 1), w, ws, None, torch.bfloat16), ref) < 1e-2
         else:
             assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
+    # the layer's dispatch: empty, GEMV and W8A8 row counts against the weight-only reference
+    layer = Fp8Linear(k, n, block).to("cuda")
+    layer.weight.copy_(w)
+    layer.weight_scale.copy_(ws)
+    for m in (0, 1, 16, 17, 300):
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        out = layer(x)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        if m:    # W8A8 also rounds the activations to e4m3: a looser bound than the weight-only GEMV's
+            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < (1e-2 if m <= 16 else 6e-2)
 
 
 @gpu

@@ -55,7 +55,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if not x.is_cuda:
+        if not x.is_cuda or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
             from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton
