@@ -229,7 +229,7 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
         out = layer(x)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         if m:    # W8A8 also rounds the activations to e4m3: a looser bound than the weight-only GEMV's
-            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < (1e-2 if m <= 16 else 6e-2)
+            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < (1e-2 if m <= 16 else 8e-2)
 
 
 @gpu
