@@ -2,7 +2,9 @@
 
 Each checkpoint tensor is read from the memory-mapped file and copied straight into its slot of the
 (possibly packed) parameter on the target device, converting dtype in the same copy: peak extra memory
-is one tensor, never a float32 copy of the model.
+is one tensor, never a float32 copy of the model. FP8 layers (models/quantization.py decides which) take
+their weights and scales through quantization.load_fp8_tensor, which also quantizes float weights on the way
+in for --quantization fp8.
 """
 from __future__ import annotations
 
@@ -155,4 +157,3 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
     if missing:
         raise ValueError(f"model: checkpoint at {str(path)!r} lacks tensors: {', '.join(sorted(missing)[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-
