@@ -222,6 +222,7 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
             assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
     # the layer's dispatch: empty, GEMV and W8A8 row counts against the weight-only reference
     layer = Fp8Linear(k, n, block).to("cuda")
+    layer.fused = True
     layer.weight.copy_(w)
     layer.weight_scale.copy_(ws)
     for m in (0, 1, 16, 17, 300):

@@ -3,8 +3,9 @@
 `weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
 weight-only GEMV (the weight stream is the whole cost); more rows quantize the activations dynamically
-(per token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Elsewhere
-it computes the reference: the dequantized weight times the input in float32.
+(per token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Off the
+fast path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference,
+the dequantized weight times the input in float32.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ GEMV_MAX_ROWS = 16
 
 
 class Fp8Linear(nn.Module):
+    fused = False   # set by the model on the fast path: Triton GEMV / FP8 tensor-core GEMMs
+
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int] | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -55,7 +58,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if not x.is_cuda or x2.shape[0] == 0:
+        if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
             from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton

@@ -13,6 +13,7 @@ from torch import nn
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path
+from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
@@ -123,7 +124,7 @@ class Qwen3ForCausalLM(nn.Module):
         # The torch backend keeps the whole model eager, as the reference.
         self.fused = fast_path(device, attn_backend)
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP)):
+            if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Fp8Linear)):
                 m.fused = self.fused
         if self.lm_head is not None:
             self.lm_head.fast = self.fused   # the one projection where kernels.gemv beats cuBLAS
