@@ -13,7 +13,7 @@
      largest number of 4k-context sequences the KV pool holds.
 Weights are dummy (performance does not depend on their values); FP8 weights are quantized at load.
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_h200.py --out $OUT/fp8.json      # on the H200, < 6 min
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_h200.py --out $OUT/fp8.json --commit SHA   # H200, < 6 min
     python3 benchmarks/fp8_h200.py --smoke --out /tmp/fp8_smoke.json                    # tiny shapes on the CPU
 """
 from __future__ import annotations
@@ -414,10 +414,12 @@ def main():
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--budget-s", type=float, default=330.0, help="stop starting sections after this many seconds")
     p.add_argument("--skip", nargs="*", default=[], choices=["gemv", "gemm", "engine"])
+    p.add_argument("--commit", default=None, help="the commit to name (default: git rev-parse, where there is a .git)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing real")
     args = p.parse_args()
     ctx = Ctx(args)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip()
     RESULTS["meta"] = {"commit": commit or "unknown", "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name() if ctx.cuda else "cpu (smoke)", "smoke": args.smoke}
     try:

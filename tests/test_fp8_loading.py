@@ -347,7 +347,7 @@ def test_eagle3_over_an_fp8_target_is_lossless():
     prompts = held_out_prompts(4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = Engine(EngineConfig(model=target, **FP8_EVERYWHERE)).generate(prompts, params)
-    engine = Engine(EngineConfig(model=target, speculative_model=draft, **FP8_EVERYWHERE))
+    engine = Engine(EngineConfig(model=target, speculative_model=draft, speculative_policy="always", **FP8_EVERYWHERE))
     got = engine.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert engine.runner.kv_caches[0][0].dtype == FP8 and engine.spec.kv[0].dtype == torch.float32
