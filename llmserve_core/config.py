@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass
@@ -15,9 +16,11 @@ class EngineConfig:
     device: str = "auto"                  # auto: cuda when present, else cpu
     dtype: str = "auto"                   # auto: bfloat16 on cuda, float32 on cpu
     load_format: str = "auto"             # auto | safetensors | dummy (random weights from config.json)
+    quantization: str | None = None       # fp8: quantize float weights at load (FP8 checkpoints need no flag)
     seed: int = 0
     # Paged KV cache.
     block_size: int = 16
+    kv_cache_dtype: str = "auto"          # auto (the model dtype) | fp8_e4m3 (half the KV bytes per token)
     num_kv_blocks: int | None = None      # fixed pool size; None sizes it from memory
     gpu_memory_utilization: float = 0.90  # share of the card the engine may use (weights + KV + activations)
     cpu_kv_cache_gib: float = 1.0         # KV pool on CPU, where there is no card to profile
@@ -60,6 +63,9 @@ class EngineConfig:
             raise ValueError(f"dtype: unknown dtype {self.dtype!r}, choose from auto, {', '.join(DTYPES)}")
         return DTYPES[self.dtype]
 
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else self.resolved_dtype()
+
     def validate(self) -> None:
         def need(ok: bool, name: str, msg: str):
             if not ok:
@@ -70,6 +76,10 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "must be auto, safetensors or dummy")
+        need(self.quantization in (None, "fp8"), "quantization", "must be fp8 or unset")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        need(not (self.kv_cache_dtype == "fp8_e4m3" and self.attention_backend == "flash-attn"), "kv_cache_dtype",
+             "fp8_e4m3 is read by the triton and torch attention backends, not flash-attn")
         need(self.speculative_accept_mode in ("greedy", "sample"), "speculative_accept_mode", "must be greedy or sample")
         need(self.speculative_policy in ("adaptive", "always"), "speculative_policy", "must be adaptive or always")
         self.draft_shape()                # raises naming the speculative_* field at fault

@@ -43,11 +43,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        self.kv_dtype = config.resolved_kv_cache_dtype()
         self.block_size = config.block_size
         self.pin = self.device.type == "cuda"
         self.attn_backend = get_backend(config.attention_backend, str(self.device))
         self.model = load_model(model_config, config.model, config.load_format, self.dtype, self.device,
-                                self.attn_backend, config.seed)
+                                self.attn_backend, config.seed, quantization=config.quantization)
         # lookahead: KV slots past the last token that speculative verification writes.
         self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # the draft's KV pool shares the block ids
@@ -64,7 +65,7 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         m = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return (2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * elem
                 + self.extra_kv_bytes_per_block)
 
@@ -126,8 +127,8 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model_config
         shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(m.num_hidden_layers)]
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(m.num_hidden_layers)]
 
     # ---- one step --------------------------------------------------------------------------------
     def _dev(self, host: torch.Tensor) -> torch.Tensor:

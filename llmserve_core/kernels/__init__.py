@@ -33,5 +33,34 @@ def _fix_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch
 
 
+def _fix_interpreter_fp8_downcast() -> None:
+    """Round float -> float8_e4m3fn in interpreted kernels to nearest even, as the GPU's cvt.rn does.
+
+    Triton 3.6's interpreter drops the carry when rounding overflows the mantissa (31.8 becomes 16, not 32),
+    which would make every FP8 kernel disagree with its reference on the CPU. torch's cast rounds correctly.
+    """
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None or getattr(original, "_llmserve_fixed", False):
+        return
+    sources = {"fp32": (np.float32, None), "fp16": (np.float16, None), "bf16": (np.int16, torch.bfloat16)}
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype.name in sources:
+            np_dtype, torch_view = sources[input_dtype.name]
+            src = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=np_dtype).copy())
+            if torch_view is not None:
+                src = src.view(torch_view)
+            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._llmserve_fixed = True
+    interpreter._convert_float = convert
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
+    _fix_interpreter_fp8_downcast()

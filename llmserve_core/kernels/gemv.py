@@ -53,9 +53,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, st
             acc += tl.dot(w.to(dtype), tl.trans(xv))
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    y_mask = n_mask[:, None] & m_mask[None, :]
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+                  BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@triton.jit
+def store_split_k(acc, y_ptrs, y_mask, part_ptr, count_ptr, pid_n, pid_k,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write a program's [BLOCK_N, BLOCK_M] float32 tile of y, summing the K splits when there are several."""
     if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=y_mask)
     else:
         # Split-K without a second launch: every split parks its partial tile, and the split that
         # arrives last at this column block (the counter's acq_rel atomic orders the partial stores
@@ -68,7 +75,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, st
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(parts + s * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 

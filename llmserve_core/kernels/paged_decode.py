@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.layers.fp8 import from_cache
+
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
 MAX_SPLITS = 128
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                         sm_scale_log2,
+                         sm_scale_log2, v_scale,
                          stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
                          stride_ob, stride_oh, num_splits,
                          GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -67,7 +69,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, 
         phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         if HAS_TREE:
             # Among the last ROWS positions a row sees what its tree-mask row allows (its ancestors).
@@ -85,14 +87,14 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, 
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     # An empty piece (past the end of its sequence, or of a row's view) leaves l_i == 0: write zeros and
     # a -inf weight.
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
     if SINGLE:
         tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -170,11 +172,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                 rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
-    [B * rows, >= rows] the rows its mask row allows."""
+    [B * rows, >= rows] the rows its mask row allows.
+
+    An FP8 cache is widened to q's dtype as it is read; its per-tensor k_scale folds into the softmax scale
+    and v_scale into the output. Other caches ignore both."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -198,9 +204,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_n = choose_block_n(num_splits) if q.is_cuda else 16
     scratch = scratch or _default_scratch
     mid_o, mid_lse = scratch.get(tokens * num_heads * num_splits, head_dim, q.device)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse,
-        scale * 1.4426950408889634,
+        scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
         num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=max(16, triton.next_power_of_2(rows_per_seq * group)),
@@ -218,7 +226,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Float32 attention of each sequence's single query over its whole cached context."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -228,8 +237,9 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale) -
             out[b] = 0
             continue
         blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
+        k = from_cache(k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len], k_scale)
+        v = from_cache(v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len], v_scale)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         probs = torch.softmax(torch.einsum("hd,shd->hs", q[b].float(), k) * scale, dim=-1)
         out[b] = torch.einsum("hs,shd->hd", probs, v).to(q.dtype)
     return out

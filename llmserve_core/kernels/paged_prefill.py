@@ -12,10 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.layers.fp8 import from_cache
+
 
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr,
-                    sm_scale_log2, num_m_tiles,
+                    sm_scale_log2, v_scale, num_m_tiles,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                     stride_tree,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -61,13 +63,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         n = n0 + tl.arange(0, BLOCK_N)
         phys = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -78,7 +80,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         if HAS_TREE:
             own = n - ctx_len
@@ -94,11 +96,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
     tl.store(out_ptr + (q_start + m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -107,8 +109,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                   tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   block_m: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """q: [T, num_heads, head_dim] packed by query_start_loc; K/V of every position already in the cache."""
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] packed by query_start_loc; K/V of every position already in the cache.
+
+    An FP8 cache is widened to q's dtype as it is read, its k_scale folded into the softmax scale and its
+    v_scale into the output; other caches ignore both."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -136,9 +142,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         tree = q  # never read
     num_m_tiles = triton.cdiv(max_query_len, block_m)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     _prefill_kernel[(num_m_tiles, batch, num_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tree,
-        scale * 1.4426950408889634, num_m_tiles,
+        scale * k_scale * 1.4426950408889634, v_scale, num_m_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tree.stride(0) if tree_mask is not None else 0,
@@ -151,7 +159,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def paged_prefill_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                            tree_mask=None) -> torch.Tensor:
+                            tree_mask=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Float32 softmax attention per sequence: causal, prefix fully visible, tree mask among own tokens."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -162,8 +170,9 @@ def paged_prefill_reference(q, k_cache, v_cache, query_start_loc, seq_lens, bloc
         if q_len == 0:
             continue
         blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
+        k = from_cache(k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len], k_scale)
+        v = from_cache(v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len], v_scale)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,shd->hqs", q[start:start + q_len].float(), k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]

@@ -31,6 +31,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization_config: dict | None = None   # config.json's, as written (models/quantization.py reads it)
     path: str | None = None
 
     @property
@@ -108,6 +109,7 @@ class ModelConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
+            quantization_config=raw.get("quantization_config"),
         )
 
 

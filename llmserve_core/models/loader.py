@@ -2,7 +2,9 @@
 
 Each checkpoint tensor is read from the memory-mapped file and copied straight into its slot of the
 (possibly packed) parameter on the target device, converting dtype in the same copy: peak extra memory
-is one tensor, never a float32 copy of the model.
+is one tensor, never a float32 copy of the model. FP8 layers (models/quantization.py decides which) take
+their weights and scales through quantization.load_fp8_tensor, which also quantizes float weights on the way
+in for --quantization fp8.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
+from llmserve_core.models.quantization import Fp8Scheme, checkpoint_param_name, kv_scale_target, load_fp8_tensor, \
+    load_kv_scale, resolve_quantization, skips_tensor
 from llmserve_core.models.qwen3 import Qwen3ForCausalLM
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -30,22 +35,34 @@ PACKED_WEIGHTS = {
 
 
 def load_model(cfg: ModelConfig, path, load_format: str = "auto", dtype: torch.dtype = torch.float32,
-               device="cpu", attn_backend=None, seed: int = 0, max_positions: int | None = None) -> Qwen3ForCausalLM:
+               device="cpu", attn_backend=None, seed: int = 0, max_positions: int | None = None,
+               quantization: str | None = None) -> Qwen3ForCausalLM:
+    """quantization: None serves what the checkpoint holds (FP8 when its config.json says so); 'fp8'
+    also quantizes a bf16/fp16 checkpoint's linear layers at load."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     device = torch.device(device)
-    model = Qwen3ForCausalLM(cfg, attn_backend, dtype, device, max_positions=max_positions)
+    fp8 = resolve_quantization(cfg.quantization_config, quantization)
+    model = Qwen3ForCausalLM(cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_safetensors(model, path)
+        load_safetensors(model, path, fp8)
     return model.eval()
 
 
 def init_dummy_weights(model: Qwen3ForCausalLM, seed: int) -> None:
     """vLLM's convention: small uniform values so activations stay finite at any depth; norms at one."""
     generator = torch.Generator(device=model.lm_head_weight.device).manual_seed(seed)
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    fp8_params = {id(p) for m in fp8_layers for p in m.parameters()}
+    for layer in fp8_layers:     # dummy values in the model dtype, quantized as a real checkpoint would be
+        w = torch.empty(layer.out_features, layer.in_features, device=layer.weight.device)
+        layer.quantize_rows_(w.uniform_(-1e-3, 1e-3, generator=generator))
+        del w
     for name, param in model.named_parameters():
+        if id(param) in fp8_params:
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
@@ -96,20 +113,32 @@ def _target(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, int]:
 
 
 @torch.no_grad()
-def load_safetensors(model: Qwen3ForCausalLM, path) -> None:
+def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None) -> None:
     cfg = model.cfg
     params = dict(model.named_parameters())
-    # Every (parameter, row offset) that must be written; packed parameters need all their shards.
-    expected = {_target(hf, cfg)[:2]: hf for name in params for hf in _checkpoint_names(name)}
-    done: set[tuple[str, int | None]] = set()
+    modules = dict(model.named_modules())
+    owner = {name: modules[name.rpartition(".")[0]] for name in params}
+    # Every checkpoint tensor that must be present; packed parameters need all their shards.
+    expected = {hf for name in params if (ck := checkpoint_param_name(name, owner[name], fp8)) is not None
+                for hf in _checkpoint_names(ck)}
+    done: set[str] = set()
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                if _IGNORED.match(hf_name):
+                if _IGNORED.match(hf_name) or skips_tensor(hf_name, fp8):
                     continue
                 if hf_name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: the embedding is the head
+                if (kv := kv_scale_target(hf_name)) is not None:
+                    load_kv_scale(model, hf_name, f.get_tensor(hf_name), kv)
+                    continue
                 name, offset, rows = _target(hf_name, cfg)
+                module_name, _, suffix = name.rpartition(".")
+                module = modules.get(module_name)
+                if isinstance(module, Fp8Linear):
+                    load_fp8_tensor(module, suffix, hf_name, f.get_tensor(hf_name), offset, rows, fp8)
+                    done.add(hf_name)
+                    continue
                 if name not in params:
                     raise ValueError(f"model: checkpoint tensor {hf_name!r} in {file.name} has no place in Qwen3 "
                                      f"with this config.json")
@@ -119,9 +148,12 @@ def load_safetensors(model: Qwen3ForCausalLM, path) -> None:
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(f"model: checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                      f"config.json implies {tuple(dest.shape)}")
+                if tensor.dtype == torch.float8_e4m3fn:
+                    raise ValueError(f"model: checkpoint tensor {hf_name!r} is float8_e4m3fn, but config.json's "
+                                     f"quantization_config does not cover it")
                 dest.copy_(tensor)
-                done.add((name, offset))
-    missing = [hf for key, hf in expected.items() if key not in done]
+                done.add(hf_name)
+    missing = expected - done
     if missing:
         raise ValueError(f"model: checkpoint at {str(path)!r} lacks tensors: {', '.join(sorted(missing)[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

@@ -13,16 +13,21 @@ from torch import nn
 from llmserve_core.engine.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path
+from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import ModelConfig
+from llmserve_core.models.quantization import Fp8Scheme, apply_fp8
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Qwen3Attention(nn.Module):
     fused = False   # set by Qwen3ForCausalLM on CUDA: q/k norm and rotary in one Triton kernel
+    # Per-tensor scales of an FP8 KV cache (real = stored * scale); the loader sets them from the checkpoint.
+    k_scale = 1.0
+    v_scale = 1.0
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,7 +53,8 @@ class Qwen3Attention(nn.Module):
             q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
             k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        out = attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
+        out = attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -96,7 +102,8 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend, dtype: torch.dtype, device, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, attn_backend, dtype: torch.dtype, device, max_positions: int | None = None,
+                 fp8: Fp8Scheme | None = None):
         super().__init__()
         self.cfg = cfg
         self.attn_backend = attn_backend
@@ -105,7 +112,10 @@ class Qwen3ForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = Qwen3Model(cfg)
             self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.to(dtype).to_empty(device=device)
+        self.to(dtype)
+        if fp8 is not None:        # after the cast, which would widen FP8 weights to dtype
+            apply_fp8(self, cfg, fp8)
+        self.to_empty(device=device)
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, cfg.max_position_embeddings, dtype, device)
@@ -114,7 +124,7 @@ class Qwen3ForCausalLM(nn.Module):
         # The torch backend keeps the whole model eager, as the reference.
         self.fused = fast_path(device, attn_backend)
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP)):
+            if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Fp8Linear)):
                 m.fused = self.fused
         if self.lm_head is not None:
             self.lm_head.fast = self.fused   # the one projection where kernels.gemv beats cuBLAS

@@ -38,7 +38,11 @@ class FlashAttentionBackend:
         self.flavor, self._fn = _load_flash_attn()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        if k_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("kv_cache_dtype: fp8_e4m3 is read by the triton and torch attention backends, "
+                             "not flash-attn")
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.tree_mask is not None:
             return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,

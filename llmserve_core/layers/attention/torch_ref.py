@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.fp8 import from_cache
 from llmserve_core.layers.attention.base import store_kv_reference
 
 
@@ -19,7 +20,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def paged_attention_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+def paged_attention_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its cached context (already stored)."""
     num_heads = q.shape[1]
     out = torch.empty_like(q)
@@ -30,8 +32,8 @@ def paged_attention_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: f
         if q_len == 0:
             continue
         qi = q[start:start + q_len].float()                    # [q, H, D]
-        ki = gather_context(k_cache, batch.block_tables[i], seq_len).float()
-        vi = gather_context(v_cache, batch.block_tables[i], seq_len).float()
+        ki = from_cache(gather_context(k_cache, batch.block_tables[i], seq_len), k_scale)
+        vi = from_cache(gather_context(v_cache, batch.block_tables[i], seq_len), v_scale)
         group = num_heads // ki.shape[1]
         ki = ki.repeat_interleave(group, dim=1)                 # [s, H, D]
         vi = vi.repeat_interleave(group, dim=1)
@@ -55,6 +57,7 @@ def paged_attention_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: f
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        store_kv_reference(k, v, k_cache, v_cache, batch.slot_mapping)
-        return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        store_kv_reference(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
+        return paged_attention_reference(q, k_cache, v_cache, batch, scale, k_scale, v_scale)

@@ -1,0 +1,109 @@
+"""Weight-only FP8 GEMV for 1-16 rows: out [M, N] = x [M, K] @ dequant(w [N, K] fp8)^T.
+
+At decode sizes the whole cost of a linear layer is streaming its weight from HBM, so the kernel reads
+each FP8 weight byte once, widens it to the activation dtype in registers and multiplies on the tensor
+cores; activations stay in their dtype (quantizing them would cost a launch and buy nothing here).
+
+The layout is kernels/gemv.py's, measured there on the H200 for bf16: one program owns BLOCK_N output
+columns over a slice of K, the weight tile is the dot's wide left operand against one 16-row tile of x
+(rows past M are masked and cost no traffic), and K is split until about four programs per
+multiprocessor stream; the split that arrives last at a column block sums the parked partial tiles, in
+the same launch, using gemv.py's graph-safe scratch. Scales are one per output row (applied once per
+split) or one per scale block (applied per K tile, which never straddles a block: BLOCK_K divides it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms, store_split_k
+from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
+from llmserve_core.layers.fp8 import dequantize_weight
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
+                     stride_sn, stride_sk,
+                     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+        if DOT_IEEE:    # float32 models: full-precision products, never tf32
+            part = tl.dot(w.to(dtype), tl.trans(xv), input_precision="ieee")
+        else:
+            part = tl.dot(w.to(dtype), tl.trans(xv))
+        if BLOCK_SCALED:
+            # (a split past the end of K reads no weight, and no scale either)
+            s = tl.load(s_ptr + (offs_n // SCALE_N) * stride_sn + (k0 // SCALE_K) * stride_sk,
+                        mask=n_mask & (k0 < K), other=0.0)
+            acc += part * s[:, None]
+        else:
+            acc += part
+    if not BLOCK_SCALED:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+                  BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
+                    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> dict:
+    """gemv.py's tiles and K split; a block-scaled weight caps BLOCK_K at the scale block's K side."""
+    if block is not None:
+        block_k = min(block_k, block[1])
+    return gemv_config(m, n, k, sms, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
+    assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
+    cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device)))
+    block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
+    if block is not None:
+        assert block[1] % block_k == 0, "fp8_gemv: BLOCK_K must divide the scale block's K side"
+        assert scale.dim() == 2, "fp8_gemv: block scales must be [ceil(N/bn), ceil(K/bk)]"
+        stride_sn, stride_sk = scale.stride(0), scale.stride(1)
+    else:
+        assert scale.shape == (n,), f"fp8_gemv: per-channel scale must be [{n}], got {tuple(scale.shape)}"
+        stride_sn, stride_sk = 1, 0
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_blocks = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    parts, counts = SPLIT_K_SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
+                                        n_blocks if split > 1 else 0)
+    _fp8_gemv_kernel[(n_blocks, split)](
+        x, w, scale, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, stride_sn, stride_sk,
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, BLOCK_SCALED=block is not None,
+        SPLIT_K=split, EVEN_K=k_per_split * split == k, DOT_IEEE=x.dtype == torch.float32, **cfg)
+    return y
+
+
+def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dequantize the weight, multiply in float32."""
+    return (x.float() @ dequantize_weight(w, scale, block).t()).to(x.dtype)

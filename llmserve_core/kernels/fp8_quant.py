@@ -1,0 +1,62 @@
+"""Dynamic FP8 activation quantization: one scale per token (row), or per 1 x group piece of a row."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve_core.layers.fp8 import FP8, FP8_MAX, MIN_SCALE, to_fp8
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm,
+                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (row, group of `group` columns): amax pass, then the scaled, saturating cast."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lo = g * group
+    hi = tl.minimum(lo + group, K)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(lo, hi, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < hi, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+    for k0 in range(lo, hi, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < hi, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < hi)
+
+
+def quantize_activation(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization: x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K/group)]).
+
+    group None: one scale per token (row), as compressed-tensors' per-token scheme; group 128: one per
+    1 x 128 piece of a row, what a 128 x 128 block-scaled weight is multiplied against.
+    """
+    m, k = x.shape
+    assert x.stride(1) == 1, "x: last dim must be contiguous"
+    group = group or k
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    _quantize_rows_kernel[(m, num_groups)](
+        x, q, scale, k, group, x.stride(0), q.stride(0), scale.stride(0),
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=min(1024, triton.next_power_of_2(group)), num_warps=4)
+    return q, scale
+
+
+def quantize_activation_reference(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    group = group or k
+    num_groups = triton.cdiv(k, group)
+    padded = torch.zeros(m, num_groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    pieces = padded.view(m, num_groups, group)
+    scale = (pieces.abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = to_fp8(pieces / scale[:, :, None]).view(m, -1)[:, :k].contiguous()
+    return q, scale

@@ -1,0 +1,77 @@
+"""A linear layer (no bias) whose weight is float8_e4m3fn with float32 scales.
+
+`weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
+([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
+weight-only GEMV (the weight stream is the whole cost); more rows quantize the activations dynamically
+(per token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Off the
+fast path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference,
+the dequantized weight times the input in float32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve_core.layers.fp8 import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
+
+GEMV_MAX_ROWS = 16
+
+
+class Fp8Linear(nn.Module):
+    fused = False   # set by the model on the fast path: Triton GEMV / FP8 tensor-core GEMMs
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int] | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block = tuple(block) if block is not None else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        if self.block is None:
+            scale_shape = (out_features,)
+        else:
+            bn, bk = self.block
+            scale_shape = (-(-out_features // bn), -(-in_features // bk))
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+    @torch.no_grad()
+    def quantize_rows_(self, w: torch.Tensor, row_offset: int = 0) -> None:
+        """Quantize a float weight into rows [row_offset, row_offset + len(w)) of this layer.
+
+        For block scales the rows must start and end on block boundaries (or at the last row)."""
+        rows = w.shape[0]
+        if self.block is None:
+            q, s = quantize_per_channel(w.to(self.weight.device))
+            self.weight[row_offset:row_offset + rows].copy_(q)
+            self.weight_scale[row_offset:row_offset + rows].copy_(s)
+            return
+        bn = self.block[0]
+        assert row_offset % bn == 0, "block-scaled rows must start on a block boundary"
+        q, s = quantize_per_block(w.to(self.weight.device), self.block)
+        self.weight[row_offset:row_offset + rows].copy_(q)
+        self.weight_scale[row_offset // bn:row_offset // bn + s.shape[0]].copy_(s)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, self.block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if not self.fused or x2.shape[0] == 0:
+            out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
+        elif x2.shape[0] <= GEMV_MAX_ROWS:
+            from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton
+            out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block)
+        else:
+            out = self._w8a8(x2.contiguous())
+        return out.view(*shape[:-1], self.out_features)
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_triton
+        from llmserve_core.kernels.fp8_quant import quantize_activation
+        if self.block is None:
+            a, a_scale = quantize_activation(x)
+            return w8a8_gemm_per_channel(a, a_scale, self.weight, self.weight_scale, x.dtype)
+        a, a_scale = quantize_activation(x, self.block[1])
+        return w8a8_gemm_triton(a, a_scale, self.weight, self.weight_scale, self.block, x.dtype)

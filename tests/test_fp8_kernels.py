@@ -1,0 +1,252 @@
+"""The FP8 kernels (GEMV, W8A8 GEMM, activation quantization, FP8 KV store/decode/prefill) against their
+torch references on fresh random inputs: in Triton's interpreter on the CPU, at Qwen3-8B shapes on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
+from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
+from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference
+from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
+from llmserve_core.kernels.paged_decode import paged_decode, paged_decode_reference
+from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
+from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
+from llmserve_core.layers.fp8 import FP8, FP8_MAX, dequantize_weight, from_cache, quantize_per_block, \
+    quantize_per_channel, to_cache_dtype
+from llmserve_core.layers.fp8_linear import Fp8Linear
+from test_kernels import paged_cache, prefill_case, rel_err
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# Qwen3-8B's linear layers as (N, K): qkv, o, gate_up, down.
+QWEN3_8B_LINEARS = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+def random_fp8_weight(n, k, block, gen, device=DEVICE):
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)   # rows of different magnitude
+    q, s = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
+    return q.to(device), s.to(device)
+
+
+# ---------------------------------------------------------------- quantization helpers
+
+def test_weight_quantization_round_trips_within_e4m3_precision():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 72, generator=gen) * 3
+    for block in (None, (16, 32)):
+        q, s = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
+        assert q.dtype == FP8 and s.dtype == torch.float32
+        back = dequantize_weight(q, s, block)
+        # e4m3 keeps 3 mantissa bits: relative error per element at most 2^-4 of its group's amax.
+        assert ((back - w).abs() <= w.abs().amax() * 2 ** -4 + 1e-6).all()
+        assert rel_err(back, w) < 0.05
+
+
+def test_quantization_saturates_and_survives_zeros():
+    w = torch.zeros(3, 16)
+    w[1, 0] = 1e30
+    w[2, :] = 1e-30
+    q, s = quantize_per_channel(w)
+    assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
+    assert q[0].float().abs().sum() == 0 and q[1, 0].float() == FP8_MAX
+    assert to_cache_dtype(torch.tensor([1e6, -1e6, float("inf")]), FP8, 1.0).float().tolist() == [448, -448, 448]
+
+
+@pytest.mark.parametrize("m,k,group,dtype", [(1, 64, None, torch.float32), (5, 300, None, torch.float32),
+                                             (7, 256, 128, torch.bfloat16), (3, 200, 64, torch.float32)])
+def test_quantize_activation(m, k, group, dtype):
+    gen = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k, generator=gen) * 5).to(DEVICE, dtype)
+    x[0, :] = 0                                       # an all-zero row keeps a finite scale
+    q, s = quantize_activation(x, group)
+    q_ref, s_ref = quantize_activation_reference(x, group)
+    assert s.shape == s_ref.shape and torch.allclose(s, s_ref, rtol=1e-6)
+    # Same float32 division, same round-to-nearest-even cast: bit-equal codes.
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# ---------------------------------------------------------------- GEMV
+
+@pytest.mark.parametrize("m,n,k,block,block_n,split_k", [
+    (1, 48, 96, None, 16, 1),
+    (3, 40, 200, None, 16, 3),          # N and K not multiples of the tiles; the last split runs past K
+    (16, 64, 128, (32, 32), 32, 1),     # block scales, every row of the 16-row tile real
+    (5, 50, 160, (16, 32), 16, 2),      # ragged blocks at both edges, split-K over block scales
+    (2, 70, 256, (32, 32), 32, 4),      # split-K: the last split to arrive sums the parked tiles
+])
+def test_fp8_gemv(m, n, k, block, block_n, split_k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, s = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
+    for _ in range(2):                  # twice: the split-K counters must re-arm themselves
+        out = fp8_gemv(x, w, s, block, config=config)
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 1e-5
+
+
+def test_fp8_gemv_default_config():
+    gen = torch.Generator().manual_seed(9)
+    for block in (None, (128, 128)):
+        w, s = random_fp8_weight(96, 1024, block, gen)
+        x = torch.randn(4, 1024, generator=gen).to(DEVICE)
+        assert rel_err(fp8_gemv(x, w, s, block), fp8_gemv_reference(x, w, s, block)) < 1e-5
+
+
+def test_gemv_config_fills_the_gpu_at_qwen3_8b_shapes():
+    for n, k in QWEN3_8B_LINEARS:
+        for block in (None, (128, 128)):
+            cfg = fp8_gemv_config(1, n, k, block)
+            assert -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 4 * 132
+            assert block is None or block[1] % cfg["BLOCK_K"] == 0
+
+
+# ---------------------------------------------------------------- W8A8 GEMM
+
+@pytest.mark.parametrize("m,n,k,block", [(20, 48, 64, None), (33, 40, 100, None), (40, 64, 128, (32, 32)),
+                                         (17, 50, 96, (16, 32))])
+def test_w8a8_gemm_triton(m, n, k, block):
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, ws = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    a, a_s = quantize_activation(x, None if block is None else block[1])
+    out = w8a8_gemm_triton(a, a_s, w, ws, block, torch.float32)
+    assert rel_err(out, w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)) < 1e-5
+    # and the whole W8A8 product stays near the unquantized one
+    assert rel_err(out, x @ dequantize_weight(w, ws, block).t()) < 0.08
+
+
+def test_fp8_linear_matches_its_dequantized_twin():
+    gen = torch.Generator().manual_seed(3)
+    for block in (None, (16, 32)):
+        layer = Fp8Linear(64, 48, block)
+        layer.quantize_rows_(torch.randn(32, 64, generator=gen))
+        layer.quantize_rows_(torch.randn(16, 64, generator=gen), 32)        # a second packed shard
+        x = torch.randn(2, 3, 64, generator=gen)
+        out = layer(x)
+        assert out.shape == (2, 3, 48)
+        assert torch.allclose(out, x @ layer.dequantized_weight().t(), atol=1e-5)
+        assert layer(torch.zeros(0, 64)).shape == (0, 48)
+
+
+# ---------------------------------------------------------------- FP8 KV cache
+
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
+def test_store_kv_fp8(k_scale, v_scale):
+    gen = torch.Generator().manual_seed(int(k_scale * 100))
+    t, heads, dim, bs, blocks = 9, 2, 16, 4, 6
+    k = (torch.randn(t, heads, dim, generator=gen) * 300).to(DEVICE)        # some values saturate
+    v = torch.randn(t, heads, dim, generator=gen).to(DEVICE)
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    slots[2] = -1
+    slots = slots.to(DEVICE)
+    kc, vc = (torch.zeros(blocks, bs, heads, dim, dtype=FP8, device=DEVICE) for _ in range(2))
+    kr, vr = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, slots, k_scale, v_scale)
+    store_kv_reference(k, v, kr, vr, slots, k_scale, v_scale)
+    assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+    assert torch.isfinite(kc.float()).all() and kc.float().abs().max() == 448
+
+
+def fp8_cache(kc, vc, k_scale, v_scale):
+    return to_cache_dtype(kc, FP8, k_scale), to_cache_dtype(vc, FP8, v_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
+def test_paged_decode_fp8_cache(dtype):
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [5, 40, 17, 0]
+    kc, vc, bt = paged_cache(seq_lens, 8, 2, 16, torch.float32, DEVICE, gen)
+    kc8, vc8 = fp8_cache(kc * 3, vc * 0.2, 0.05, 0.004)
+    q = torch.randn(len(seq_lens), 4, 16, generator=gen).to(device=DEVICE, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 4):
+        out = paged_decode(q, kc8, vc8, bt, lens, 0.3, num_splits=splits, k_scale=0.05, v_scale=0.004)
+        ref = paged_decode_reference(q, kc8, vc8, bt, lens, 0.3, k_scale=0.05, v_scale=0.004)
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    # the FP8 cache stays close to the float one it was made from
+    full = paged_decode_reference(q, kc * 3, vc * 0.2, bt, lens, 0.3)
+    assert rel_err(ref, full) < 0.1
+
+
+def test_paged_prefill_fp8_cache():
+    q, kc, vc, bt, qsl, lens, _ = prefill_case([5, 33, 3], [7, 40, 0], 4, 2, 16, 4, torch.float32, DEVICE, 5)
+    kc8, vc8 = fp8_cache(kc, vc, 0.02, 0.5)
+    out = paged_prefill(q, kc8, vc8, qsl, lens, bt, 33, 0.25, k_scale=0.02, v_scale=0.5)
+    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 0.25, k_scale=0.02, v_scale=0.5)
+    assert rel_err(out, ref) < 1e-5
+    assert torch.equal(from_cache(kc8, 0.02), kc8.float() * 0.02)
+
+
+@pytest.mark.parametrize("rows,tree", [(4, False), (3, True)])
+def test_decode_rows_fp8_cache(rows, tree):
+    """A speculative verify's rows through the decode kernel over an FP8 cache."""
+    q, kc, vc, bt, qsl, lens, mask = prefill_case([rows] * 3, [7, 40, 0], 4, 2, 16, 4, torch.float32, DEVICE,
+                                                  seed=rows, tree=tree)
+    kc8, vc8 = fp8_cache(kc, vc, 0.03, 0.2)
+    out = paged_decode(q, kc8, vc8, bt, lens, 0.3, num_splits=2, rows_per_seq=rows, tree_mask=mask,
+                       k_scale=0.03, v_scale=0.2)
+    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 0.3, tree_mask=mask, k_scale=0.03, v_scale=0.2)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_scales_are_ignored_for_a_bf16_cache():
+    q, kc, vc, bt, qsl, lens, _ = prefill_case([6, 2], [3, 9], 4, 2, 16, 8, torch.float32, DEVICE, 9)
+    plain = paged_prefill(q, kc, vc, qsl, lens, bt, 6, 0.25)
+    scaled = paged_prefill(q, kc, vc, qsl, lens, bt, 6, 0.25, k_scale=7.0, v_scale=3.0)
+    assert torch.equal(plain, scaled)
+
+
+# ---------------------------------------------------------------- Qwen3-8B shapes on the GPU
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", QWEN3_8B_LINEARS)
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
+    gen = torch.Generator().manual_seed(n + k)
+    w, ws = random_fp8_weight(n, k, block, gen, "cuda")
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        assert rel_err(fp8_gemv(x, w, ws, block), fp8_gemv_reference(x, w, ws, block)) < 1e-2
+    for m in (17, 64, 256, 1000):
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        a, a_s = quantize_activation(x, None if block is None else block[1])
+        ref = w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)
+        if block is None:
+            assert rel_err(w8a8_gemm_per_channel(a, a_s, w, ws, torch.bfloat16), ref) < 1e-2
+            assert rel_err(w8a8_gemm_triton(a, a_s.view(-1, 1), w, ws, None, torch.bfloat16), ref) < 1e-2
+        else:
+            assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
+    # the layer's dispatch: empty, GEMV and W8A8 row counts against the weight-only reference
+    layer = Fp8Linear(k, n, block).to("cuda")
+    layer.fused = True
+    layer.weight.copy_(w)
+    layer.weight_scale.copy_(ws)
+    for m in (0, 1, 16, 17, 300):
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        out = layer(x)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        if m:    # W8A8 also rounds the activations to e4m3: a looser bound than the weight-only GEMV's
+            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < (1e-2 if m <= 16 else 8e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp8_kv_at_qwen3_8b_shapes():
+    gen = torch.Generator().manual_seed(8)
+    seq_lens = [4096, 1, 777, 2048]
+    kc, vc, bt = paged_cache(seq_lens, 16, 8, 128, torch.float32, "cuda", gen)
+    kc8, vc8 = fp8_cache(kc, vc, 0.01, 0.02)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(4, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    out = paged_decode(q, kc8, vc8, bt, lens, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
+    assert rel_err(out, paged_decode_reference(q, kc8, vc8, bt, lens, 128 ** -0.5, 0.01, 0.02)) < 2e-2
+    q, kc, vc, bt, qsl, lens, _ = prefill_case([512, 1, 300], [0, 900, 64], 32, 8, 128, 16, torch.float32, "cuda", 1)
+    kc8, vc8 = fp8_cache(kc, vc, 0.01, 0.02)
+    q = q.to(torch.bfloat16)
+    out = paged_prefill(q, kc8, vc8, qsl, lens, bt, 512, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
+    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
+    assert rel_err(out, ref) < 2e-2
