@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from llmserve_client import AsyncClient, Client, EngineDeadError, ModelChangedError
-from test_http import CORE_ARGS, sdk, start_core, start_serve, stop, wait_healthy
+from test_http import CORE_ARGS, _children, sdk, start_core, start_serve, stop, wait_healthy
 
 PROMPT = [5, 6, 7, 8]
 
@@ -187,11 +187,6 @@ def test_core_back_with_another_model_is_refused(tiny_model_dir, make_random_qwe
     finally:
         stop(serve)
         _kill(core)
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
 
 
 def test_serve_with_model_exits_nonzero_when_its_core_dies(tiny_model_dir, tmp_path):
