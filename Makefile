@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TINY ?= .tiny-model
 
-.PHONY: install demo test test-fast tiny-model clean
+.PHONY: install demo test test-fast tiny-model clean soak
 
 install: $(STAMP)
 
@@ -29,3 +29,8 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(TINY) .pytest_cache
+
+# A randomized soak of a core and HTTP frontend on the CPU tiny model; SOAK_SECONDS=1800 for a long one.
+SOAK_SECONDS ?= 60
+soak: $(STAMP)
+	$(PY) -m llmserve_bench soak --duration $(SOAK_SECONDS) --result-json soak.json

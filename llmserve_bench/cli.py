@@ -3,6 +3,7 @@
     llmserve-bench run         --endpoint ipc://PATH --num-requests 200 --input-len 512 --output-len 128 --request-rate 8
     llmserve-bench closed-loop --model DIR --max-concurrency 16 --warmup-seconds 5 --measurement-seconds 30 -- --max-num-seqs 64
     llmserve-bench compare A.json B.json
+    llmserve-bench soak        --duration 1800 --result-json soak.json      # a core + HTTP frontend of its own
 
 With --model the bench starts its own core (flags after `--` go to it) and stops it afterwards; otherwise
 it drives the core at --endpoint (default: the core's default endpoint). Exit codes: 0 done, 1 the run failed,
@@ -122,8 +123,56 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="ratios of the main metrics of two result JSONs (B/A)")
     cmp.add_argument("a", metavar="A.json")
     cmp.add_argument("b", metavar="B.json")
-    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp}
+    s = sub.add_parser("soak", help="randomized soak of a core and HTTP frontend it starts; exit 1 if it fails",
+                       description=_soak_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of load (default: 60)")
+    s.add_argument("--model", help="model directory (default: the tiny trained Qwen3 shipped with llmserve_core, "
+                                   "on the CPU)")
+    s.add_argument("--well-behaved", type=_positive_int, default=2,
+                   help="well-behaved clients per transport, IPC and HTTP (default: 2)")
+    s.add_argument("--chaos", type=_nonneg_int, default=2,
+                   help="clients with random parameters, aborts and dropped streams, per transport (default: 2)")
+    s.add_argument("--flood-inflight", type=_nonneg_int, default=128,
+                   help="requests the flooding client keeps queued (default: 128, four times the core's "
+                        "--max-num-seqs of 32; 0: no flood)")
+    s.add_argument("--never-reader-rate", type=_nonneg_int, default=1,
+                   help="requests per second from the client that never reads (default: 1; 0: none)")
+    s.add_argument("--kill-every", type=_nonneg_float, default=10.0,
+                   help="mean seconds between SIGKILLed client processes (default: 10; 0: none)")
+    s.add_argument("--max-wait", type=_positive_float, default=60.0,
+                   help="bound on any well-behaved request's or stats call's wait, seconds (default: 60)")
+    s.add_argument("--max-rss-growth-mb", type=_positive_float, default=300.0,
+                   help="bound on the core's and the frontend's RSS growth after the warm-up (default: 300)")
+    s.add_argument("--seed", type=_nonneg_int, default=0)
+    s.add_argument("--result-json", help="write the summary here")
+    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp, "soak": s}
     return p
+
+
+def _soak_doc() -> str:
+    from llmserve_bench import soak
+    return soak.__doc__.split("\n\n", 1)[1]
+
+
+def _soak_main(parser, args, core_args: list[str]) -> int:
+    from llmserve_bench import soak
+    model = args.model or soak.default_model()
+    if model is None or not os.path.isdir(model):
+        parser.error(f"--model: {model!r} is not a directory" if model else "--model: no shipped tiny model found")
+    cfg = soak.SoakConfig(model=model, duration_s=args.duration, core_args=core_args,
+                          well_behaved=args.well_behaved, chaos=args.chaos, flood_inflight=args.flood_inflight,
+                          never_reader_per_s=args.never_reader_rate, kill_every_s=args.kill_every,
+                          max_wait_s=args.max_wait, max_rss_growth_mb=args.max_rss_growth_mb, seed=args.seed)
+    try:
+        result = soak.run_soak(cfg)
+    except KeyboardInterrupt:
+        print("\nllmserve-bench: interrupted", file=sys.stderr)
+        return 130
+    print(result.table())
+    if args.result_json:
+        soak.write_json(result, args.result_json)
+        print(f"llmserve-bench: results written to {args.result_json}", file=sys.stderr)
+    return 0 if result.passed else 1
 
 
 def check_args(parser: argparse.ArgumentParser, args, core_args: list[str]) -> tuple[WorkloadConfig, dict]:
@@ -257,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "compare":
         return _compare_main(args)
+    if args.cmd == "soak":
+        return _soak_main(parser.subcommands["soak"], args, core_args)
     wl, slo = check_args(parser.subcommands[args.cmd], args, core_args)   # errors name the subcommand
     config = run_config(args, wl, slo, core_args)
     from llmserve_client import LLMServeError, run

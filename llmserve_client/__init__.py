@@ -11,8 +11,8 @@ Never imports torch or the core.
 from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.client import Client, Stream
 from llmserve_client.detokenizer import IncrementalDetokenizer
-from llmserve_client.errors import (EngineDeadError, HandshakeTimeoutError, LLMServeError, ProtocolError,
-                                    RequestError)
+from llmserve_client.errors import (EngineDeadError, HandshakeTimeoutError, LLMServeError, ModelChangedError,
+                                    ProtocolError, RequestError)
 from llmserve_client.types import Completion, Logprobs, ModelInfo, StreamChunk, Timings, Usage
 
 
@@ -29,5 +29,5 @@ def run(main):
 __all__ = [
     "Client", "Stream", "AsyncClient", "AsyncStream", "Completion", "StreamChunk", "Usage", "Timings",
     "Logprobs", "ModelInfo", "IncrementalDetokenizer", "LLMServeError", "EngineDeadError",
-    "HandshakeTimeoutError", "ProtocolError", "RequestError", "run",
+    "HandshakeTimeoutError", "ModelChangedError", "ProtocolError", "RequestError", "run",
 ]

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator
 
 from llmserve_proto import Abort, Generate, ModelInfo, default_endpoint
-from llmserve_client.errors import EngineDeadError, RequestError
+from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_state import RequestState
 from llmserve_client.transport import Transport
@@ -68,13 +69,15 @@ class AsyncClient:
     also connects on first use. Same arguments as Client."""
 
     def __init__(self, endpoint: str | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
-                 heartbeat_timeout: float = 5.0, client_name: str = ""):
+                 heartbeat_timeout: float = 5.0, client_name: str = "", reconnect: bool = True):
         self.endpoint = endpoint or default_endpoint()
         self.connect_timeout = connect_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self._transport = Transport(self.endpoint, connect_timeout=connect_timeout,
-                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name)
+                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name,
+                                    reconnect=reconnect)
         self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()
         self.model_info: ModelInfo | None = None
         self._bridges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -92,9 +95,25 @@ class AsyncClient:
     async def get_tokenizer(self):
         await self.connect()
         if self._tokenizer is None or isinstance(self._tokenizer, str):
-            path = self._tokenizer or self.model_info.tokenizer or self.model_info.model
-            self._tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, path)
+            await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
         return self._tokenizer
+
+    def _load_tokenizer(self) -> None:
+        # On an executor thread; coroutines asking at once (from any loop) wait for one load.
+        with self._tokenizer_lock:
+            if self._tokenizer is None or isinstance(self._tokenizer, str):
+                self._tokenizer = load_tokenizer(self._tokenizer or self.model_info.tokenizer or self.model_info.model)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + max_tokens the core can hold for one request (0 before the handshake)."""
+        welcome = self._transport.welcome
+        return 0 if welcome is None else (welcome.max_request_tokens or welcome.model_info.max_model_len)
+
+    @property
+    def gone_for_good(self) -> LLMServeError | None:
+        """Why this client will never serve again (closed, another model came back, ...), else None."""
+        return self._transport.final
 
     async def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
                      skip_special_tokens: bool = True, **sampling) -> "AsyncStream":

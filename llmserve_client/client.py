@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
 
@@ -20,14 +21,18 @@ class Client:
     tokenizer: a tokenizer object or a path; default: the model directory the core announces.
     connect_timeout: how long to wait for a core that is not up yet (or still loading its model).
     heartbeat_timeout: a core silent this long is declared dead; every waiting call raises EngineDeadError.
+    reconnect: after the core dies, keep saying hello on the endpoint and serve again once a core running
+        the same model answers (calls raise EngineDeadError meanwhile); False: the client stays dead.
     """
 
     def __init__(self, endpoint: str | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
-                 heartbeat_timeout: float = 5.0, client_name: str = ""):
+                 heartbeat_timeout: float = 5.0, client_name: str = "", reconnect: bool = True):
         self.endpoint = endpoint or default_endpoint()
         self._transport = Transport(self.endpoint, connect_timeout=connect_timeout,
-                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name)
+                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name,
+                                    reconnect=reconnect)
         self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()
         self.heartbeat_timeout = heartbeat_timeout
         try:
             welcome = self._transport.wait_ready(connect_timeout + 1.0)
@@ -38,10 +43,16 @@ class Client:
 
     @property
     def tokenizer(self):
-        """The tokenizer, loaded on first use (a token-ids-only client never loads one)."""
-        if self._tokenizer is None or isinstance(self._tokenizer, str):
-            self._tokenizer = load_tokenizer(self._tokenizer or self.model_info.tokenizer or self.model_info.model)
-        return self._tokenizer
+        """The tokenizer, loaded on first use (a token-ids-only client never loads one). Threads that ask at
+        once wait for one load."""
+        tok = self._tokenizer
+        if tok is None or isinstance(tok, str):
+            with self._tokenizer_lock:
+                if self._tokenizer is None or isinstance(self._tokenizer, str):
+                    path = self._tokenizer or self.model_info.tokenizer or self.model_info.model
+                    self._tokenizer = load_tokenizer(path)
+                tok = self._tokenizer
+        return tok
 
     def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
                skip_special_tokens: bool = True, **sampling) -> "Stream":

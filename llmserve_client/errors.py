@@ -8,11 +8,17 @@ class LLMServeError(Exception):
 
 class EngineDeadError(LLMServeError):
     """The core is gone (killed, crashed, shut down, or silent past the heartbeat timeout). Every call that
-    was waiting on it raises this; the client is unusable afterwards: make a new one."""
+    was waiting on it raises this, and so does every new call until a core answers again on the endpoint:
+    the client reconnects by itself (unless made with reconnect=False) and then serves again."""
 
 
 class HandshakeTimeoutError(EngineDeadError):
     """No core answered the handshake at the endpoint within connect_timeout."""
+
+
+class ModelChangedError(EngineDeadError):
+    """The core that came back on the endpoint serves another model than the one this client started with.
+    The client stops trying: make a new one."""
 
 
 class ProtocolError(LLMServeError):

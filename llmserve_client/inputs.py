@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import uuid
 
 import msgspec
@@ -11,9 +12,18 @@ from llmserve_client.errors import RequestError
 
 
 
+INT64_MIN, UINT64_LIMIT = -2**63, 2**64    # what a MessagePack integer can carry
+MAX_TOKEN_ID = 2**63 - 1
+
+# transformers' lazy module is not safe to import from several threads at once (a racing thread can see
+# "cannot import name 'AutoTokenizer'"), so every load in the process goes through this lock.
+_TOKENIZER_IMPORT = threading.Lock()
+
+
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer   # imported late: a token-ids-only client never pays for it
-    return AutoTokenizer.from_pretrained(path)
+    with _TOKENIZER_IMPORT:
+        from transformers import AutoTokenizer   # imported late: a token-ids-only client never pays for it
+        return AutoTokenizer.from_pretrained(path)
 
 
 def build_params(sampling: dict) -> SamplingParams:
@@ -24,6 +34,9 @@ def build_params(sampling: dict) -> SamplingParams:
             raise RequestError(k, f"unknown sampling parameter; expected one of {', '.join(sorted(known))}")
     if isinstance(sampling.get("stop"), str):
         sampling = {**sampling, "stop": [sampling["stop"]]}
+    for name, value in sampling.items():
+        if _has_wide_int(value):
+            raise RequestError(name, f"integer out of range: must be in [-2**63, 2**64), got {_short(value)}")
     try:
         # A wire round trip type-checks every field exactly as the core will.
         params = _roundtrip(SamplingParams(**sampling))
@@ -53,7 +66,7 @@ def to_token_ids(prompt, tokenizer_getter) -> list[int]:
         return list(tokenizer_getter().encode(prompt))
     if isinstance(prompt, (list, tuple)) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+            return check_token_ids(list(prompt))
         if all(isinstance(m, dict) for m in prompt):
             tok = tokenizer_getter()
             if not getattr(tok, "chat_template", None):
@@ -63,6 +76,27 @@ def to_token_ids(prompt, tokenizer_getter) -> list[int]:
                 ids = ids["input_ids"]
             return list(ids)
     raise RequestError("prompt", "must be a non-empty string, a list of token ids or a list of chat messages")
+
+
+def check_token_ids(ids: list[int]) -> list[int]:
+    """Token ids a message can carry (the core checks them against the vocabulary)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise RequestError("prompt_token_ids", f"token id {_short(t)} at index {i} is out of range")
+    return ids
+
+
+def _has_wide_int(value) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not INT64_MIN <= value < UINT64_LIMIT
+    if isinstance(value, (list, tuple)):
+        return any(_has_wide_int(v) for v in value)
+    return False
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def new_request_id() -> str:

@@ -6,6 +6,11 @@ message to the sink registered for its request id (a queue of the sync client, o
 loop), pings the core, and declares the core dead when (a) the connection drops (socket monitor), (b) the
 core is silent longer than heartbeat_timeout, (c) the core says it is shutting down or has failed. Death is
 delivered to every sink, so no waiting call can hang.
+
+With reconnect on, a dead session is not the end: the thread opens a fresh socket (a new session, see
+PROTOCOL.md §6) and says hello again until a core answers. Until then every call fails at once with the
+EngineDeadError that ended the session. The core that answers must serve the same model as the first one
+(ModelChangedError otherwise, which ends the transport for good).
 """
 from __future__ import annotations
 
@@ -20,25 +25,43 @@ import uuid
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from llmserve_proto import (PROTOCOL_VERSION, EngineError, Goodbye, Heartbeat, Hello, OutputBatch, Ping,
+from llmserve_proto import (PROTOCOL_VERSION, EngineError, Goodbye, Heartbeat, Hello, ModelInfo, OutputBatch, Ping,
                             RequestError, Shutdown, StatsReply, StatsRequest, Welcome, decode_core, encode)
-from llmserve_client.errors import EngineDeadError, HandshakeTimeoutError, LLMServeError, ProtocolError
+from llmserve_client.errors import (EngineDeadError, HandshakeTimeoutError, LLMServeError, ModelChangedError,
+                                    ProtocolError)
 
 log = logging.getLogger("llmserve_client")
 
 # Items put into sinks: ("output", RequestOutput, batch_time, recv_time) | ("error", RequestError) |
 # ("dead", exception).
 
+# What a client relies on about the model: a restarted core must announce the same values.
+MODEL_IDENTITY = ("model", "tokenizer", "vocab_size", "max_model_len", "eos_token_ids")
+RECONNECT_BACKOFF_S = (0.05, 2.0)   # first and longest pause between two attempts to open a session
+
+
+def model_difference(old: ModelInfo, new: ModelInfo) -> str | None:
+    """The first identity field that differs between two announcements, as "field: old -> new"."""
+    for name in MODEL_IDENTITY:
+        a, b = getattr(old, name), getattr(new, name)
+        if a != b:
+            return f"{name}: {a!r} -> {b!r}"
+    return None
+
 
 class Transport:
     def __init__(self, endpoint: str, *, connect_timeout: float = 60.0, heartbeat_timeout: float = 5.0,
-                 client_name: str = ""):
+                 client_name: str = "", reconnect: bool = True):
         self.endpoint = endpoint
         self.connect_timeout = connect_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.client_name = client_name
-        self.welcome: Welcome | None = None
-        self.dead: LLMServeError | None = None
+        self.reconnect = reconnect
+        self.welcome: Welcome | None = None       # of the current (or last) session
+        self.model_info: ModelInfo | None = None  # as the first core announced it; later ones must match
+        self.dead: LLMServeError | None = None    # why calls fail now (None: a session is up)
+        self.final: LLMServeError | None = None   # set when no further session will be tried
+        self.sessions = 0                          # handshakes completed so far
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._routes: dict[str, object] = {}
@@ -53,27 +76,17 @@ class Transport:
         self._fds_open = True
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        ctx = zmq.Context.instance()
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        # A unique address: pyzmq's default derives it from the socket's fd number, which a later socket in
-        # this process can reuse while the old monitor endpoint is still being torn down.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED,
-                                                      addr=f"inproc://llmserve-client-monitor-{uuid.uuid4().hex}")
-        self._sock.connect(endpoint)
+        self._sock = self._monitor = None
+        self._open_socket()
         self._thread = threading.Thread(target=self._run, name="llmserve-client-io", daemon=True)
         self._thread.start()
 
     # ---- caller side (any thread) -----------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> Welcome:
-        """Block until the handshake completed; raise the transport's death otherwise."""
+        """Block until the first handshake completed; raise the transport's death otherwise."""
         self._ready.wait(timeout)
-        if self.dead is not None:
-            raise self.dead
         if self.welcome is None:
-            raise HandshakeTimeoutError(f"no handshake from a core at {self.endpoint}")
+            raise self.dead or HandshakeTimeoutError(f"no handshake from a core at {self.endpoint}")
         return self.welcome
 
     def check_alive(self) -> None:
@@ -81,8 +94,13 @@ class Transport:
             raise self.dead
 
     def send(self, msg) -> None:
-        self.check_alive()
-        self._outbox.append(encode(msg))
+        frame = encode(msg)
+        # Under the lock, so a frame is either queued before a session ends (and dropped with it) or refused:
+        # a request of a dead session must never reach the next core.
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            self._outbox.append(frame)
         self._wake()
 
     def register(self, request_id: str, sink) -> None:
@@ -128,83 +146,143 @@ class Transport:
                 pass   # pipe full: a wakeup is pending anyway
 
     # ---- transport thread --------------------------------------------------------------------------
+    def _open_socket(self) -> None:
+        ctx = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        # A unique address: pyzmq's default derives it from the socket's fd number, which a later socket in
+        # this process can reuse while the old monitor endpoint is still being torn down.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED,
+                                                      addr=f"inproc://llmserve-client-monitor-{uuid.uuid4().hex}")
+        self._sock.connect(self.endpoint)
+
+    def _close_socket(self, linger: int = 0) -> None:
+        # Stop the monitor before closing either end of it, then close the socket.
+        if self._sock is None:
+            return
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(linger=linger)
+        self._sock = self._monitor = None
+
     def _run(self) -> None:
         try:
-            self._loop()
+            self._sessions()
         except Exception as e:   # a bug here must still release every waiter
             log.exception("client transport failed")
-            self._die(EngineDeadError(f"client transport failed: {e!r}"))
+            self._die(EngineDeadError(f"client transport failed: {e!r}"), final=True)
         finally:
-            if self.dead is None:
-                self._die(EngineDeadError("client closed"))
-            # Stop the monitor before closing either end of it, then close the socket. A little linger lets a
-            # closing client's Goodbye reach the core; a dead core gets none.
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._sock.close(linger=200 if self._closing and self.welcome is not None else 0)
+            # A little linger lets a closing client's Goodbye reach the core; a dead core gets none.
+            linger = 200 if self._closing and self.dead is None else 0
+            self._die(EngineDeadError("client closed"), final=True)
+            self._close_socket(linger)
             with self._fd_lock:
                 self._fds_open = False
                 os.close(self._wake_r)
                 os.close(self._wake_w)
 
-    def _loop(self) -> None:
+    def _sessions(self) -> None:
+        """Run sessions until the client closes or something ends the transport for good."""
+        deadline = time.monotonic() + self.connect_timeout
+        pause = RECONNECT_BACKOFF_S[0]
+        while True:
+            outcome = self._session(deadline if self.model_info is None else None)
+            if outcome == "closed" or self.final is not None:
+                return
+            if outcome == "ended":
+                if not self.reconnect:
+                    self.final = self.dead
+                    return
+                pause = RECONNECT_BACKOFF_S[0]   # a session was up: the next one may come back quickly
+            else:   # "retry": the connection dropped before a welcome
+                pause = min(pause * 2, RECONNECT_BACKOFF_S[1])
+            self._close_socket()
+            if self._pause(pause):
+                return
+            self._open_socket()
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep, waking for close(); True when closing."""
+        end = time.monotonic() + seconds
+        while not self._closing and time.monotonic() < end:
+            zmq.select([self._wake_r], [], [], max(0.0, min(0.1, end - time.monotonic())))
+            self._drain_wake_pipe()
+        return self._closing
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _session(self, deadline: float | None) -> str:
+        """One socket's life: hello, welcome, traffic. Returns "closed" (the client closes), "ended" (a
+        session that was up has died) or "retry" (the connection dropped before any welcome)."""
         sock, poller = self._sock, zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name)))
-        deadline = time.monotonic() + self.connect_timeout
+        welcomed = False
         last_recv = last_ping = time.monotonic()
-        ping_every = 1.0
-        while self.dead is None:
+        while True:
             events = dict(poller.poll(timeout=100))
             now = time.monotonic()
             if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-            while self._outbox:
-                sock.send(self._outbox.popleft(), copy=False)
+                self._drain_wake_pipe()
+            if welcomed:
+                while self._outbox:
+                    sock.send(self._outbox.popleft(), copy=False)
             if self._closing:
-                if self.welcome is not None:
+                if welcomed and self.dead is None:
                     sock.send(encode(Goodbye()))
-                return
+                return "closed"
             if sock in events:
                 last_recv = now
-                while self.dead is None:
+                while True:
                     try:
                         frame = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._dispatch(frame.buffer, now)
+                    welcome = self._dispatch(frame.buffer, now, welcomed)
+                    if welcome:
+                        welcomed = True
+                    if self.final is not None or (welcomed and self.dead is not None):
+                        return "ended"
             if self._monitor in events:
                 evt = parse_monitor_message(self._monitor.recv_multipart())
-                if evt["event"] == zmq.EVENT_DISCONNECTED and self.welcome is not None:
-                    self._die(EngineDeadError(f"connection to the core at {self.endpoint} was lost"))
-            if self.dead is not None:
-                return
-            if self.welcome is None:
-                if now > deadline:
+                if evt["event"] == zmq.EVENT_DISCONNECTED:
+                    if welcomed:
+                        self._die(EngineDeadError(f"connection to the core at {self.endpoint} was lost"))
+                        return "ended"
+                    # A core that went away before answering took our hello with it: say it again to the
+                    # next one on a fresh socket.
+                    return "retry"
+            if not welcomed:
+                if deadline is not None and now > deadline:
                     self._die(HandshakeTimeoutError(
-                        f"no core answered at {self.endpoint} within {self.connect_timeout:.0f} s"))
+                        f"no core answered at {self.endpoint} within {self.connect_timeout:.0f} s"), final=True)
+                    return "ended"
                 continue
             if now - last_recv > self.heartbeat_timeout:
                 self._die(EngineDeadError(f"no word from the core for {now - last_recv:.1f} s "
                                           f"(heartbeat timeout {self.heartbeat_timeout} s)"))
-                return
+                return "ended"
             ping_every = min(1.0, self.welcome.client_timeout_s / 4)
             if now - last_ping >= ping_every:
                 sock.send(encode(Ping(time=now)))
                 last_ping = now
 
-    def _dispatch(self, frame, now: float) -> None:
+    def _dispatch(self, frame, now: float, welcomed: bool) -> bool:
+        """Handle one core message; True when it was the welcome that opens this session."""
         try:
             msg = decode_core(frame)
         except Exception as e:
             log.error("undecodable message from the core: %s", e)
-            return
+            return False
         if isinstance(msg, OutputBatch):
             for out in msg.outputs:
                 with self._lock:
@@ -227,31 +305,56 @@ class Transport:
             if sink is not None:
                 sink.put(("stats", msg.stats))
         elif isinstance(msg, Welcome):
-            if msg.protocol_version != PROTOCOL_VERSION:
-                self._die(ProtocolError(f"core speaks protocol {msg.protocol_version}, "
-                                        f"this client {PROTOCOL_VERSION}"))
-                return
-            self.welcome = msg
-            # Never declare a healthy core dead between two of its heartbeats.
-            self.heartbeat_timeout = max(self.heartbeat_timeout, 4 * msg.heartbeat_interval_s)
-            self._ready.set()
+            return not welcomed and self._on_welcome(msg)
         elif isinstance(msg, EngineError):
             if msg.fatal:
-                cls = EngineDeadError if self.welcome is not None else ProtocolError
-                self._die(cls(f"core: {msg.message}"))
+                if welcomed or self.model_info is not None:
+                    self._die(EngineDeadError(f"core: {msg.message}"))
+                else:
+                    self._die(ProtocolError(f"core: {msg.message}"), final=True)
             else:
                 log.warning("core: %s", msg.message)
         elif isinstance(msg, Shutdown):
             self._die(EngineDeadError(f"core shut down{': ' + msg.reason if msg.reason else ''}"))
+        return False
 
-    def _die(self, exc: LLMServeError) -> None:
+    def _on_welcome(self, msg: Welcome) -> bool:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._die(ProtocolError(f"core speaks protocol {msg.protocol_version}, "
+                                    f"this client {PROTOCOL_VERSION}"), final=True)
+            return False
+        if self.model_info is not None:
+            diff = model_difference(self.model_info, msg.model_info)
+            if diff is not None:
+                self._die(ModelChangedError(f"the core at {self.endpoint} came back serving another model "
+                                            f"({diff}); make a new client"), final=True)
+                return False
+            log.info("reconnected to the core at %s (pid %d)", self.endpoint, msg.core_pid)
+        else:
+            self.model_info = msg.model_info
+        self.welcome = msg
+        # Never declare a healthy core dead between two of its heartbeats.
+        self.heartbeat_timeout = max(self.heartbeat_timeout, 4 * msg.heartbeat_interval_s)
         with self._lock:
+            self.dead = None
+            self.sessions += 1
+        self._ready.set()
+        return True
+
+    def _die(self, exc: LLMServeError, final: bool = False) -> None:
+        """End the session: every waiting call gets exc, and calls fail with it until the next session."""
+        with self._lock:
+            if final and self.final is None:
+                self.final = exc
             if self.dead is not None:
+                if final:
+                    self.dead = self.final
                 return
             self.dead = exc
             sinks = list(self._routes.values()) + list(self._stats_waiters.values())
             self._routes.clear()
             self._stats_waiters.clear()
+            self._outbox.clear()
         for sink in sinks:
             sink.put(("dead", exc))
         self._ready.set()

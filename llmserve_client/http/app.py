@@ -2,6 +2,9 @@
 
 Text lives here as in every client: prompts and chat messages are tokenized here, the core gets token ids,
 and streamed ids come back as text through the client library's detokenizer and stop-string logic.
+Tokenizing and rendering chat templates run on a worker thread, so a huge prompt never stalls the event
+loop (/health and every other request keep flowing); a prompt that cannot fit max_model_len is refused
+from its length in characters before it is tokenized at all.
 A request whose HTTP client goes away is cancelled, and cancelling an AsyncStream aborts it in the core.
 """
 from __future__ import annotations
@@ -10,9 +13,11 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 from starlette.applications import Starlette
@@ -25,6 +30,7 @@ from starlette.routing import Route
 from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.http import schemas
+from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
@@ -33,6 +39,12 @@ from llmserve_client.types import Completion, StreamChunk
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 2.0                 # /health and /metrics give up on a core this slow
+RETRY_AFTER_S = 5                     # what a 503 asks clients to wait: a core restarts or drains meanwhile
+# Text may shrink a little under a tokenizer's normalizer (composed characters): the early length check
+# allows this factor before it trusts its lower bound on the token count.
+NORMALIZER_SLACK = 2
+
+log = logging.getLogger("llmserve_client.http")
 
 
 class Frontend:
@@ -41,8 +53,13 @@ class Frontend:
         self.names = list(served_model_names or [])
         self.tokenizer = None
         self.max_model_len = 0
+        self.max_request_tokens = 0   # prompt + completion the core can hold (max_model_len, or less on a small pool)
+        self.max_token_chars = 1      # the longest token's text: a prompt of n characters has >= n / this tokens
         self.created = int(time.time())
         self.metrics: Metrics | None = None
+        # One thread: tokenizers are not safe to share between threads, and the point is to keep the event
+        # loop free, not to tokenize in parallel.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenize")
 
     async def start(self) -> None:
         """Wait for the core's handshake and load the tokenizer it names (once: the CLI calls this before
@@ -53,6 +70,9 @@ class Frontend:
         self.tokenizer = await self.client.get_tokenizer()
         info = self.client.model_info
         self.max_model_len = info.max_model_len
+        self.max_request_tokens = min(self.max_model_len, self.client.max_request_tokens or self.max_model_len)
+        self.max_token_chars = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, _longest_token_chars, self.tokenizer)
         if not self.names:
             self.names = [info.name or info.model.rstrip("/").rsplit("/", 1)[-1]]
         self.metrics = Metrics(self.names[0])
@@ -73,7 +93,8 @@ class Frontend:
         try:
             await self.client.stats(timeout=STATS_TIMEOUT_S)
         except (LLMServeError, asyncio.TimeoutError) as e:
-            return JSONResponse({"status": "unavailable", "error": str(e) or "the core did not answer"}, 503)
+            return JSONResponse({"status": "unavailable", "error": str(e) or "the core did not answer"}, 503,
+                                headers=_retry_after(503))
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
@@ -91,6 +112,15 @@ class Frontend:
 
     # ---------------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            return await self._generate_or_raise(request, chat)
+        except Exception:
+            # A bug must still answer in JSON and keep the connection usable (uvicorn drops a connection
+            # whose app raised).
+            log.exception("request failed")
+            return self._error(ApiError("internal error", None, status=500, type="server_error"))
+
+    async def _generate_or_raise(self, request: Request, chat: bool) -> Response:
         try:
             req, streams = await self._start(await request.body(), chat)
         except ApiError as e:
@@ -134,9 +164,11 @@ class Frontend:
                 prompts = schemas.completion_prompts(req)
                 max_tokens, param = req.max_tokens, "max_tokens"
             batch = []
+            loop = asyncio.get_running_loop()
             for prompt in prompts:
+                self._check_length_early(prompt, chat)
                 try:
-                    ids = to_token_ids(prompt, lambda: self.tokenizer)
+                    ids = await loop.run_in_executor(self._tokenize_pool, to_token_ids, prompt, self._get_tokenizer)
                 except RequestError:
                     raise
                 except Exception as e:   # a chat template that refuses these messages
@@ -155,6 +187,25 @@ class Frontend:
             raise
         return req, streams
 
+    def _get_tokenizer(self):
+        return self.tokenizer
+
+    def _check_length_early(self, prompt, chat: bool) -> None:
+        """Refuse, before tokenizing, a text prompt whose length in characters proves it cannot fit."""
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif chat:
+            # Only what the template copies verbatim counts: templates may drop earlier assistant reasoning.
+            chars = sum(len(m["content"].strip()) for m in prompt if m["role"] in ("system", "user"))
+        else:
+            return   # token ids: counted exactly below
+        fewest_tokens = chars // (self.max_token_chars * NORMALIZER_SLACK)
+        if fewest_tokens >= self.max_model_len:
+            where = "messages" if chat else "prompt"
+            raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens, but the {where} "
+                           f"has {chars} characters, at least {fewest_tokens} tokens. Shorten the {where}.",
+                           where, code="context_length_exceeded")
+
     def _fit_max_tokens(self, n_prompt: int, max_tokens: int | None, param: str, chat: bool) -> int:
         limit = self.max_model_len
         where = "messages" if chat else "prompt"
@@ -163,8 +214,14 @@ class Frontend:
                            f"{n_prompt} tokens, which leaves no room for a completion. Shorten the {where}.",
                            where, code="context_length_exceeded")
         if max_tokens is None:
-            # OpenAI: chat completions run until the context is full; completions default to 16 tokens.
-            return limit - n_prompt if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, limit - n_prompt)
+            # OpenAI: chat completions run until the context is full (here: until what the KV pool can hold
+            # for one request); completions default to 16 tokens.
+            room = self.max_request_tokens - n_prompt
+            if room < 1:
+                raise ApiError(f"The {where} has {n_prompt} tokens; the server can hold at most "
+                               f"{self.max_request_tokens} tokens for one request, which leaves no room for a "
+                               f"completion. Shorten the {where}.", where, code="context_length_exceeded")
+            return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
         if max_tokens < 1:
             raise ApiError(f"{param} must be at least 1, got {max_tokens}", param)
         if n_prompt + max_tokens > limit:
@@ -265,6 +322,10 @@ class Frontend:
                 "root": self.client.model_info.model, "max_model_len": self.max_model_len}
 
     def _api_error(self, e: LLMServeError, chat: bool) -> ApiError:
+        if isinstance(e, RequestError) and not e.field:
+            # Not the request's fault (PROTOCOL.md §6): the core is draining, or failed to take it.
+            return ApiError(f"the engine cannot take this request now: {e.message}", None, status=503,
+                            type="server_error", code="engine_unavailable")
         if isinstance(e, RequestError):
             return ApiError(e.message, schemas.param_name(e.field, chat) or None)
         if isinstance(e, EngineDeadError):
@@ -275,7 +336,7 @@ class Frontend:
     def _error(self, e: ApiError) -> Response:
         if self.metrics is not None:
             self.metrics.on_error(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=_retry_after(e.status))
 
 
 class _Ctx:
@@ -285,6 +346,16 @@ class _Ctx:
         self.id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}   # legacy completions logprobs: choice -> offset of its next token
+
+
+def _retry_after(status: int) -> dict | None:
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """Characters in the longest token's text (a byte-level vocabulary spells one byte per character, so
+    this bounds the text one token can stand for)."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 def _model_not_found(name: str) -> ApiError:
@@ -326,9 +397,13 @@ class _RequireApiKey:
 
 
 def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
-              api_key: str | None = None) -> Starlette:
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Starlette:
     """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected).
-    With api_key, /v1/* requires it as a bearer token."""
+    With api_key, /v1/* requires it as a bearer token. Bodies over max_body_bytes get 413, bodies not in
+    within body_timeout_s of their head get 408."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key: must not be empty (None serves without a key)")
     fe = Frontend(client, served_model_names)
 
     @contextlib.asynccontextmanager
@@ -350,6 +425,7 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
         Route("/metrics", fe.prometheus, methods=["GET"]),
     ]
     middleware = [Middleware(_RequireApiKey, key=api_key)] if api_key else []
+    middleware.append(Middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
                     middleware=middleware)
     app.state.frontend = fe

@@ -6,6 +6,12 @@
 With --model, every flag this parser does not know is handed to llmserve-core (e.g. --max-model-len 4096
 --enable-prefix-caching); the core checks them and a bad one ends both with exit status 2. The core
 listens on a socket in a fresh private directory unless a --listen is among those flags.
+
+When the core dies: with --endpoint the frontend answers 503 (with Retry-After) and reconnects as soon as a
+core serving the same model answers on the endpoint again (another model ends the frontend with status 1).
+With --model the core is the frontend's own, so the frontend exits with status 1 and leaves restarting
+both to its supervisor (systemd Restart=on-failure, a Kubernetes restart policy): restarting the core
+here would hide a crash loop from the one place that can see it.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+
+from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("llmserve_client.http")
 
@@ -39,11 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients may use in `model`, all listed by /v1/models; the first is the default "
                         "(default: the model dir's name)")
-    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY") or None,
+    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $LLMSERVE_API_KEY; unset: open)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory the core serves)")
     p.add_argument("--connect-timeout", type=float, default=None,
                    help="seconds to wait for the core's handshake (default: 60 with --endpoint, 900 with --model)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted, in bytes; larger ones get 413 unread "
+                        f"(default: {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help=f"seconds a request body may take to arrive after its head; then 408 and the connection "
+                        f"is closed (default: {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                   help=f"seconds a connection may take to send a complete request head, from its opening or the "
+                        f"previous response; then it is closed (default: {DEFAULT_HEAD_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -62,6 +79,13 @@ def parse_args(argv: list[str]):
         parser.error(f"--port: {args.port} is not a port number")
     if args.connect_timeout is not None and not args.connect_timeout > 0:
         parser.error("--connect-timeout: must be > 0")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key: must not be empty (leave the flag and $LLMSERVE_API_KEY unset to serve without a key)")
+    if not 0 < args.max_body_bytes < 2**40:
+        parser.error(f"--max-body-bytes: must be a positive number of bytes, got {args.max_body_bytes}")
+    for flag in ("body_timeout", "header_timeout"):
+        if not 0 < getattr(args, flag) < 86400:
+            parser.error(f"--{flag.replace('_', '-')}: must be > 0 and under a day, got {getattr(args, flag)}")
     if args.served_model_name is None and args.model is not None:
         args.served_model_name = [os.path.basename(os.path.abspath(args.model))]
     return args, core_flags
@@ -117,11 +141,13 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
     from llmserve_client.async_client import AsyncClient
     from llmserve_client.errors import LLMServeError
     from llmserve_client.http.app import build_app
+    from llmserve_client.http.limits import head_timeout_protocol
 
     timeout = args.connect_timeout or (900.0 if core is not None else 60.0)
     client = AsyncClient(endpoint, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
     try:
-        app = build_app(client, args.served_model_name, api_key=args.api_key)
+        app = build_app(client, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        body_timeout_s=args.body_timeout)
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)
@@ -138,24 +164,32 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
             log.error("cannot reach llmserve-core at %s: %s", endpoint, e)
             return 1
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=CORE_STOP_TIMEOUT_S)
+                                timeout_graceful_shutdown=CORE_STOP_TIMEOUT_S,
+                                http=head_timeout_protocol(args.header_timeout))
         server = uvicorn.Server(config)
-        watcher = asyncio.ensure_future(_watch_core(core, server)) if core is not None else None
+        failed: list[str] = []
+        watcher = asyncio.ensure_future(_watch_core(core, client, server, failed))
         await server.serve()
-        if watcher is not None:
-            watcher.cancel()
+        watcher.cancel()
         if not server.started:
             return 1
-        return 1 if core is not None and core.poll() not in (None, 0) and not stopping else 0
+        return 1 if failed else 0
     finally:
         await client.close()
 
 
-async def _watch_core(core: subprocess.Popen, server) -> None:
-    """The core is ours: when it exits on its own, so does the frontend."""
-    while core.poll() is None:
-        await asyncio.sleep(0.5)
-    log.error("llmserve-core exited with status %d; shutting down", core.returncode)
+async def _watch_core(core: subprocess.Popen | None, client, server, failed: list[str]) -> None:
+    """End the frontend when it can never serve again: its own core exited (a supervisor restarts us both),
+    or the core on the endpoint came back with another model."""
+    while True:
+        if core is not None and core.poll() is not None:
+            failed.append(f"llmserve-core exited with status {core.returncode}")
+            break
+        if client.gone_for_good is not None:
+            failed.append(str(client.gone_for_good))
+            break
+        await asyncio.sleep(0.2)
+    log.error("%s; shutting down", failed[0])
     server.should_exit = True
 
 

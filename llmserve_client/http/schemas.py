@@ -86,6 +86,8 @@ def decode(body: bytes, kind: type[_Request]) -> _Request:
         raise ApiError(f"invalid request: {e}", _param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError("the request body nests JSON too deeply") from None
 
 
 def _param_of(message: str) -> str | None:

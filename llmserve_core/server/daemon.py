@@ -74,11 +74,18 @@ def model_info_of(engine) -> ModelInfo:
                      tokenizer=os.path.abspath(cfg.tokenizer) if cfg.tokenizer else None)
 
 
+def max_request_tokens(engine, max_model_len: int) -> int:
+    """Prompt + max_tokens one request may ask for: max_model_len, unless the whole KV pool holds less."""
+    bm = engine.block_manager
+    return min(max_model_len, bm.num_blocks * bm.block_size - engine.lookahead)
+
+
 def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
     """Serve `engine` at `endpoint` until SIGTERM/SIGINT; returns the exit code."""
     info = model_info_of(engine)
     welcome = Welcome(protocol_version=PROTOCOL_VERSION, model_info=info, heartbeat_interval_s=cfg.heartbeat_interval,
-                      client_timeout_s=cfg.client_timeout, core_pid=os.getpid(), max_request_tokens=info.max_model_len)
+                      client_timeout_s=cfg.client_timeout, core_pid=os.getpid(),
+                      max_request_tokens=max_request_tokens(engine, info.max_model_len))
     ctx = zmq.Context()
     in_q: queue.SimpleQueue = queue.SimpleQueue()
     out_q: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,0 +1,129 @@
+"""What an HTTP peer may cost the frontend: a bounded body, read within a deadline, and a request head that
+arrives in time.
+
+uvicorn reads a body only as fast as the app asks for it (it pauses the socket past 64 KiB), so a body is
+never buffered beyond what BodyLimit has accepted. uvicorn's own keep-alive timer runs only between
+requests and stops at the first byte of the next one, and a connection that never sends a byte has no
+timer at all: HeadTimeoutH11Protocol closes any connection whose request head is not complete in time.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+
+
+def _error_body(message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+
+
+async def _reply_and_close(send, status: int, message: str, code: str) -> None:
+    # Connection: close, because the rest of the body is never read: the connection cannot carry another
+    # request, and closing it frees its file descriptor now.
+    body = _error_body(message, code)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: read each request body up front, at most max_bytes (413 past it, decided from
+    Content-Length when there is one) and within timeout_s of the head (408 otherwise). The app then gets
+    the whole body in one message, and later receive() calls (disconnect watching) go to the server."""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES, timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await _reply_and_close(send, 408, f"the request body did not arrive within "
+                                                         f"{self.timeout_s:g} s", "request_timeout")
+            if message["type"] == "http.disconnect":
+                return   # nobody is left to answer
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                return await self._too_large(send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return whole
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        await _reply_and_close(send, 413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                               "request_too_large")
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request head is incomplete head_timeout seconds
+    after it opened or after the previous response ended."""
+
+    head_timeout: float = DEFAULT_HEAD_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = None
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:   # the head is in: the body has BodyLimit's deadline
+            self._cancel_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        if not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if not busy and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """The protocol class to hand uvicorn.Config(http=...)."""
+    return type("HeadTimeoutH11", (HeadTimeoutH11Protocol,), {"head_timeout": seconds})
