@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import llmserve_core.kernels  # noqa: E402,F401  (interpreter on CPU for --smoke)
-from llmserve_core.kernels.paged_decode import (DecodeScratch, choose_num_splits, paged_decode,  # noqa: E402
-                                                paged_decode_reference)
-from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference  # noqa: E402
+from llmserve_core.kernels.attention_reference import paged_attention_reference  # noqa: E402
+from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode  # noqa: E402
+from llmserve_core.kernels.paged_prefill import paged_prefill  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference  # noqa: E402
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
@@ -158,14 +158,14 @@ class Bench:
         out = torch.full_like(q, float("nan"))
         scratch = DecodeScratch()
         check = min(batch, 8)
-        ref = paged_decode_reference(q[:check], kc, vc, tables[0][:check], lens[:check], self.scale)
+        ref = paged_attention_reference(q[:check], kc, vc, lens[:check], tables[0][:check], self.scale)
         shape = dict(kind="decode", batch=batch, ctx=ctx, block_size=block_size, kv_bytes=kv_bytes,
                      kv_copies=copies)
         n_launch = max(copies, 4 if kv_bytes > ROTATE_BYTES else 8)
 
         variants = [{}] + list(sweep)
         last = tables[(n_launch - 1) % copies]
-        ref_last = paged_decode_reference(q[:check], kc, vc, last[:check], lens[:check], self.scale)
+        ref_last = paged_attention_reference(q[:check], kc, vc, lens[:check], last[:check], self.scale)
         for var in variants:
             splits = var.get("num_splits") or choose_num_splits(batch, self.KVH)
             try:
@@ -211,7 +211,7 @@ class Bench:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         maxq = max(query_lens)
         out = torch.full_like(q, float("nan"))
-        ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, self.scale)
+        ref = paged_attention_reference(q, kc, vc, lens, bt, self.scale, query_start_loc=qsl)
         pairs = sum(ql * c + ql * (ql + 1) // 2 for ql, c in zip(query_lens, ctx_lens))
         flops = 4 * self.H * self.D * pairs
         shape = dict(kind=name, batch=len(query_lens), query_len=maxq, ctx=max(ctx_lens), block_size=block_size,
@@ -291,7 +291,7 @@ class Bench:
             kc, vc, tables = self.paged_kv([ctx] * batch, 16, 1)
             lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=self.device)
             q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
-            us = self.wall_us(lambda: paged_decode_reference(q, kc, vc, tables[0], lens, self.scale))
+            us = self.wall_us(lambda: paged_attention_reference(q, kc, vc, lens, tables[0], self.scale))
             kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
             self.add(kind="decode", batch=batch, ctx=ctx, block_size=16, impl="torch reference", us=us,
                      tbps=kv_bytes / us / 1e6, method="wall")
@@ -300,7 +300,8 @@ class Bench:
         q = torch.randn(ql, self.H, self.D, device=self.device, dtype=self.dtype)
         qsl = torch.tensor([0, ql], dtype=torch.int32, device=self.device)
         lens = torch.tensor([ql], dtype=torch.int32, device=self.device)
-        us = self.wall_us(lambda: paged_prefill_reference(q, kc, vc, qsl, lens, tables[0], self.scale))
+        us = self.wall_us(lambda: paged_attention_reference(q, kc, vc, lens, tables[0], self.scale,
+                                                            query_start_loc=qsl))
         flops = 4 * self.H * self.D * ql * (ql + 1) // 2
         self.add(kind="prefill", batch=1, query_len=ql, ctx=0, block_size=16, impl="torch reference", us=us,
                  tflops=flops / us / 1e6, method="wall")

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.engine.batch import ForwardBatch
-from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_reference
-from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
+from llmserve_core.kernels.attention_reference import paged_attention_reference
+from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
+from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
 from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
+from llmserve_core.layers.batch import ForwardBatch
 from batch_helpers import allocate_tables, make_batch
 
 CUDA = torch.cuda.is_available()
@@ -81,7 +82,7 @@ def test_paged_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, n
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, 0.3, out=out, num_splits=num_splits)
-    ref = paged_decode_reference(q, kc, vc, bt, lens, 0.3)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -132,7 +133,7 @@ def test_paged_prefill(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, 
                                                block_size, torch.float32, DEVICE, sum(query_lens) + head_dim)
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 0.25, out=out)
-    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -142,9 +143,9 @@ def test_paged_prefill_tree_mask(query_lens, ctx_lens, block_size):
                                                   DEVICE, 7 + block_size, tree=True)
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 0.25, tree_mask=tree, out=out)
-    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25, tree_mask=tree)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl, tree_mask=tree)
     assert rel_err(out, ref) < 1e-5
-    causal = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25)
+    causal = paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl)
     assert rel_err(out, causal) > 1e-3, "the tree mask must change the result"
 
 
@@ -279,7 +280,7 @@ def test_gpu_paged_decode(batch, ctx, block_size, num_heads, num_kv_heads):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, out=out)
-    assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
+    assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -292,7 +293,7 @@ def test_gpu_paged_prefill(query_lens, ctx_lens, block_size):
                                                "cuda", block_size)
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 128 ** -0.5, out=out)
-    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5)) < 1e-2
+    assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5, query_start_loc=qsl)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -301,7 +302,8 @@ def test_gpu_paged_prefill_tree_mask():
     q, kc, vc, bt, qsl, lens, tree = prefill_case([16, 25, 60], [500, 3000, 7], 32, 8, 128, 16, torch.bfloat16,
                                                   "cuda", 1, tree=True)
     out = paged_prefill(q, kc, vc, qsl, lens, bt, 60, 128 ** -0.5, tree_mask=tree)
-    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5, tree_mask=tree)) < 1e-2
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5, query_start_loc=qsl, tree_mask=tree)
+    assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -346,7 +348,7 @@ def test_gpu_triton_backend_bf16_and_decode_graph():
         q.copy_(torch.randn(4, 32, 128, generator=gen).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
+        assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.spec_graphs import FixedRowsGraphs

@@ -216,20 +216,3 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
-
-
-def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-    """Float32 attention of each sequence's single query over its whole cached context."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            out[b] = 0
-            continue
-        blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
-        probs = torch.softmax(torch.einsum("hd,shd->hs", q[b].float(), k) * scale, dim=-1)
-        out[b] = torch.einsum("hs,shd->hd", probs, v).to(q.dtype)
-    return out

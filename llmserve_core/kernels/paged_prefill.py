@@ -148,27 +148,3 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
-
-
-def paged_prefill_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                            tree_mask=None) -> torch.Tensor:
-    """Float32 softmax attention per sequence: causal, prefix fully visible, tree mask among own tokens."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.zeros_like(q)
-    qsl = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        start, q_len = qsl[b], qsl[b + 1] - qsl[b]
-        if q_len == 0:
-            continue
-        blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len].float().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,shd->hqs", q[start:start + q_len].float(), k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        if tree_mask is not None:
-            allowed[:, seq_len - q_len:] = tree_mask[start:start + q_len, :q_len]
-        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
-        out[start:start + q_len] = torch.einsum("hqs,shd->qhd", probs, v).to(q.dtype)
-    return out

@@ -8,8 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.layers.attention.base import store_kv_reference  # noqa: F401  (the reference)
-
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -45,3 +43,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
     )
+
+
+def store_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write each token's K/V into its cache slot; slot -1 marks a token that must not be stored."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)

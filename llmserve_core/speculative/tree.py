@@ -81,9 +81,6 @@ class CandidateTree:
                 j = self.parents[j]
         return mask.to(device)
 
-    def position_offsets(self, device=None) -> torch.Tensor:
-        return torch.tensor(self.depths, dtype=torch.long, device=device)
-
     def children_table(self, device=None) -> torch.Tensor:
         """[N, max_children] node ids ordered by rank, padded with -1."""
         width = max(1, max(len(c) for c in self.children))

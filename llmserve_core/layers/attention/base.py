@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):
@@ -27,13 +27,3 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:          # [T, num_heads, head_dim]
         ...
-
-
-def store_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write each token's K/V into its cache slot; slot -1 marks a token that must not be stored."""
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
