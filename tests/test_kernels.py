@@ -16,6 +16,7 @@ from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
 from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
+from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decode_config, prefill_config
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
@@ -366,3 +367,43 @@ def test_gpu_flash_attn_backend_matches_torch(block_size):
     for ref, got in zip(*outs):
         assert rel_err(got, ref) < 1e-2
     assert torch.equal(caches[0][0], caches[1][0])
+
+
+# ---------------------------------------------------------------- tile configs from the shared memory
+
+H200_SMEM = 232448
+
+
+def test_float32_head_128_prefill_no_longer_asks_for_more_than_the_h200_has():
+    bf16 = prefill_config(128, 2, short=False, smem_limit=H200_SMEM)
+    assert bf16 == TileConfig(128, 128, 8, 2)                       # the measured best stays
+    # The config the H200 refused: 2 stages of 128 x 128 float32 K and V tiles are 262,144 bytes alone.
+    assert attention_smem_bytes(TileConfig(128, 128, 8, 2), 128, 4) >= 262144
+    fp32 = prefill_config(128, 4, short=False, smem_limit=H200_SMEM)
+    assert fp32 != bf16 and attention_smem_bytes(fp32, 128, 4) <= H200_SMEM
+    for block_d in (64, 128, 256):
+        for elem in (2, 4):
+            for short in (True, False):
+                cfg = prefill_config(block_d, elem, short, H200_SMEM)
+                assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
+            cfg = decode_config(16, 64, block_d, elem, H200_SMEM)
+            assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
+
+
+def test_configs_fall_back_to_fewer_stages_then_narrower_tiles():
+    cfg = decode_config(16, 64, 256, 4, H200_SMEM)                  # float32, head_dim 256
+    assert (cfg.block_n, cfg.num_stages) == (64, 1)
+    small = 20_000
+    cfg = prefill_config(64, 4, short=True, smem_limit=small)
+    assert attention_smem_bytes(cfg, 64, 4) <= small and cfg.num_stages == 1 and cfg.block_n < 32
+    with pytest.raises(ValueError, match="does not fit"):
+        prefill_config(256, 4, short=True, smem_limit=1024)
+
+
+def test_prefill_is_exact_with_a_config_chosen_under_a_tiny_smem_limit():
+    """The tiles a small limit picks still compute the same attention (run here in the interpreter)."""
+    cfg = prefill_config(16, 4, short=True, smem_limit=9_000)
+    assert cfg.block_n == 16 and cfg.block_m >= 16
+    q, kc, vc, bt, qsl, lens, _ = prefill_case([19, 3], [5, 30], 4, 2, 16, 8, torch.float32, DEVICE, 3)
+    out = paged_prefill(q, kc, vc, qsl, lens, bt, 19, 0.25, block_m=cfg.block_m, block_n=cfg.block_n)
+    assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl)) < 1e-5

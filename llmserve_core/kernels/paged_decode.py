@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.tiling import decode_config, smem_limit_for
+
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
 MAX_SPLITS = 128
 
@@ -196,6 +198,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits = choose_num_splits(batch, num_kv_heads)
     if block_n is None:
         block_n = choose_block_n(num_splits) if q.is_cuda else 16
+    block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
+    if q.is_cuda:
+        # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
+        cfg = decode_config(block_g, block_n, triton.next_power_of_2(head_dim), q.element_size(),
+                            smem_limit_for(q), num_warps, num_stages)
+        block_n, num_warps, num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
     scratch = scratch or _default_scratch
     mid_o, mid_lse = scratch.get(tokens * num_heads * num_splits, head_dim, q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -203,7 +211,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
-        num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=max(16, triton.next_power_of_2(rows_per_seq * group)),
+        num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SINGLE=num_splits == 1, MIN_SPLIT=block_n, HAS_TREE=tree_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.tiling import prefill_config, smem_limit_for
+
 
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr,
@@ -119,14 +121,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     if q.is_cuda:
-        # Measured on the H200 at head_dim 128 (benchmarks/results/kernels_h200_run1.md): 128 x 128 tiles,
-        # 8 warps, 2 stages beat 128 x 64 / 3 stages by 19% on a long extend and tie 64 x 64 on 8 x 512.
-        # Short queries (tree verify, small chunks) keep 64-row tiles so few rows are padding.
         short = tree_mask is not None or max_query_len <= 64
-        block_m = block_m or (64 if short else 128)
-        block_n = block_n or (64 if short else 128)
-        num_warps = num_warps or (4 if short else 8)
-        num_stages = num_stages or (3 if short else 2)
+        cfg = prefill_config(triton.next_power_of_2(head_dim), q.element_size(), short, smem_limit_for(q))
+        block_m, block_n = block_m or cfg.block_m, block_n or cfg.block_n
+        num_warps, num_stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     else:
         block_m, block_n, num_warps, num_stages = block_m or 16, block_n or 16, 4, 1
     if tree_mask is not None:
