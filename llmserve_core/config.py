@@ -28,7 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     # Model runner.
-    attention_backend: str = "auto"       # auto | torch | triton | flash-attn
+    attention_backend: str = "auto"       # auto | torch | triton | triton-fa4 | flash-attn
     enforce_eager: bool = False           # no CUDA graphs
     async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
     # EAGLE-3 speculative decoding.
