@@ -8,7 +8,9 @@ Measures, each as a ratio taken in this same run:
      GEMMs, attention, the rest and idle (torch profiler, kernel intervals);
   4. closed-loop output throughput over IPC (llmserve-core + llmserve-bench) at several concurrencies;
   5. the same workloads through transformers' generate and its continuous-batching generate_batch;
-  6. ITL p99 for an 80% 128/128 + 20% 4096/128 mix with chunked prefill on and off.
+  6. ITL p99 for an 80% 128/128 + 20% 4096/128 mix with chunked prefill on and off;
+and, for every timed run, how many kernels the engine JIT-compiled inside it (the stats key
+jit_compilations): any at all fails the run (exit status 1), since the start-up warm-up should leave none.
 Usage: python benchmarks/h200_e2e.py --out DIR [--quick] [--skip SECTION ...]
 """
 from __future__ import annotations
@@ -84,6 +86,7 @@ def batch1_decode(args, model_dir):
         for ctx in (512, 4096 - 300):
             engine.add_request(f"r{ctx}", list(range(1000, 1000 + ctx)), SamplingParams(max_tokens=200, ignore_eos=True))
             engine.step()                              # prefill
+            jit0 = engine.stats()["jit_compilations"]
             times = []
             while engine.has_unfinished():
                 t0 = time.perf_counter()
@@ -94,7 +97,8 @@ def batch1_decode(args, model_dir):
             # The mean context over the 200 decoded tokens.
             floor = decode_floor(QWEN3_8B_CONFIG, [ctx + 100], bw, peak)
             out[f"{backend}_ctx{ctx}"] = {"ms_per_token": per_tok * 1e3, "floor_ms": floor.ms,
-                                          "fraction_of_floor": floor.ms / (per_tok * 1e3)}
+                                          "fraction_of_floor": floor.ms / (per_tok * 1e3),
+                                          "jit_compilations": engine.stats()["jit_compilations"] - jit0}
         del engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -141,6 +145,7 @@ def decode_steps(args, model_dir):
         while sum(contexts()) / batch < 630:
             engine.step()
         steps, floors, times = 20, [], []
+        jit0 = engine.stats()["jit_compilations"]
         for _ in range(steps):
             floors.append(decode_floor(QWEN3_8B_CONFIG, contexts(), bw, peak).ms)
             t0 = time.perf_counter()
@@ -162,6 +167,7 @@ def decode_steps(args, model_dir):
         floor = sum(floors) / steps
         out[f"b{batch}"] = {"mean_context": sum(contexts()) / batch, "ms_per_step": ms, "floor_ms": floor,
                             "fraction_of_floor": floor / ms, "idle_fraction": 1 - busy / span,
+                            "jit_compilations": engine.stats()["jit_compilations"] - jit0,
                             **{f"{c}_fraction": v for c, v in split.items()}}
         del engine
         gc.collect()
@@ -187,6 +193,7 @@ def inprocess_closed_loop(args, model_dir):
         for _ in range(conc):
             add()
         warm, secs = (3.0, 6.0) if args.quick else (5.0, 15.0)
+        jit0 = engine.stats()["jit_compilations"]
         t0 = time.perf_counter()
         tokens = 0
         while True:
@@ -203,7 +210,8 @@ def inprocess_closed_loop(args, model_dir):
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
-        out[f"c{conc}"] = {"output_throughput": tokens / secs}
+        out[f"c{conc}"] = {"output_throughput": tokens / secs,
+                           "jit_compilations": engine.stats()["jit_compilations"] - jit0}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -231,11 +239,15 @@ def bench(endpoint, argv, out_json):
     with open(out_json) as f:
         d = json.load(f)
     # Closed loops report the steady-state window beside the whole run; finite runs have only the latter.
-    return d.get("steady_state") or d["summary"]
+    out = dict(d.get("steady_state") or d["summary"])
+    # Kernels the core compiled over the whole run, warm-up window included: the warm-up at start-up
+    # should leave none to compile here.
+    out["jit_compilations"] = d["summary"].get("core_jit_compilations")
+    return out
 
 
 KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-        "median_itl_ms", "p99_itl_ms", "completed", "window_requests", "core_mean_batch_size")
+        "median_itl_ms", "p99_itl_ms", "completed", "window_requests", "core_mean_batch_size", "jit_compilations")
 
 
 def pick(summary):
@@ -322,6 +334,16 @@ def transformers_peer(args, model_dir):
     return out
 
 
+def jit_growth() -> dict:
+    """Kernels compiled inside each timed run (None where the core did not report the count)."""
+    out = {}
+    for name in ("batch1_decode", "decode_steps", "inprocess_closed_loop", "closed_loop_ipc", "chunked_prefill_mix"):
+        for k, v in RESULTS.get(name, {}).items():
+            if isinstance(v, dict) and "jit_compilations" in v:
+                out[f"{name}.{k}"] = v["jit_compilations"]
+    return out
+
+
 def summarize():
     rows = []
     bw = RESULTS.get("copy_bandwidth", {})
@@ -363,6 +385,10 @@ def summarize():
     for k in ("chunked", "whole_prompt"):
         if isinstance(mix.get(k), dict):
             rows.append((f"mix ITL p99 {k}", f"{mix[k].get('p99_itl_ms', float('nan')):.1f} ms"))
+    growth = jit_growth()
+    RESULTS["jit_compilations_in_timed_runs"] = growth
+    grown = {k: v for k, v in growth.items() if v}
+    rows.append(("kernels compiled inside timed runs", "none" if not grown else f"FAIL: {grown}"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"| {a.ljust(width)} | {b} |" for a, b in rows)
 
@@ -398,6 +424,9 @@ def main():
     with open(os.path.join(args.out, "h200_e2e.md"), "w") as f:
         f.write(table + "\n")
     print(table)
+    # Nothing may compile after start-up: a timed run that compiled a kernel fails the benchmark.
+    if any(RESULTS["jit_compilations_in_timed_runs"].values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -502,6 +502,11 @@ class EagleExecutor:
         )
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        self.phases.collect()
+        self.metrics = SpecMetrics()
+        self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
+
     def stats(self) -> dict:
         """Scalar spec_* counters and rates (the protocol's stats carry scalars only)."""
         self.phases.collect()

@@ -14,6 +14,8 @@ from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, draft_
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler
+from llmserve_core.engine.warmup import warm_up
+from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
 from llmserve_proto import SamplingParams, ValidationError
 
@@ -86,10 +88,19 @@ class Engine:
                                  else self.runner.device.type == "cuda")
         if self.spec is not None:
             self.async_scheduling = False    # a step's drafts need the previous step's accepted tokens
+        self.reset_counters()
+        self.warmup_report = warm_up(self) if config.resolved_warmup() else None
+
+    def reset_counters(self) -> None:
+        """Zero every counter stats() reports (after the warm-up, which must not show in them)."""
         self.num_steps = 0
         self.num_tokens_scheduled = 0            # in the last step
         self.total_prompt_tokens = 0
         self.total_generated_tokens = 0
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+        if self.spec is not None:
+            self.spec.reset_metrics()
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -312,5 +323,6 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
+            "jit_compilations": jit_compilations(),
             **(self.spec.stats() if self.spec is not None else {}),
         }

@@ -35,3 +35,7 @@ def _fix_interpreter_scalar_index() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
+
+from llmserve_core.kernels import jit_count  # noqa: E402  (after the interpreter choice above)
+
+jit_count.install()

@@ -25,7 +25,9 @@ NUM_SMS = 132            # H200; only used to size the grid, correctness never d
 MAX_SPLITS = 128
 
 
-@triton.jit
+# The split count, block-table width and tree width vary with the batch; none is worth a compiled variant
+# per value class (Triton specializes ints that are 1 or divisible by 16), so one variant serves them all.
+@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                          sm_scale_log2,
                          stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
@@ -105,7 +107,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, 
         tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)

@@ -15,7 +15,10 @@ import triton.language as tl
 from llmserve_core.kernels.tiling import prefill_config, smem_limit_for
 
 
-@triton.jit
+# Triton compiles a variant per int argument that is 1 or divisible by 16. These vary with each step's
+# shape (tile count, block-table width, tree width) but do not touch the inner loop: one variant serves all,
+# so nothing compiles after start-up whatever the lengths.
+@triton.jit(do_not_specialize=["num_m_tiles", "stride_bt", "stride_tree"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr,
                     sm_scale_log2, num_m_tiles,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
