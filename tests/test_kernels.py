@@ -420,7 +420,7 @@ def test_fa4_predicate_takes_prefill_and_extend_only():
     assert use_fa4(torch.bfloat16, 128, prefill, capturing=False)
     assert use_fa4(torch.float16, 64, prefill, capturing=False)
     assert not use_fa4(torch.float32, 128, prefill, capturing=False)          # FA4 builds no float32
-    assert not use_fa4(torch.bfloat16, 320, prefill, capturing=False)         # nor heads over 256
+    assert not use_fa4(torch.bfloat16, 256, prefill, capturing=False)         # nor heads over 128
     assert not use_fa4(torch.bfloat16, 100, prefill, capturing=False)         # nor ones not a multiple of 8
     assert not use_fa4(torch.bfloat16, 128, prefill, capturing=True)          # graphs keep the Triton path
     assert not use_fa4(torch.bfloat16, 128, decode, capturing=False)          # decode: split-KV Triton wins

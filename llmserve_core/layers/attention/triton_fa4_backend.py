@@ -11,7 +11,8 @@ FA4; everything else takes the Triton path, so this backend does whatever the Tr
   FA4's 128-row tiles are mostly padding; benchmarks/kernels_bench.py times both at verify shapes;
 - anything being captured into a CUDA graph stays on Triton, whose launches read every length from
   device tensors (the verify graphs);
-- float32, and head sizes FA4 does not build (over 256 or not a multiple of 8), stay on Triton.
+- float32, and head sizes FA4's SM90 forward does not cover (over 128, or not a multiple of 8), stay on
+  Triton.
 
 FA4 reads whole pages, so cache rows past a sequence's length must be finite (the runner zero-fills
 the cache). Pages of any size work (16 takes FA4's non-TMA paged path, 128 its TMA path).
@@ -28,11 +29,12 @@ from llmserve_core.layers.batch import ForwardBatch
 FA4_MIN_QUERY_LEN = 16
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_ARCHS = (9, 10, 11)
+FA4_MAX_HEAD_DIM = 128     # the head sizes its SM90 forward is built and tuned for: 64, 96, 128
 
 
 def use_fa4(dtype: torch.dtype, head_dim: int, batch: ForwardBatch, capturing: bool) -> bool:
     """The one predicate that sends a step's attention to FlashAttention-4 instead of Triton."""
-    return (dtype in FA4_DTYPES and head_dim <= 256 and head_dim % 8 == 0 and batch.tree_mask is None
+    return (dtype in FA4_DTYPES and head_dim <= FA4_MAX_HEAD_DIM and head_dim % 8 == 0 and batch.tree_mask is None
             and batch.max_query_len >= FA4_MIN_QUERY_LEN and not capturing)
 
 
