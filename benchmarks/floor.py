@@ -114,33 +114,21 @@ def decode_floor(cfg: dict, contexts, bandwidth: float, peak_flops: float, dtype
     return step_floor(cfg, StepShape(decode_contexts=tuple(contexts)), bandwidth, peak_flops, dtype_bytes)
 
 
-# ---- the two rates, measured on the card (CUDA) ---------------------------------------------------
+# ---- the two rates, measured on the card (CUDA), as medians of many timed repeats -----------------
 
-def _time_cuda(fn, reps: int) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-def measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+def measure_copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy rate in bytes/s, counting the read and the write."""
     import torch
+    from triton.testing import do_bench
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    return 2 * nbytes / _time_cuda(lambda: y.copy_(x), reps)
+    return 2 * nbytes / (do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median") / 1e3)
 
 
-def measure_bf16_peak(n: int = 8192, reps: int = 20) -> float:
+def measure_bf16_peak(n: int = 8192) -> float:
     """Dense bf16 matmul rate in FLOP/s at a square shape large enough to saturate the card."""
     import torch
+    from triton.testing import do_bench
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    return 2 * n ** 3 / _time_cuda(lambda: a @ b, reps)
+    return 2 * n ** 3 / (do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e3)
