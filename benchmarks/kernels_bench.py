@@ -8,7 +8,7 @@ when `flash_attn.cute` imports. Writes results.json and results.md to the output
     python3 benchmarks/kernels_bench.py OUT_DIR [--budget-s 240] [--smoke] [--prefill-only]
 
 The prefill / extend table also says which kernel --attention-backend auto (triton-fa4) runs at each shape
-and its speed relative to FA4 (the target: 0.8 or more); the verify rows set FA4_MIN_QUERY_LEN.
+and its speed relative to FA4 (the target: 0.8 or more); the short-extend rows set FA4_MIN_QUERY_LEN.
 """
 from __future__ import annotations
 
@@ -352,7 +352,8 @@ def engine_takes_fa4(max_query_len: int) -> bool:
     from types import SimpleNamespace
 
     from llmserve_core.layers.attention.triton_fa4_backend import use_fa4
-    return use_fa4(torch.bfloat16, 128, SimpleNamespace(tree_mask=None, max_query_len=max_query_len), False)
+    batch = SimpleNamespace(tree_mask=None, uniform_query_len=0, max_query_len=max_query_len)
+    return use_fa4(torch.bfloat16, 128, batch, False)
 
 
 # ---------------------------------------------------------------- checks
@@ -441,7 +442,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     ap.add_argument("--commit", default="", help="git commit the numbers belong to")
     ap.add_argument("--prefill-only", action="store_true",
-                    help="only prefill / extend / verify shapes, Triton against FA4 (skips decode and small ops)")
+                    help="only prefill / extend shapes, Triton against FA4 (skips decode and small ops)")
     args = ap.parse_args()
     b = Bench(args.out_dir, args.budget_s, args.smoke)
     b.meta["commit"] = args.commit
@@ -492,11 +493,11 @@ def main():
         step("extend 4x1024+1024 p128", b.prefill, "extend", [1024] * 4, [1024] * 4, 128, True)
         step("prefill 8x512 p16", b.prefill, "prefill", [512] * 8, [0] * 8, 16, True)
         step("extend 4x1024+2048 p16", b.prefill, "extend", [1024] * 4, [2048] * 4, 16, True)
-        # Speculative verify (gamma + 1 rows per sequence over the context) and the FA4 threshold's edge:
-        # which kernel is faster decides FA4_MIN_QUERY_LEN in triton_fa4_backend.py.
+        # Short extends (a few new rows per sequence over a context; a speculative verify instead takes the
+        # decode kernel's rows path): which kernel is faster decides FA4_MIN_QUERY_LEN in triton_fa4_backend.py.
         for batch in (1, 8, 64):
             for ql in (4, 8, 16, 32):
-                step(f"verify {batch}x{ql}+640 p16", b.prefill, "extend", [ql] * batch, [640] * batch, 16, True)
+                step(f"short extend {batch}x{ql}+640 p16", b.prefill, "extend", [ql] * batch, [640] * batch, 16, True)
         if args.prefill_only:
             b.meta["wall_s"] = time.time() - t_start
             return finish(b, args)

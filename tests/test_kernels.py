@@ -416,7 +416,9 @@ def test_fa4_predicate_takes_prefill_and_extend_only():
     tables, _ = allocate_tables([64, 64], 16)
     prefill = make_batch([(0, 40), (10, FA4_MIN_QUERY_LEN)], tables, 16)
     decode = make_batch([(30, 1), (12, 1)], tables, 16)
-    verify = make_batch([(30, 4), (12, 4)], tables, 16)
+    short = make_batch([(30, 4), (12, 4)], tables, 16)
+    verify = make_batch([(30, 16), (12, 16)], tables, 16)
+    verify.uniform_query_len = 16
     assert use_fa4(torch.bfloat16, 128, prefill, capturing=False)
     assert use_fa4(torch.float16, 64, prefill, capturing=False)
     assert not use_fa4(torch.float32, 128, prefill, capturing=False)          # FA4 builds no float32
@@ -424,7 +426,8 @@ def test_fa4_predicate_takes_prefill_and_extend_only():
     assert not use_fa4(torch.bfloat16, 100, prefill, capturing=False)         # nor ones not a multiple of 8
     assert not use_fa4(torch.bfloat16, 128, prefill, capturing=True)          # graphs keep the Triton path
     assert not use_fa4(torch.bfloat16, 128, decode, capturing=False)          # decode: split-KV Triton wins
-    assert not use_fa4(torch.bfloat16, 128, verify, capturing=False)          # short verify rows
+    assert not use_fa4(torch.bfloat16, 128, short, capturing=False)           # a few rows: mostly padding
+    assert not use_fa4(torch.bfloat16, 128, verify, capturing=False)          # verify: Triton's decode rows
     prefill.tree_mask = torch.ones(prefill.num_tokens, 40, dtype=torch.bool)
     assert not use_fa4(torch.bfloat16, 128, prefill, capturing=False)         # tree masks need Triton
 

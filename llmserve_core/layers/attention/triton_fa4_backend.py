@@ -7,8 +7,10 @@ FA4; everything else takes the Triton path, so this backend does whatever the Tr
 
 - decode steps (one query row per sequence, the CUDA-graph case) stay on Triton;
 - a speculative tree mask needs the Triton kernel (FA4's varlen interface takes none);
-- short query rows (chain verify: gamma + 1 per sequence) stay on Triton below FA4_MIN_QUERY_LEN, where
-  FA4's 128-row tiles are mostly padding; benchmarks/kernels_bench.py times both at verify shapes;
+- a speculative verify or draft catch-up (the same few rows for every sequence, `uniform_query_len`)
+  takes Triton's decode kernel over those rows, which reads the KV once per sequence;
+- other short query rows stay on Triton below FA4_MIN_QUERY_LEN, where FA4's 128-row tiles are mostly
+  padding; benchmarks/kernels_bench.py times both at such shapes;
 - anything being captured into a CUDA graph stays on Triton, whose launches read every length from
   device tensors (the verify graphs);
 - float32, and head sizes FA4's SM90 forward does not cover (over 128, or not a multiple of 8), stay on
@@ -35,7 +37,7 @@ FA4_MAX_HEAD_DIM = 128     # the head sizes its SM90 forward is built and tuned 
 def use_fa4(dtype: torch.dtype, head_dim: int, batch: ForwardBatch, capturing: bool) -> bool:
     """The one predicate that sends a step's attention to FlashAttention-4 instead of Triton."""
     return (dtype in FA4_DTYPES and head_dim <= FA4_MAX_HEAD_DIM and head_dim % 8 == 0 and batch.tree_mask is None
-            and batch.max_query_len >= FA4_MIN_QUERY_LEN and not capturing)
+            and not batch.uniform_query_len and batch.max_query_len >= FA4_MIN_QUERY_LEN and not capturing)
 
 
 class TritonFA4Backend:
