@@ -25,7 +25,6 @@ import msgspec
 import torch
 
 from llmserve_core.kernels.jit_count import jit_compilations
-from llmserve_core.kernels.paged_decode import choose_num_splits
 from llmserve_proto import SamplingParams
 
 log = logging.getLogger("llmserve.warmup")
@@ -62,6 +61,10 @@ def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
 
 def decode_sizes(max_num_seqs: int, buckets: list[int], num_kv_heads: int) -> list[int]:
     sizes = set(range(1, min(16, max_num_seqs) + 1)) | {b for b in buckets if b <= max_num_seqs} | {max_num_seqs}
+    try:
+        from llmserve_core.kernels.paged_decode import choose_num_splits
+    except ImportError:                           # no Triton: no split-KV decode kernel to warm
+        return sorted(sizes)
     seen = set()
     for n in range(1, max_num_seqs + 1):          # the first batch size of every split count
         splits = choose_num_splits(n, num_kv_heads)
