@@ -31,9 +31,11 @@ class EngineConfig:
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     # Model runner.
-    attention_backend: str = "auto"       # auto | torch | triton | flash-attn
+    attention_backend: str = "auto"       # auto | torch | triton | triton-fa4 | flash-attn
     enforce_eager: bool = False           # no CUDA graphs
     async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
+    warmup: bool | None = None            # run every kind of step once before serving, so no kernel compiles
+                                          # inside a request (default: on for cuda)
     # EAGLE-3 speculative decoding.
     speculative_model: str | None = None
     speculative_gamma: int | None = None      # draft depth (chain: drafts per step); default 3
@@ -55,6 +57,9 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_warmup(self) -> bool:
+        return self.warmup if self.warmup is not None else self.resolved_device().type == "cuda"
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -93,6 +93,9 @@ def test_stats_summary_uses_counter_deltas_and_spec_keys():
     assert s["core_prefix_hit_rate"] == pytest.approx(30 / 100)     # over the span, not since start
     assert s["core_generated_tokens_per_step"] == pytest.approx(4.0)
     assert s["core_spec_acceptance_rate"] == 0.7          # the core's own figure when it sends no counters
+    assert "core_jit_compilations" not in s              # an older core that does not count them
+    jit = [(t, {**d, "jit_compilations": n}) for (t, d), n in zip(samples, (41, 43))]
+    assert stats_summary(jit)["core_jit_compilations"] == 2  # compiled inside the span, not since start
     counters = [(t, {**d, "spec_num_draft_tokens": 30 * i, "spec_num_accepted_tokens": 12 * i,
                      "spec_num_steps": 10 * i, "spec_num_emitted_tokens": 22 * i, "spec_acceptance_rate": 0.9})
                 for i, (t, d) in enumerate(samples, start=1)]

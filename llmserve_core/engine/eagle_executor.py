@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.spec_graphs import FixedRowsGraphs
@@ -570,6 +570,11 @@ class EagleExecutor:
         )
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        self.phases.collect()
+        self.metrics = SpecMetrics()
+        self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
+
     def stats(self) -> dict:
         """Scalar spec_* counters and rates (the protocol's stats carry scalars only)."""
         self.phases.collect()

@@ -14,6 +14,8 @@ from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, draft_
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler
+from llmserve_core.engine.warmup import warm_up
+from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.speculative.policy import Decision, MeasuredCosts, SpecPolicy, batch_bucket
 from llmserve_proto import SamplingParams, ValidationError
@@ -90,10 +92,19 @@ class Engine:
         self.policy = SpecPolicy(self.spec.policy_widths(), config.speculative_policy) if self.spec else None
         self.step_costs = MeasuredCosts()
         self._last_step: tuple[int, int] | None = None      # (draft depth, batch) of the last step with work
+        self.reset_counters()
+        self.warmup_report = warm_up(self) if config.resolved_warmup() else None
+
+    def reset_counters(self) -> None:
+        """Zero every counter stats() reports (after the warm-up, which must not show in them)."""
         self.num_steps = 0
         self.num_tokens_scheduled = 0            # in the last step
         self.total_prompt_tokens = 0
         self.total_generated_tokens = 0
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+        if self.spec is not None:
+            self.spec.reset_metrics()
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -367,6 +378,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
+            "jit_compilations": jit_compilations(),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self._policy_stats() if self.policy is not None else {}),
         }
