@@ -115,7 +115,7 @@ def wait_idle(client: Client, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = client.stats()
-        if s["running"] == 0 and s["waiting"] == 0 and s["free_kv_blocks"] == s["total_kv_blocks"]:
+        if s["running"] == 0 and s["waiting"] == 0 and s["used_kv_blocks"] == 0:
             return s
         assert time.monotonic() < deadline, f"core not idle: {s}"
         time.sleep(0.05)

@@ -74,7 +74,8 @@ def spec_engine(target, draft, **kwargs) -> Engine:
 def assert_all_blocks_free(engine: Engine) -> None:
     st = engine.stats()
     assert st["running"] == 0 and st["waiting"] == 0
-    assert st["free_kv_blocks"] == st["total_kv_blocks"]
+    assert st["used_kv_blocks"] == 0
+    assert st["free_kv_blocks"] + st["cached_kv_blocks"] == st["total_kv_blocks"]
     engine.block_manager.check_invariants()
 
 

@@ -205,7 +205,8 @@ class BusyLoop:
         self._idle_logged = idle
         dt = now - t0
         log.info("prompt %.1f tok/s, generation %.1f tok/s, %.1f steps/s | running %d, waiting %d | "
-                 "KV usage %.1f%% (%d/%d blocks free) | prefix hit rate %.1f%% | clients %d",
+                 "KV usage %.1f%% (%d used, %d cached, %d free of %d blocks) | prefix hit rate %.1f%% | clients %d",
                  (p - p0) / dt, (g - g0) / dt, (n - n0) / dt, s.get("running", 0), s.get("waiting", 0),
-                 100.0 * s.get("kv_usage", 0.0), s.get("free_kv_blocks", 0), s.get("total_kv_blocks", 0),
+                 100.0 * s.get("kv_usage", 0.0), s.get("used_kv_blocks", 0), s.get("cached_kv_blocks", 0),
+                 s.get("free_kv_blocks", 0), s.get("total_kv_blocks", 0),
                  100.0 * s.get("prefix_hit_rate", 0.0), self.num_clients())
