@@ -35,6 +35,7 @@ class DaemonConfig:
     client_timeout: float = 15.0        # a client silent this long is dropped and its requests aborted (s)
     drain_timeout: float = 30.0         # on SIGTERM/SIGINT, how long running requests may finish (s)
     log_interval: float = 10.0          # periodic stats log line; 0 disables
+    max_unread_bytes: int = 16 * 1024 * 1024   # a client with more unread than this is disconnected
 
 
 def prepare_endpoint(cfg: DaemonConfig) -> str:
@@ -91,7 +92,8 @@ def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
     out_q: queue.SimpleQueue = queue.SimpleQueue()
     router = bind_router(ctx, endpoint)
     pair_addr = f"inproc://llmserve-outputs-{os.getpid()}"
-    sock_thread = SocketThread(ctx, router, pair_addr, in_q, welcome, cfg.heartbeat_interval, cfg.client_timeout)
+    sock_thread = SocketThread(ctx, router, pair_addr, in_q, welcome, cfg.heartbeat_interval, cfg.client_timeout,
+                               cfg.max_unread_bytes)
     out_thread = OutputThread(ctx, pair_addr, out_q)
     busy = BusyLoop(engine, in_q, out_q, log_interval=cfg.log_interval, drain_timeout=cfg.drain_timeout,
                     num_clients=lambda: len(sock_thread.clients))
