@@ -133,8 +133,10 @@ def parse_serve_args(argv: list[str]):
     from llmserve_core.server import prepare_endpoint
     try:
         prepare_endpoint(daemon_cfg)
-    except (ValueError, RuntimeError, PermissionError) as e:
-        parser.error(str(e) if str(e).startswith("listen") else f"listen: {e}")
+    except (ValueError, PermissionError) as e:
+        # One line, no usage dump: the flags parsed fine, the address is what is wrong.
+        print(f"llmserve-core: error: {e if str(e).startswith('listen') else f'listen: {e}'}", file=sys.stderr)
+        sys.exit(2)
     return engine_cfg, daemon_cfg, args["log_level"]
 
 

@@ -38,12 +38,13 @@ class Live:
 
 class BusyLoop:
     def __init__(self, engine, in_q: queue.SimpleQueue, out_q: queue.SimpleQueue, *, log_interval: float = 10.0,
-                 drain_timeout: float = 30.0, num_clients=lambda: 0):
+                 drain_timeout: float = 30.0, num_clients=lambda: 0, stop=None):
         self.engine = engine
         self.in_q, self.out_q = in_q, out_q
         self.log_interval = log_interval
         self.drain_timeout = drain_timeout
         self.num_clients = num_clients
+        self.stop_event = stop                               # a threading.Event: set = drain as on SIGTERM
         self.live: dict[str, Live] = {}
         self.by_client: dict[bytes, dict[str, str]] = {}     # client -> its request id -> engine id
         self.stop_reason: str | None = None                  # set (from a signal handler) to start draining
@@ -164,6 +165,8 @@ class BusyLoop:
             if self.fatal is not None:
                 return self._die(self.fatal)
             self._drain_inputs(block=not self.engine.has_unfinished())
+            if self.stop_event is not None and self.stop_event.is_set() and self.stop_reason is None:
+                self.stop_reason = "asked to stop"
             if self.stop_reason is not None and deadline is None:
                 log.info("%s: draining %d request(s) for up to %.0f s", self.stop_reason, len(self.live),
                          self.drain_timeout)

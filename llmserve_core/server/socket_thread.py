@@ -25,6 +25,7 @@ from llmserve_proto import (PROTOCOL_VERSION, Abort, BadMessage, EngineError, Ge
                             Hello, Ping, RequestError, StatsRequest, ValidationError, Welcome,
                             decode_client_checked, encode)
 from llmserve_proto.codec import MAX_FRAME_BYTES
+from llmserve_proto.endpoint import is_ipv6_endpoint
 from llmserve_proto.messages import validate_client_message
 from llmserve_core.server.events import AbortRequests, ClientGone, NewRequest, SocketFailed, StatsQuery
 from llmserve_core.server.log_safety import LogLimiter, printable
@@ -254,9 +255,14 @@ def bind_router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     router.setsockopt(zmq.RCVHWM, RECV_HWM)
     router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     router.setsockopt(zmq.LINGER, 500)
+    if is_ipv6_endpoint(endpoint):
+        router.setsockopt(zmq.IPV6, 1)
     old = os.umask(0o177)
     try:
         router.bind(endpoint)
+    except zmq.ZMQError:
+        router.close(linger=0)      # else the context could never terminate
+        raise
     finally:
         os.umask(old)
     if endpoint.startswith("ipc://"):
