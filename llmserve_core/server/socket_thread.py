@@ -183,7 +183,7 @@ class SocketThread(threading.Thread):
         if request_id is not None and info is not None:
             self._reply(client, RequestError(request_id=request_id, field=field, message=message))
         else:
-            self._reply(client, EngineError(message=message))
+            self._reply(client, EngineError(message=f"{field}: {message}" if field else message))
 
     def _handle(self, client: bytes, msg, now: float) -> None:
         if isinstance(msg, Hello):
