@@ -190,7 +190,7 @@ def test_top_k_two_to_the_63_is_refused_and_the_core_lives(core):
     endpoint, proc, _ = core
     raw = Raw(endpoint)
     try:
-        raw.send(["generate", "huge-k", PROMPT, params_frame({"top_k": 2**63 - 1})])
+        raw.send(["generate", "huge-k", PROMPT, params_frame({"top_k": 2**63})])     # once overflowed int64
         reply = raw.finals({"huge-k"})["huge-k"]
         assert isinstance(reply, RequestErrorMsg) and reply.field == "top_k"
         raw.assert_serving()
