@@ -67,7 +67,8 @@ class Float:
 
 @dataclass(frozen=True)
 class IntList:
-    """At most max_len integers, each in [lo, hi]; the error names the index."""
+    """At most max_len integers, each in [lo, hi]. The error names the field as the struct does (what a
+    client maps to its own parameter names) and the index in its message."""
     lo: int = 0
     hi: int = INT64_MAX
     max_len: int = INT32_MAX
@@ -78,7 +79,7 @@ class IntList:
             raise ValidationError(field, f"must be a list of {self.min_len} to {self.max_len} integers")
         for i, t in enumerate(v):
             if not _is_int(t) or not self.lo <= t <= self.hi:
-                raise ValidationError(f"{field}[{i}]", f"must be an integer in [{self.lo}, {self.hi}], got {_show(t)}")
+                raise ValidationError(field, f"[{i}] must be an integer in [{self.lo}, {self.hi}], got {_show(t)}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class StrList:
             raise ValidationError(field, f"must be a list of at most {self.max_len} strings")
         for i, s in enumerate(v):
             if not isinstance(s, str) or not 1 <= len(s) <= self.max_chars:
-                raise ValidationError(f"{field}[{i}]", f"must be a string of 1 to {self.max_chars} characters")
+                raise ValidationError(field, f"[{i}] must be a string of 1 to {self.max_chars} characters")
 
 
 @dataclass(frozen=True)
