@@ -3,22 +3,22 @@ from __future__ import annotations
 
 import msgspec
 
+from llmserve_proto.bounds import (INT32_MAX, INT64_MAX, Bool, Float, Int, IntList, StrList, ValidationError,
+                                   check_fields)
 
-class ValidationError(ValueError):
-    """A request field is out of range. `field` names it so a client can point at it."""
+__all__ = ["SamplingParams", "ValidationError", "GREEDY_EPSILON"]
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (1e-40 is a
+# float32 denormal), and the distribution it asks for is the argmax anyway.
+GREEDY_EPSILON = 1e-5
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     """Per-request sampling and stopping controls (vLLM's names and defaults).
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k. `logprobs`: None for none, 0 for the
-    sampled token's log-probability only, n for it plus the n most likely tokens. `stop` strings are
-    matched by the client on detokenized text; the core never sees text.
+    temperature 0 (or below GREEDY_EPSILON) means greedy. top_k 0 or -1 disables top-k. `logprobs`: None
+    for none, 0 for the sampled token's log-probability only, n for it plus the n most likely tokens.
+    `stop` strings are matched by the client on detokenized text; the core never sees text.
     """
 
     max_tokens: int = 16
@@ -34,31 +34,32 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     speculative: bool = True     # draft with EAGLE-3 when the core has a draft model; False opts out
 
     MAX_LOGPROBS = 20
+    MAX_TEMPERATURE = 100.0      # past this the distribution is uniform to float32 precision anyway
 
     def validate(self) -> "SamplingParams":
-        """Raise ValidationError naming the first bad field; return self so calls can chain."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValidationError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise ValidationError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValidationError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValidationError("top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValidationError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValidationError("seed", f"must be in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValidationError("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValidationError("stop_token_ids", "must be non-negative integers")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValidationError("stop", "must be non-empty strings")
-        if not isinstance(self.speculative, bool):
-            raise ValidationError("speculative", f"must be a boolean, got {self.speculative!r}")
+        """Raise ValidationError naming the first bad field; return self so calls can chain.
+        Context-dependent limits (max_model_len, the vocabulary) are the engine's to check."""
+        check_fields(self, SAMPLING_BOUNDS)
         return self
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPSILON
+
+
+# One entry per field, in field order: a new field adds its line here (test_protocol checks every field has
+# one). The bounds are what the core's tensors hold: top_k and counts fit int32, seeds and token ids int64,
+# floats are finite.
+SAMPLING_BOUNDS = {
+    "max_tokens": Int(1, INT32_MAX),
+    "temperature": Float(0.0, SamplingParams.MAX_TEMPERATURE),
+    "top_p": Float(0.0, 1.0, lo_open=True),
+    "top_k": Int(-1, INT32_MAX),
+    "min_p": Float(0.0, 1.0),
+    "seed": Int(0, INT64_MAX, optional=True),
+    "stop_token_ids": IntList(0, INT64_MAX, max_len=1024),
+    "ignore_eos": Bool(),
+    "logprobs": Int(0, SamplingParams.MAX_LOGPROBS, optional=True),
+    "stop": StrList(max_len=256, max_chars=4096),
+    "speculative": Bool(),
+}

@@ -466,7 +466,7 @@ class EagleExecutor:
         if logits is None:
             idx = (self._h2d(rows, torch.long)[:, None] + torch.arange(width, device=self.device)).flatten()
             logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
-        greedy = all(r.params.temperature == 0 for r in drafting)
+        greedy = all(r.params.greedy for r in drafting)
         generators = [r.generator for r in drafting]
         if not greedy:
             st = self._sampling(drafting)

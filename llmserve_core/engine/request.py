@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)     # identity: the queues look requests up by object, never by value
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +45,7 @@ class Request:
     # the blocks it publishes to the prefix cache are whole), and whether it drafts when decoding.
     spec_state: object | None = None
     speculative: bool = False
+    client: object = None               # fairness key: the scheduler admits round-robin across clients
 
     def __post_init__(self):
         if not self.token_ids:

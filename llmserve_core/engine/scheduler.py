@@ -3,7 +3,8 @@
 Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
 1. running requests that decode take one token each, first, so prefills never stall generation;
 2. running requests still mid-prefill take the next chunk of what remains;
-3. waiting requests are admitted in arrival order while budget, sequence slots and KV blocks last.
+3. waiting requests are admitted while budget, sequence slots and KV blocks last: round-robin across
+   clients, in arrival order within a client (waiting_queue.py).
 When a running request needs a block and none is free, the newest running request is preempted:
 its blocks are released (full ones stay in the prefix cache) and it goes back to the front of the
 queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the oldest
@@ -11,11 +12,11 @@ request can always progress: no deadlock, no lost request.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.request import Request, RequestStatus
+from llmserve_core.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Scheduler:
         self.chunked_prefill = enable_chunked_prefill
         # Extra KV slots a drafting request needs per step (speculative draft tokens to verify).
         self.lookahead_tokens = lookahead_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -77,7 +78,7 @@ class Scheduler:
 
         # Admit waiting requests.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if not req.block_ids:
                 req.num_computed_tokens = self.blocks.admit(req)
             num_new = self._num_new_tokens(req, budget)
@@ -90,7 +91,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.blocks.count_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
-            self.waiting.popleft()
+            self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(req)
@@ -128,14 +129,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.push_preempted(req)
         out.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Drop a finished or aborted request from the queues and free its blocks."""
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.release(req)
         req.status = RequestStatus.FINISHED
