@@ -85,7 +85,7 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     from llmserve_proto import SamplingParams
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
                                  max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
-                                 gpu_memory_utilization=0.85, enforce_eager=eager))
+                                 gpu_memory_utilization=0.85, enforce_eager=eager, warmup=False))
     params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
