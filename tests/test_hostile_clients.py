@@ -338,7 +338,10 @@ def test_a_client_that_never_reads_is_disconnected_and_the_core_stays_small(smal
             wait_idle(good)
         finally:
             deaf.close()
-    assert "not reading its socket" in open(log).read()
+    # Dropped for its unread backlog, or, on a machine too busy for this loop to keep it talking inside the
+    # client timeout, for silence: either way a client that never reads cannot hold the core.
+    text = open(log).read()
+    assert "(deaf) gone: not reading its socket" in text or "(deaf) gone: silent" in text, text[-2000:]
 
 
 # ---- floods -------------------------------------------------------------------------------------------

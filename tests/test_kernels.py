@@ -438,7 +438,7 @@ def test_triton_fa4_backend_routes_by_the_predicate():
     calls = []
     backend = object.__new__(TritonFA4Backend)
     backend.fa4 = lambda q, *a, **kw: (calls.append(("fa4", kw["max_seqlen_q"])), torch.zeros_like(q))[1]
-    backend.triton = type("T", (), {"forward": lambda self, q, *a: (calls.append(("triton", a[-2].max_query_len)),
+    backend.triton = type("T", (), {"forward": lambda self, q, *a: (calls.append(("triton", a[4].max_query_len)),
                                                                     torch.zeros_like(q))[1]})()
     tables, num_blocks = allocate_tables([80], 16)
     cache = torch.zeros(num_blocks, 16, 2, 16, dtype=torch.float16)
