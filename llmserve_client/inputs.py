@@ -6,7 +6,7 @@ import uuid
 
 import msgspec
 
-from llmserve_proto import SamplingParams, ValidationError
+from llmserve_proto import GuidedDecoding, SamplingParams, ValidationError
 from llmserve_client.errors import RequestError
 
 
@@ -24,6 +24,11 @@ def build_params(sampling: dict) -> SamplingParams:
             raise RequestError(k, f"unknown sampling parameter; expected one of {', '.join(sorted(known))}")
     if isinstance(sampling.get("stop"), str):
         sampling = {**sampling, "stop": [sampling["stop"]]}
+    if isinstance(sampling.get("guided"), dict):
+        try:
+            sampling = {**sampling, "guided": GuidedDecoding(**sampling["guided"])}
+        except TypeError as e:
+            raise RequestError("guided", str(e)) from None
     try:
         # A wire round trip type-checks every field exactly as the core will.
         params = _roundtrip(SamplingParams(**sampling))

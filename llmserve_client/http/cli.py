@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 
+from llmserve_client.http.reasoning import PARSERS as REASONING_PARSERS
+from llmserve_client.http.tool_parsers import PARSERS as TOOL_PARSERS
+
 log = logging.getLogger("llmserve_client.http")
 
 CORE_STOP_TIMEOUT_S = 30.0     # how long the core may drain on SIGTERM before it is killed
@@ -44,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory the core serves)")
     p.add_argument("--connect-timeout", type=float, default=None,
                    help="seconds to wait for the core's handshake (default: 60 with --endpoint, 900 with --model)")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="split thinking (<think>...</think>) into message.reasoning_content (qwen3)")
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="return <tool_call> blocks as message.tool_calls (hermes: Qwen3's format)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -121,7 +128,8 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
     timeout = args.connect_timeout or (900.0 if core is not None else 60.0)
     client = AsyncClient(endpoint, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
     try:
-        app = build_app(client, args.served_model_name, api_key=args.api_key)
+        app = build_app(client, args.served_model_name, api_key=args.api_key,
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)
