@@ -238,7 +238,7 @@ def test_identical_prompts_share_prefix_blocks(tiny_model_dir, tok):
 
 
 # ---- the bitmask ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 1056])
+@pytest.mark.parametrize("vocab", [31, 32, 33, 1000, 1056])
 def test_bitmask_reference_matches_xgrammar_kernel(vocab):
     import xgrammar
     g = torch.Generator().manual_seed(vocab)
