@@ -32,6 +32,9 @@ def build_params(sampling: dict) -> SamplingParams:
     try:
         # A wire round trip type-checks every field exactly as the core will.
         params = _roundtrip(SamplingParams(**sampling))
+    except OverflowError:
+        field = next((k for k, v in sampling.items() if _out_of_wire_range(v)), "params")
+        raise RequestError(field, "holds an integer outside [-2**63, 2**64)") from None
     except msgspec.ValidationError as e:
         m = re.search(r"at `\$\[(\d+)\]", str(e))
         field = SamplingParams.__struct_fields__[int(m.group(1))] if m else "params"
@@ -40,6 +43,17 @@ def build_params(sampling: dict) -> SamplingParams:
         return params.validate()
     except ValidationError as e:
         raise RequestError(e.field, e.message) from None
+
+
+def _out_of_wire_range(value) -> bool:
+    """msgpack carries integers in [-2**63, 2**64) only (also as map keys)."""
+    if isinstance(value, int):
+        return not -2**63 <= value < 2**64
+    if isinstance(value, dict):
+        return any(_out_of_wire_range(k) or _out_of_wire_range(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_out_of_wire_range(v) for v in value)
+    return False
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -277,9 +277,11 @@ def test_new_fields_survive_the_wire_and_extremes_are_refused_by_the_client():
                           logit_bias={5: -100, 6: 100.0}, min_tokens=8, include_stop_str_in_output=True,
                           guided={"kind": "choice", "choices": ["a"]}))
     assert p.logit_bias == {5: -100, 6: 100.0} and p.guided.choices == ["a"] and p.min_tokens == 8
-    for bad in (dict(logit_bias={2**64: 1.0}), dict(min_tokens=2**64), dict(guided={"kind": "regex", "x": 1})):
-        with pytest.raises(RequestError):
+    for field, bad in (("logit_bias", dict(logit_bias={2**64: 1.0})), ("min_tokens", dict(min_tokens=2**64)),
+                       ("guided", dict(guided={"kind": "regex", "x": 1}))):
+        with pytest.raises(RequestError) as e:
             build_params(bad)
+        assert e.value.field == field
 
 
 def test_logit_bias_token_outside_vocab_is_refused(tiny_model_dir):
