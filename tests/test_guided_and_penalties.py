@@ -16,15 +16,18 @@ from llmserve_core.layers.logits_processors import apply_token_bitmask_reference
 from llmserve_core.models.eagle3 import make_tiny_draft
 from llmserve_proto import GuidedDecoding, SamplingParams, ValidationError
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "note"],
           "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+                         # Length-bounded strings go through a pattern (xgrammar lets control characters
+                         # into them otherwise); json.loads below fails on a raw control character.
+                         "note": {"type": "string", "minLength": 1, "maxLength": 6},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
 
 
 def check_schema(obj) -> None:
-    assert set(obj) == {"name", "age", "tags"}
-    assert re.fullmatch("[a-z ]{1,8}", obj["name"])
+    assert set(obj) == {"name", "age", "tags", "note"}
+    assert re.fullmatch("[a-z ]{1,8}", obj["name"]) and 1 <= len(obj["note"]) <= 6
     assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
     assert len(obj["tags"]) <= 3 and all(t in ("a", "b") for t in obj["tags"])
 

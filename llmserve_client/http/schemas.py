@@ -243,7 +243,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             content = m.content or ""
         # Qwen's templates know system, user, assistant and tool; OpenAI's developer role means system.
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.tool_calls:
+        if m.tool_calls is not None:
             if m.role != "assistant":
                 raise ApiError("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
             # Arguments arrive as JSON text; Qwen3's template writes a string as is and a mapping as JSON.

@@ -43,15 +43,32 @@ def ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def bounded_strings_as_patterns(schema):
+    """xgrammar 0.2.9 compiles a string with minLength/maxLength into a character class that lets raw
+    control characters through (invalid JSON). Such strings get an equivalent pattern instead, which
+    excludes them (and quotes and backslashes: bounded strings are generated without escapes)."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
+            out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+    return out
+
+
 def parse_grammar(g: GuidedDecoding):
     """The xgrammar Grammar for a request's spec; ValidationError naming `guided.<kind>` if it is invalid."""
     xgr = _xgr()
     field = f"guided.{g.kind}"
     try:
         if g.kind == "json":
-            json.loads(g.spec)
+            schema = bounded_strings_as_patterns(json.loads(g.spec))
             # Compact JSON: with free whitespace a model could pad forever and never close the object.
-            core = xgr.Grammar.from_json_schema(g.spec, any_whitespace=False)
+            core = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         elif g.kind == "json_object":
             core = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         elif g.kind == "regex":
