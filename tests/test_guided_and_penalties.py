@@ -50,8 +50,19 @@ def engine(model_dir, **kw) -> Engine:
 
 
 # ---- penalties, logit_bias, min_tokens against a reference ------------------------------------------------
+_REFERENCE: dict = {}
+
+
 def reference_greedy(hf, prompt, p: SamplingParams, eos: set[int]) -> list[int]:
-    """Greedy decoding with vLLM's logits processing written out token by token, the slow way."""
+    """Greedy decoding with vLLM's logits processing written out token by token, the slow way (cached:
+    both schedules compare against the same reference)."""
+    key = (tuple(prompt), repr(p))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_greedy(hf, prompt, p, eos)
+    return _REFERENCE[key]
+
+
+def _reference_greedy(hf, prompt, p: SamplingParams, eos: set[int]) -> list[int]:
     ids, out = list(prompt), []
     with torch.no_grad():
         while len(out) < p.max_tokens:
@@ -84,21 +95,20 @@ PENALTY_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PENALTY_CASES))
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_logits_processing_matches_reference(tiny_model_dir, hf, case, async_scheduling):
+def test_logits_processing_matches_reference(tiny_model_dir, hf, async_scheduling):
+    """Every case in one batch, with a plain request riding along: edits stay in their rows."""
     eng = engine(tiny_model_dir, async_scheduling=async_scheduling)
     prompts = [[5, 9, 5, 12, 40, 5, 9], [100, 200, 100, 300, 7, 7, 7, 7, 1]]
-    p = SamplingParams(max_tokens=12, temperature=0.0, **PENALTY_CASES[case])
-    plain = SamplingParams(max_tokens=12, temperature=0.0)
-    # A plain request rides along: edits stay in their rows.
-    outs = eng.generate(prompts + [prompts[0]], [p, p, plain])
+    cases = [(name, SamplingParams(max_tokens=12, temperature=0.0, **kw)) for name, kw in PENALTY_CASES.items()]
+    cases.append(("plain", SamplingParams(max_tokens=12, temperature=0.0)))
+    jobs = [(name, prompt, p) for name, p in cases for prompt in prompts]
+    outs = eng.generate([prompt for _, prompt, _ in jobs], [p for _, _, p in jobs])
     eos = set(eng.model_info.eos_token_ids)
-    for prompt, o in zip(prompts, outs):
-        assert o.token_ids == reference_greedy(hf, prompt, p, eos), case
-    assert outs[2].token_ids == reference_greedy(hf, prompts[0], plain, eos)
-    if case == "min-tokens":
-        assert len(outs[0].token_ids) == 7 and outs[0].token_ids[-1] == 2 and outs[0].finish_reason == "stop"
+    for (name, prompt, p), o in zip(jobs, outs):
+        assert o.token_ids == reference_greedy(hf, prompt, p, eos), name
+        if name == "min-tokens":
+            assert len(o.token_ids) == 7 and o.token_ids[-1] == 2 and o.finish_reason == "stop"
 
 
 # ---- grammars --------------------------------------------------------------------------------------------
@@ -208,8 +218,8 @@ def test_grammar_and_penalty_requests_decode_plainly_in_a_speculative_core(tiny_
     spec = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=128,
                                max_model_len=512, speculative_model=draft))
     plain = engine(tiny_model_dir)
-    params = guided_params(5) + [SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=1.0),
-                                 SamplingParams(max_tokens=16, temperature=0.0)]
+    params = guided_params(5, max_tokens=100) + [SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0),
+                                                 SamplingParams(max_tokens=12, temperature=0.0)]
     prompts = [tok.encode(f"Item {i}:") for i in range(len(params))]
     for r_id, p in enumerate(params):
         spec.add_request(f"r{r_id}", prompts[r_id], p)
