@@ -27,7 +27,7 @@ def split_reasoning(text: str, opened: bool) -> tuple[str | None, str | None]:
     return (reasoning if parser.saw_reasoning else None), (content or None)
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -63,7 +63,7 @@ class ReasoningStream:
                     self.buf = self.buf[i + len(END):]
                     self.state = "after"
                     continue
-                keep = _partial_tag_len(self.buf, END)
+                keep = partial_tag_len(self.buf, END)
                 reasoning.append(self.buf[:len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 break

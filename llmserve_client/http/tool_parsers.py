@@ -12,6 +12,8 @@ import json
 import re
 import uuid
 
+from llmserve_client.http.reasoning import partial_tag_len
+
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)
 _CALL = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.S)
@@ -55,13 +57,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ToolCallStream:
     """Incremental hermes parsing. feed(delta) -> (content delta, [tool_call deltas in OpenAI's shape])."""
 
@@ -92,7 +87,7 @@ class ToolCallStream:
                     self.seen_call = True
                     self.index += 1
                     continue
-                keep = _partial_tag_len(self.buf, START)
+                keep = partial_tag_len(self.buf, START)
                 if not self.seen_call:       # text between or after calls is dropped, as vLLM does
                     content.append(self.buf[:len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
@@ -104,7 +99,7 @@ class ToolCallStream:
                 calls.extend(self._finish_call())
                 self.in_call = False
                 continue
-            keep = _partial_tag_len(self.buf, END)
+            keep = partial_tag_len(self.buf, END)
             self.call += self.buf[:len(self.buf) - keep]
             self.buf = self.buf[len(self.buf) - keep:]
             calls.extend(self._progress())
