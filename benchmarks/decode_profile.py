@@ -1,10 +1,10 @@
 """Decode steps of the Qwen3-8B shape as the engine runs them: step time against the honest floor, and
 the kernels each step launches (per layer, with times), at batch 1, 64 and 256.
 
-The floor of a decode step over B sequences at context c is max(bytes / copy bandwidth, FLOPs / bf16
-peak), both ceilings measured in the same run. Bytes: every weight except the embedding table (a step
-reads B of its rows), plus the KV of B * c tokens. FLOPs: 2 per weight per row, plus attention's
-4 * c * heads * head_dim per row and layer.
+The floor of a decode step over B sequences at context c is benchmarks/floor.py's: max(bytes / copy
+bandwidth, FLOPs / bf16 peak), both ceilings measured in the same run. Bytes: every weight except the
+embedding table (a step reads B of its rows), plus the KV of B * c tokens read and B written. FLOPs: 2 per
+weight per row, plus attention's 4 * c * heads * head_dim per row and layer.
 
 Step times are wall-clock medians of Engine.step() in steady decoding (host work included); the kernel
 list comes from one profiled stretch of steps (CUDA graph replays included).
@@ -27,35 +27,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from qwen3_8b import QWEN3_8B_CONFIG, kv_bytes_per_token, write_qwen3_8b_dir  # noqa: E402
+from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
+from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 C = QWEN3_8B_CONFIG
 
 
-def nonembed_params() -> int:
-    h, i, L, v, d = C["hidden_size"], C["intermediate_size"], C["num_hidden_layers"], C["vocab_size"], C["head_dim"]
-    q, kv = C["num_attention_heads"] * d, C["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * d
-    return L * per_layer + h + v * h            # layers, final norm, lm_head
-
-
 def step_floor_ms(batch: int, ctx: int, bw: float, peak: float) -> dict:
-    nbytes = 2 * (nonembed_params() + batch * C["hidden_size"]) + batch * ctx * kv_bytes_per_token()
-    flops = 2 * nonembed_params() * batch + 4 * batch * ctx * C["num_hidden_layers"] * C["num_attention_heads"] * C["head_dim"]
-    return {"bytes": nbytes, "flops": flops, "bytes_ms": nbytes / bw * 1e3, "flops_ms": flops / peak * 1e3,
-            "floor_ms": max(nbytes / bw, flops / peak) * 1e3}
-
-
-def measure_ceilings() -> tuple[float, float]:
-    from triton.testing import do_bench
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() / (do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median") / 1e3)
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192**3 / (do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e3)
-    return bw, peak
+    """benchmarks/floor.py's floor of a decode step over `batch` rows at context `ctx`."""
+    f = decode_floor(C, [ctx] * batch, bw, peak)
+    return {"bytes": f.bytes, "flops": f.flops, "bytes_ms": f.memory_ms, "flops_ms": f.compute_ms,
+            "floor_ms": f.ms}
 
 
 def category(name: str) -> str:
@@ -103,7 +85,7 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     from llmserve_proto import SamplingParams
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
                                  max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
-                                 gpu_memory_utilization=0.85, enforce_eager=eager))
+                                 gpu_memory_utilization=0.85, enforce_eager=eager, warmup=False))
     params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
@@ -150,7 +132,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eager", action="store_true")
     args = ap.parse_args()
-    bw, peak = measure_ceilings()
+    bw, peak = measure_copy_bandwidth(), measure_bf16_peak()
     model_dir = write_qwen3_8b_dir(tempfile.mkdtemp())
     res = {"label": args.label, "copy_bandwidth_tb_s": bw / 1e12, "bf16_peak_tflops": peak / 1e12, "runs": []}
     for b in map(int, args.batches.split(",")):

@@ -40,7 +40,7 @@ from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_gemm_per_c
                                             w8a8_gemm_reference, w8a8_gemm_triton)
 from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
-from llmserve_core.layers.fp8 import dequantize_weight, quantize_per_block, quantize_per_channel  # noqa: E402
+from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 RESULTS: dict = {"meta": {}, "sections": {}}

@@ -1,12 +1,16 @@
 """End-to-end speed of llmserve on one GPU, Qwen3-8B shapes with dummy weights, in one run.
 
 Measures, each as a ratio taken in this same run:
-  1. the card's device-to-device copy bandwidth (the roofline every decode number is held against);
-  2. batch-1 decode time per token vs the floor (weight bytes + KV bytes) / copy bandwidth;
-  3. GPU idle share between decode steps at concurrency 64 (torch profiler, kernel intervals);
+  1. the card's device-to-device copy bandwidth and its bf16 matmul peak (the two rates of the floor,
+     benchmarks/floor.py: max(bytes / bandwidth, FLOPs / peak));
+  2. batch-1 decode time per token vs its floor (layers, final norm, lm_head, one embedding row, KV);
+  3. decode step time at batch 64 and 256 (about 640 context) vs its floor, with the GPU time split into
+     GEMMs, attention, the rest and idle (torch profiler, kernel intervals);
   4. closed-loop output throughput over IPC (llmserve-core + llmserve-bench) at several concurrencies;
   5. the same workloads through transformers' generate and its continuous-batching generate_batch;
-  6. ITL p99 for an 80% 128/128 + 20% 4096/128 mix with chunked prefill on and off.
+  6. ITL p99 for an 80% 128/128 + 20% 4096/128 mix with chunked prefill on and off;
+and, for every timed run, how many kernels the engine JIT-compiled inside it (the stats key
+jit_compilations): any at all fails the run (exit status 1), since the start-up warm-up should leave none.
 Usage: python benchmarks/h200_e2e.py --out DIR [--quick] [--skip SECTION ...]
 """
 from __future__ import annotations
@@ -23,7 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen3_8b import QWEN3_8B_CONFIG, kv_bytes_per_token, weight_bytes, write_qwen3_8b_dir  # noqa: E402
+from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
+from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -48,21 +53,19 @@ def section(name):
 
 @section("copy_bandwidth")
 def copy_bandwidth(args):
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 20
-    start.record()
-    for _ in range(reps):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    sec = start.elapsed_time(end) / 1e3 / reps
-    return {"bytes_moved": 2 * n, "tb_per_s": 2 * n / sec / 1e12}
+    return {"tb_per_s": measure_copy_bandwidth() / 1e12}
+
+
+@section("bf16_peak")
+def bf16_peak(args):
+    return {"tflop_per_s": measure_bf16_peak() / 1e12}
+
+
+def rates() -> tuple[float, float]:
+    """(bytes/s, FLOP/s) measured in this run; the H200's usual values if a section failed."""
+    bw = RESULTS.get("copy_bandwidth", {}).get("tb_per_s", 4.2)
+    peak = RESULTS.get("bf16_peak", {}).get("tflop_per_s", 790.0)
+    return bw * 1e12, peak * 1e12
 
 
 def make_engine(model_dir, **kw):
@@ -76,13 +79,14 @@ def make_engine(model_dir, **kw):
 @section("batch1_decode")
 def batch1_decode(args, model_dir):
     from llmserve_proto import SamplingParams
-    bw = RESULTS.get("copy_bandwidth", {}).get("tb_per_s", 4.2) * 1e12
+    bw, peak = rates()
     out = {}
     for backend in ("triton",):
         engine = make_engine(model_dir, attention_backend=backend, max_num_seqs=64)
         for ctx in (512, 4096 - 300):
             engine.add_request(f"r{ctx}", list(range(1000, 1000 + ctx)), SamplingParams(max_tokens=200, ignore_eos=True))
             engine.step()                              # prefill
+            jit0 = engine.stats()["jit_compilations"]
             times = []
             while engine.has_unfinished():
                 t0 = time.perf_counter()
@@ -90,54 +94,85 @@ def batch1_decode(args, model_dir):
                 times.append(time.perf_counter() - t0)
             times = sorted(times[5:])
             per_tok = times[len(times) // 2]
-            floor = (weight_bytes() + kv_bytes_per_token() * (ctx + 100)) / bw
-            out[f"{backend}_ctx{ctx}"] = {"ms_per_token": per_tok * 1e3, "floor_ms": floor * 1e3,
-                                          "fraction_of_floor": floor / per_tok}
+            # The mean context over the 200 decoded tokens.
+            floor = decode_floor(QWEN3_8B_CONFIG, [ctx + 100], bw, peak)
+            out[f"{backend}_ctx{ctx}"] = {"ms_per_token": per_tok * 1e3, "floor_ms": floor.ms,
+                                          "fraction_of_floor": floor.ms / (per_tok * 1e3),
+                                          "jit_compilations": engine.stats()["jit_compilations"] - jit0}
         del engine
         gc.collect()
         torch.cuda.empty_cache()
     return out
 
 
-@section("gpu_idle_c64")
-def gpu_idle(args, model_dir):
-    """Share of wall time between the first and last kernel of 20 decode steps with no kernel running."""
-    from llmserve_proto import SamplingParams
-    from torch.profiler import ProfilerActivity, profile
-    engine = make_engine(model_dir, max_num_seqs=64)
-    for i in range(64):
-        engine.add_request(f"r{i}", [1000 + i + j for j in range(512)], SamplingParams(max_tokens=120, ignore_eos=True))
-    while engine.stats()["waiting"] or any(r.is_prefilling for r in engine.scheduler.running):
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    steps = 20
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = time.perf_counter() - t0
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "matmul", "splitk")):
+        return "gemm"
+    if any(k in n for k in ("paged_decode", "decode_reduce", "paged_prefill", "attn", "flash", "fmha")):
+        return "attention"
+    return "rest"
+
+
+def busy_time(intervals) -> float:
+    """Length of the union of (start, end) intervals."""
     busy, cur_s, cur_e = 0.0, None, None
-    for s, e in kernels:
+    for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
-    busy += (cur_e - cur_s) if cur_e is not None else 0
-    span = kernels[-1][1] - kernels[0][0]
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"steps": steps, "ms_per_step": wall / steps * 1e3, "gpu_busy_ms": busy / 1e3,
-            "span_ms": span / 1e3, "idle_fraction": 1 - busy / span}
+    return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
+@section("decode_steps")
+def decode_steps(args, model_dir):
+    """Pure decode steps at batch 64 and 256 near 640 tokens of context: wall time per step against the
+    step's floor, and where the GPU time goes (20 profiled steps, kernel intervals)."""
+    from llmserve_proto import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+    bw, peak = rates()
+    out = {}
+    for batch in (64, 256):
+        engine = make_engine(model_dir, max_num_seqs=batch)
+        for i in range(batch):
+            engine.add_request(f"r{i}", [1000 + i + j for j in range(512)], SamplingParams(max_tokens=256, ignore_eos=True))
+        while engine.stats()["waiting"] or any(r.is_prefilling for r in engine.scheduler.running):
+            engine.step()
+        contexts = lambda: [r.num_tokens for r in engine.scheduler.running]  # noqa: E731
+        while sum(contexts()) / batch < 630:
+            engine.step()
+        steps, floors, times = 20, [], []
+        jit0 = engine.stats()["jit_compilations"]
+        for _ in range(steps):
+            floors.append(decode_floor(QWEN3_8B_CONFIG, contexts(), bw, peak).ms)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+        busy = busy_time((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+        split = {c: busy_time((e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) == c)
+                 / span for c in ("gemm", "attention", "rest")}
+        ms = sorted(times)[steps // 2] * 1e3
+        floor = sum(floors) / steps
+        out[f"b{batch}"] = {"mean_context": sum(contexts()) / batch, "ms_per_step": ms, "floor_ms": floor,
+                            "fraction_of_floor": floor / ms, "idle_fraction": 1 - busy / span,
+                            "jit_compilations": engine.stats()["jit_compilations"] - jit0,
+                            **{f"{c}_fraction": v for c, v in split.items()}}
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 @section("inprocess_closed_loop")
@@ -158,6 +193,7 @@ def inprocess_closed_loop(args, model_dir):
         for _ in range(conc):
             add()
         warm, secs = (3.0, 6.0) if args.quick else (5.0, 15.0)
+        jit0 = engine.stats()["jit_compilations"]
         t0 = time.perf_counter()
         tokens = 0
         while True:
@@ -174,7 +210,8 @@ def inprocess_closed_loop(args, model_dir):
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
-        out[f"c{conc}"] = {"output_throughput": tokens / secs}
+        out[f"c{conc}"] = {"output_throughput": tokens / secs,
+                           "jit_compilations": engine.stats()["jit_compilations"] - jit0}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -202,11 +239,15 @@ def bench(endpoint, argv, out_json):
     with open(out_json) as f:
         d = json.load(f)
     # Closed loops report the steady-state window beside the whole run; finite runs have only the latter.
-    return d.get("steady_state") or d["summary"]
+    out = dict(d.get("steady_state") or d["summary"])
+    # Kernels the core compiled over the whole run, warm-up window included: the warm-up at start-up
+    # should leave none to compile here.
+    out["jit_compilations"] = d["summary"].get("core_jit_compilations")
+    return out
 
 
 KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-        "median_itl_ms", "p99_itl_ms", "completed", "window_requests", "core_mean_batch_size")
+        "median_itl_ms", "p99_itl_ms", "completed", "window_requests", "core_mean_batch_size", "jit_compilations")
 
 
 def pick(summary):
@@ -293,6 +334,16 @@ def transformers_peer(args, model_dir):
     return out
 
 
+def jit_growth() -> dict:
+    """Kernels compiled inside each timed run (None where the core did not report the count)."""
+    out = {}
+    for name in ("batch1_decode", "decode_steps", "inprocess_closed_loop", "closed_loop_ipc", "chunked_prefill_mix"):
+        for k, v in RESULTS.get(name, {}).items():
+            if isinstance(v, dict) and "jit_compilations" in v:
+                out[f"{name}.{k}"] = v["jit_compilations"]
+    return out
+
+
 def summarize():
     rows = []
     bw = RESULTS.get("copy_bandwidth", {})
@@ -301,10 +352,14 @@ def summarize():
         if isinstance(v, dict):
             rows.append((f"batch-1 decode {k}", f"{v['ms_per_token']:.2f} ms/token, floor {v['floor_ms']:.2f} ms "
                                                 f"({100 * v['fraction_of_floor']:.0f}% of floor)"))
-    idle = RESULTS.get("gpu_idle_c64", {})
-    if "idle_fraction" in idle:
-        rows.append(("GPU idle between decode steps @c64", f"{100 * idle['idle_fraction']:.1f}% "
-                                                            f"({idle['ms_per_step']:.2f} ms/step)"))
+    peak = RESULTS.get("bf16_peak", {})
+    rows.append(("bf16 matmul peak", f"{peak.get('tflop_per_s', float('nan')):.0f} TFLOP/s"))
+    for k, v in RESULTS.get("decode_steps", {}).items():
+        if isinstance(v, dict):
+            rows.append((f"decode step {k}, context {v['mean_context']:.0f}",
+                         f"{v['ms_per_step']:.2f} ms, floor {v['floor_ms']:.2f} ms ({100 * v['fraction_of_floor']:.0f}%); "
+                         f"GEMM {100 * v['gemm_fraction']:.0f}%, attention {100 * v['attention_fraction']:.0f}%, "
+                         f"rest {100 * v['rest_fraction']:.0f}%, idle {100 * v['idle_fraction']:.1f}%"))
     cl = RESULTS.get("closed_loop_ipc", {})
     peer = RESULTS.get("transformers_peer", {})
     for k, v in cl.items():
@@ -330,6 +385,10 @@ def summarize():
     for k in ("chunked", "whole_prompt"):
         if isinstance(mix.get(k), dict):
             rows.append((f"mix ITL p99 {k}", f"{mix[k].get('p99_itl_ms', float('nan')):.1f} ms"))
+    growth = jit_growth()
+    RESULTS["jit_compilations_in_timed_runs"] = growth
+    grown = {k: v for k, v in growth.items() if v}
+    rows.append(("kernels compiled inside timed runs", "none" if not grown else f"FAIL: {grown}"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"| {a.ljust(width)} | {b} |" for a, b in rows)
 
@@ -352,8 +411,9 @@ def main():
     except OSError:
         pass
     copy_bandwidth(args)
+    bf16_peak(args)
     batch1_decode(args, model_dir)
-    gpu_idle(args, model_dir)
+    decode_steps(args, model_dir)
     inprocess_closed_loop(args, model_dir)
     closed_loop(args, model_dir, tmp)
     chunked_mix(args, model_dir, tmp)
@@ -364,6 +424,9 @@ def main():
     with open(os.path.join(args.out, "h200_e2e.md"), "w") as f:
         f.write(table + "\n")
     print(table)
+    # Nothing may compile after start-up: a timed run that compiled a kernel fails the benchmark.
+    if any(RESULTS["jit_compilations_in_timed_runs"].values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ many back-to-back launches (launch overhead is not what is measured). Decode rot
 of the KV data so that repeated launches do not read from L2. FlashAttention-4 is timed at the same shapes
 when `flash_attn.cute` imports. Writes results.json and results.md to the output dir; prints a table last.
 
-    python3 benchmarks/kernels_bench.py OUT_DIR [--budget-s 240] [--smoke]
+    python3 benchmarks/kernels_bench.py OUT_DIR [--budget-s 240] [--smoke] [--prefill-only]
+
+The prefill / extend table also says which kernel --attention-backend auto (triton-fa4) runs at each shape
+and its speed relative to FA4 (the target: 0.8 or more); the short-extend rows set FA4_MIN_QUERY_LEN.
 """
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import llmserve_core.kernels  # noqa: E402,F401  (interpreter on CPU for --smoke)
-from llmserve_core.kernels.paged_decode import (DecodeScratch, choose_num_splits, paged_decode,  # noqa: E402
-                                                paged_decode_reference)
-from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference  # noqa: E402
+from llmserve_core.kernels.attention_reference import paged_attention_reference  # noqa: E402
+from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode  # noqa: E402
+from llmserve_core.kernels.paged_prefill import paged_prefill  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference  # noqa: E402
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
@@ -158,14 +161,14 @@ class Bench:
         out = torch.full_like(q, float("nan"))
         scratch = DecodeScratch()
         check = min(batch, 8)
-        ref = paged_decode_reference(q[:check], kc, vc, tables[0][:check], lens[:check], self.scale)
+        ref = paged_attention_reference(q[:check], kc, vc, lens[:check], tables[0][:check], self.scale)
         shape = dict(kind="decode", batch=batch, ctx=ctx, block_size=block_size, kv_bytes=kv_bytes,
                      kv_copies=copies)
         n_launch = max(copies, 4 if kv_bytes > ROTATE_BYTES else 8)
 
         variants = [{}] + list(sweep)
         last = tables[(n_launch - 1) % copies]
-        ref_last = paged_decode_reference(q[:check], kc, vc, last[:check], lens[:check], self.scale)
+        ref_last = paged_attention_reference(q[:check], kc, vc, lens[:check], last[:check], self.scale)
         for var in variants:
             splits = var.get("num_splits") or choose_num_splits(batch, self.KVH)
             try:
@@ -211,7 +214,7 @@ class Bench:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         maxq = max(query_lens)
         out = torch.full_like(q, float("nan"))
-        ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, self.scale)
+        ref = paged_attention_reference(q, kc, vc, lens, bt, self.scale, query_start_loc=qsl)
         pairs = sum(ql * c + ql * (ql + 1) // 2 for ql, c in zip(query_lens, ctx_lens))
         flops = 4 * self.H * self.D * pairs
         shape = dict(kind=name, batch=len(query_lens), query_len=maxq, ctx=max(ctx_lens), block_size=block_size,
@@ -291,7 +294,7 @@ class Bench:
             kc, vc, tables = self.paged_kv([ctx] * batch, 16, 1)
             lens = torch.tensor([ctx] * batch, dtype=torch.int32, device=self.device)
             q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
-            us = self.wall_us(lambda: paged_decode_reference(q, kc, vc, tables[0], lens, self.scale))
+            us = self.wall_us(lambda: paged_attention_reference(q, kc, vc, lens, tables[0], self.scale))
             kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
             self.add(kind="decode", batch=batch, ctx=ctx, block_size=16, impl="torch reference", us=us,
                      tbps=kv_bytes / us / 1e6, method="wall")
@@ -300,7 +303,8 @@ class Bench:
         q = torch.randn(ql, self.H, self.D, device=self.device, dtype=self.dtype)
         qsl = torch.tensor([0, ql], dtype=torch.int32, device=self.device)
         lens = torch.tensor([ql], dtype=torch.int32, device=self.device)
-        us = self.wall_us(lambda: paged_prefill_reference(q, kc, vc, qsl, lens, tables[0], self.scale))
+        us = self.wall_us(lambda: paged_attention_reference(q, kc, vc, lens, tables[0], self.scale,
+                                                            query_start_loc=qsl))
         flops = 4 * self.H * self.D * ql * (ql + 1) // 2
         self.add(kind="prefill", batch=1, query_len=ql, ctx=0, block_size=16, impl="torch reference", us=us,
                  tflops=flops / us / 1e6, method="wall")
@@ -320,9 +324,9 @@ class Bench:
 # ---------------------------------------------------------------- FlashAttention-4
 
 def load_fa4():
+    from llmserve_core.layers.attention.flash_attn_backend import load_fa4 as load
     try:
-        from flash_attn.cute import flash_attn_varlen_func
-        return flash_attn_varlen_func
+        return load()
     except Exception as e:  # not installed, or its runtime does not load here
         print(f"FA4 not available: {type(e).__name__}: {e}", file=sys.stderr)
         return None
@@ -341,6 +345,15 @@ def fa4_decode(fn, q, kc, vc, bt, lens, scale, num_splits):
 def fa4_prefill(fn, q, kc, vc, bt, qsl, lens, maxq, scale):
     return _first(fn(q, kc, vc, cu_seqlens_q=qsl, seqused_k=lens, page_table=bt, max_seqlen_q=maxq,
                      softmax_scale=scale, causal=True))
+
+
+def engine_takes_fa4(max_query_len: int) -> bool:
+    """The triton-fa4 backend's own predicate at the benchmark's dtype and head size (no tree mask)."""
+    from types import SimpleNamespace
+
+    from llmserve_core.layers.attention.triton_fa4_backend import use_fa4
+    batch = SimpleNamespace(tree_mask=None, uniform_query_len=0, max_query_len=max_query_len)
+    return use_fa4(torch.bfloat16, 128, batch, False)
 
 
 # ---------------------------------------------------------------- checks
@@ -394,8 +407,8 @@ def table(rows: list[dict]) -> str:
     pre = [r for r in rows if r["kind"] in ("prefill", "extend") and "us" in r and r["impl"] != "torch reference"]
     keys = sorted({(r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"]) for r in pre})
     if keys:
-        lines += ["", "| shape | page | triton us | TFLOP/s | best variant us | FA4 us | FA4 TFLOP/s | FA4/triton |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| shape | page | triton us | TFLOP/s | best variant us | FA4 us | FA4 TFLOP/s | FA4/triton | "
+                  "engine path | engine speed / FA4 |", "|---|---|---|---|---|---|---|---|---|---|"]
         for key in keys:
             rs = [r for r in pre if (r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"]) == key]
             t = next((r for r in rs if r["impl"] == "triton"), None)
@@ -404,9 +417,12 @@ def table(rows: list[dict]) -> str:
             if t is None:
                 continue
             name = f"{key[0]} {key[1]}x{key[2]}" + (f" over {key[3]}" if key[3] else "")
+            # What --attention-backend auto (triton-fa4) runs at this shape, and its speed relative to FA4.
+            path = f if (f is not None and engine_takes_fa4(key[2])) else t
             lines.append(f"| {name} | {key[4]} | {t['us']:.1f} | {t['tflops']:.0f} | "
                          f"{best['us']:.1f} ({best['impl']}) | {fmt(f and f['us'], '.1f')} | "
-                         f"{fmt(f and f['tflops'], '.0f')} | {fmt(f and f['us'] / t['us'], '.2f')} |")
+                         f"{fmt(f and f['tflops'], '.0f')} | {fmt(f and f['us'] / t['us'], '.2f')} | "
+                         f"{'fa4' if path is f else 'triton'} | {fmt(f and f['us'] / path['us'], '.2f')} |")
     other = [r for r in rows if r not in dec and r not in pre]
     if other:
         lines += ["", "| other | impl | us | rate | err | method |", "|---|---|---|---|---|---|"]
@@ -425,6 +441,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240, help="stop starting new shapes after this long")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     ap.add_argument("--commit", default="", help="git commit the numbers belong to")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only prefill / extend shapes, Triton against FA4 (skips decode and small ops)")
     args = ap.parse_args()
     b = Bench(args.out_dir, args.budget_s, args.smoke)
     b.meta["commit"] = args.commit
@@ -452,17 +470,19 @@ def main():
         # Most important first, so a short budget still answers the questions that matter.
         def dv(s, bn, w=4, st=2):
             return dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st)
-        step("decode b1 4096 p128", b.decode, 1, 4096, 128, True,
-             sweep=[dv(64, 32), dv(64, 64), dv(128, 32, 2), dv(256, 16), dv(128, 32, 4, 3)])
-        step("decode b1 4096 p16", b.decode, 1, 4096, 16, True, sweep=[dv(64, 64)])
-        step("decode b8 4096 p128", b.decode, 8, 4096, 128, True, sweep=[dv(8, 64), dv(32, 32), dv(16, 64, 4, 3)])
-        step("decode b64 1024 p128", b.decode, 64, 1024, 128, True,
-             sweep=[dv(2, 64), dv(1, 128, 8), dv(1, 64, 4, 3), dv(1, 32, 4, 3)])
-        step("decode b64 1024 p16", b.decode, 64, 1024, 16, True)
-        step("decode b64 4096 p128", b.decode, 64, 4096, 128, True,
-             sweep=[dv(1, 128, 8), dv(1, 64, 4, 3), dv(1, 128, 4, 3), dv(1, 64, 8, 3)])
-        step("decode b256 1024 p128", b.decode, 256, 1024, 128, True, sweep=[dv(1, 128, 8), dv(1, 64, 4, 3)])
-        step("decode b256 4096 p128", b.decode, 256, 4096, 128, True, sweep=[dv(1, 128, 8), dv(1, 64, 4, 3)])
+        if not args.prefill_only:     # the first-answered decode shapes
+            step("decode b1 4096 p128", b.decode, 1, 4096, 128, True,
+                 sweep=[dv(64, 32), dv(64, 64), dv(128, 32, 2), dv(256, 16), dv(128, 32, 4, 3)])
+            step("decode b1 4096 p16", b.decode, 1, 4096, 16, True, sweep=[dv(64, 64)])
+            step("decode b8 4096 p128", b.decode, 8, 4096, 128, True,
+                 sweep=[dv(8, 64), dv(32, 32), dv(16, 64, 4, 3)])
+            step("decode b64 1024 p128", b.decode, 64, 1024, 128, True,
+                 sweep=[dv(2, 64), dv(1, 128, 8), dv(1, 64, 4, 3), dv(1, 32, 4, 3)])
+            step("decode b64 1024 p16", b.decode, 64, 1024, 16, True)
+            step("decode b64 4096 p128", b.decode, 64, 4096, 128, True,
+                 sweep=[dv(1, 128, 8), dv(1, 64, 4, 3), dv(1, 128, 4, 3), dv(1, 64, 8, 3)])
+            step("decode b256 1024 p128", b.decode, 256, 1024, 128, True, sweep=[dv(1, 128, 8), dv(1, 64, 4, 3)])
+            step("decode b256 4096 p128", b.decode, 256, 4096, 128, True, sweep=[dv(1, 128, 8), dv(1, 64, 4, 3)])
         prefill_cfgs = [dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
                         dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                         dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
@@ -471,8 +491,16 @@ def main():
         step("extend 4x1024+2048 p128", b.prefill, "extend", [1024] * 4, [2048] * 4, 128, True,
              configs=prefill_cfgs)
         step("extend 4x1024+1024 p128", b.prefill, "extend", [1024] * 4, [1024] * 4, 128, True)
-        step("prefill 8x512 p16", b.prefill, "prefill", [512] * 8, [0] * 8, 16, False)
-        step("extend 4x1024+2048 p16", b.prefill, "extend", [1024] * 4, [2048] * 4, 16, False)
+        step("prefill 8x512 p16", b.prefill, "prefill", [512] * 8, [0] * 8, 16, True)
+        step("extend 4x1024+2048 p16", b.prefill, "extend", [1024] * 4, [2048] * 4, 16, True)
+        # Short extends (a few new rows per sequence over a context; a speculative verify instead takes the
+        # decode kernel's rows path): which kernel is faster decides FA4_MIN_QUERY_LEN in triton_fa4_backend.py.
+        for batch in (1, 8, 64):
+            for ql in (4, 8, 16, 32):
+                step(f"short extend {batch}x{ql}+640 p16", b.prefill, "extend", [ql] * batch, [640] * batch, 16, True)
+        if args.prefill_only:
+            b.meta["wall_s"] = time.time() - t_start
+            return finish(b, args)
         done = {(1, 4096, 128), (1, 4096, 16), (8, 4096, 128), (64, 1024, 128), (64, 1024, 16), (64, 4096, 128),
                 (256, 1024, 128), (256, 4096, 128)}
         for batch in (1, 8, 64, 256):
@@ -484,6 +512,10 @@ def main():
         step("torch reference", b.torch_reference_attention)
 
     b.meta["wall_s"] = time.time() - t_start
+    finish(b, args)
+
+
+def finish(b: Bench, args) -> None:
     b.save()
     md = table(b.rows)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:

@@ -20,16 +20,3 @@ def write_qwen3_8b_dir(path: str) -> str:
         json.dump({"eos_token_id": [151645, 151643]}, f)
     return path
 
-
-def weight_bytes(dtype_bytes: int = 2) -> int:
-    c = QWEN3_8B_CONFIG
-    h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    q = c["num_attention_heads"] * c["head_dim"]
-    kv = c["num_key_value_heads"] * c["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * c["head_dim"]
-    return dtype_bytes * (L * per_layer + 2 * v * h + h)
-
-
-def kv_bytes_per_token(dtype_bytes: int = 2) -> int:
-    c = QWEN3_8B_CONFIG
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine = Engine(EngineConfig(
             model=target, device=device.type, load_format="dummy", speculative_model=draft,
             speculative_gamma=None if tree else args.gamma, max_num_seqs=max(batches), max_model_len=args.context + 64,
-            speculative_policy="always", **tree,
+            speculative_policy="always", warmup=False, **tree,   # time_batch warms up what it times
             num_kv_blocks=max(batches) * per_seq + 1, block_size=block_size, enforce_eager=args.enforce_eager,
             attention_backend=args.attention_backend, max_num_batched_tokens=max(8192, max(batches) * (args.gamma + 1))))
         measure = timer(device, args.warmup, args.iters)

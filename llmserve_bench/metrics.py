@@ -237,6 +237,9 @@ def stats_summary(samples: list[tuple[float, dict]], start: float | None = None,
         out["core_generated_tokens_per_step"] = _delta(first, last, "total_generated_tokens") / steps
     if isinstance(last.get("num_preemptions"), int):
         out["core_preemptions"] = _delta(first, last, "num_preemptions")
+    if isinstance(last.get("jit_compilations"), int):
+        # Kernels compiled inside the span: each one stalled the core for seconds.
+        out["core_jit_compilations"] = _delta(first, last, "jit_compilations")
     for k, v in last.items():
         if k.startswith(("spec_num_", "spec_time_")):      # counters: what happened inside the span
             out[f"core_{k}"] = _delta(first, last, k)

@@ -41,6 +41,7 @@ CORE_ROWS = [
     ("Prefix cache hit rate (%)", "core_prefix_hit_rate", "%"),
     ("Generated tokens per engine step", "core_generated_tokens_per_step", ".2f"),
     ("Preemptions", "core_preemptions", "d"),
+    ("Kernels JIT-compiled in the core", "core_jit_compilations", "d"),
 ]
 WIDTH = 50
 

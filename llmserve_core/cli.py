@@ -28,6 +28,8 @@ DAEMON_FLAGS = {
     "client_timeout": (float, 15.0, "drop a client silent this many seconds and abort its requests"),
     "drain_timeout": (float, 30.0, "on SIGTERM/SIGINT, seconds running requests may take to finish"),
     "log_interval": (float, 10.0, "seconds between stats log lines (0: off)"),
+    "max_unread_bytes": (int, 16 * 1024 * 1024, "disconnect a client (aborting its requests) once this many bytes "
+                                                "sent to it sit unread, or any sit unread for --client-timeout"),
 }
 
 
@@ -121,7 +123,7 @@ def parse_serve_args(argv: list[str]):
         parser.error(_as_flag_error(str(e)))
     if not os.path.isdir(engine_cfg.model):
         parser.error(f"--model: {engine_cfg.model!r} is not a directory")
-    for name in ("heartbeat_interval", "client_timeout", "drain_timeout"):
+    for name in ("heartbeat_interval", "client_timeout", "drain_timeout", "max_unread_bytes"):
         if not getattr(daemon_cfg, name) > 0:
             parser.error(f"--{name.replace('_', '-')}: must be > 0")
     if daemon_cfg.client_timeout <= 2 * daemon_cfg.heartbeat_interval:
@@ -131,8 +133,10 @@ def parse_serve_args(argv: list[str]):
     from llmserve_core.server import prepare_endpoint
     try:
         prepare_endpoint(daemon_cfg)
-    except (ValueError, RuntimeError, PermissionError) as e:
-        parser.error(str(e) if str(e).startswith("listen") else f"listen: {e}")
+    except (ValueError, PermissionError) as e:
+        # One line, no usage dump: the flags parsed fine, the address is what is wrong.
+        print(f"llmserve-core: error: {e if str(e).startswith('listen') else f'listen: {e}'}", file=sys.stderr)
+        sys.exit(2)
     return engine_cfg, daemon_cfg, args["log_level"]
 
 

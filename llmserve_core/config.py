@@ -30,10 +30,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    max_queued_requests_per_client: int = 1024   # waiting (not yet running) requests one client may have; 0: no cap
     # Model runner.
-    attention_backend: str = "auto"       # auto | torch | triton | flash-attn
+    attention_backend: str = "auto"       # auto | torch | triton | triton-fa4 | flash-attn
     enforce_eager: bool = False           # no CUDA graphs
     async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
+    warmup: bool | None = None            # run every kind of step once before serving, so no kernel compiles
+                                          # inside a request (default: on for cuda)
     # EAGLE-3 speculative decoding.
     speculative_model: str | None = None
     speculative_gamma: int | None = None      # draft depth (chain: drafts per step); default 3
@@ -56,6 +59,9 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def resolved_warmup(self) -> bool:
+        return self.warmup if self.warmup is not None else self.resolved_device().type == "cuda"
+
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
@@ -72,6 +78,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: {msg}")
         need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(self.max_queued_requests_per_client >= 0, "max_queued_requests_per_client", "must be >= 0")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import stat
 import tempfile
 
 SOCKET_NAME = "core.sock"
+IPC_PATH_MAX_BYTES = 107        # sizeof(sockaddr_un.sun_path) - 1 on Linux
+
+_TCP = re.compile(r"tcp://(?:\[(?P<v6>[^\[\]]+)\]|(?P<host>[^\[\]:/]+)):(?P<port>\d{1,5})")
 
 
 def runtime_dir() -> str:
@@ -41,18 +45,34 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
+def is_ipv6_endpoint(endpoint: str) -> bool:
+    m = _TCP.fullmatch(endpoint)
+    return m is not None and m.group("v6") is not None
+
+
 def check_listen_endpoint(endpoint: str, allow_remote: bool = False) -> str:
     """Validate an endpoint the core will bind; returns it. tcp must name a loopback address unless
-    allow_remote (the protocol has no authentication)."""
+    allow_remote (the protocol has no authentication); an IPv6 address goes in brackets."""
     if endpoint.startswith("ipc://"):
-        if not ipc_path(endpoint):
+        path = ipc_path(endpoint)
+        if not path:
             raise ValueError(f"listen: empty ipc path in {endpoint!r}")
+        n = len(os.fsencode(path))
+        if n > IPC_PATH_MAX_BYTES:
+            raise ValueError(f"listen: the ipc path is {n} bytes long; Unix sockets allow at most "
+                             f"{IPC_PATH_MAX_BYTES}: choose a shorter path")
         return endpoint
     if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://"):].rpartition(":")
-        host = host.strip("[]")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"listen: expected tcp://HOST:PORT, got {endpoint!r}")
+        m = _TCP.fullmatch(endpoint)
+        if m is None or not 0 < int(m.group("port")) < 65536:
+            raise ValueError(f"listen: expected tcp://HOST:PORT or tcp://[IPV6]:PORT with a port in 1..65535, "
+                             f"got {endpoint!r}")
+        host = m.group("v6") or m.group("host")
+        if m.group("v6") is not None:
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                raise ValueError(f"listen: {host!r} in brackets is not an IPv6 address") from None
         if not allow_remote:
             try:
                 loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback

@@ -6,8 +6,11 @@ older peer can still decode a newer message (trailing defaults are omitted on th
 """
 from __future__ import annotations
 
+import sys
+
 import msgspec
 
+from llmserve_proto.bounds import INT32_MAX, INT64_MAX, INT64_MIN, Float, Int, IntList, Str, StrList, check_fields
 from llmserve_proto.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -55,6 +58,29 @@ class Goodbye(msgspec.Struct, **_msg("goodbye")):
 
 
 ClientMessage = Hello | Generate | Abort | StatsRequest | Ping | Goodbye
+
+MAX_REQUEST_ID_LEN = 256
+
+# Bounds of every client -> core field (see bounds.py), one table per message. client_name is not bounded
+# here: a long one is truncated for display, never refused. Vocabulary and max_model_len limits are the
+# core's to add, as it alone knows them.
+CLIENT_BOUNDS = {
+    Hello: {"protocol_version": Int(INT64_MIN, INT64_MAX)},
+    Generate: {"request_id": Str(MAX_REQUEST_ID_LEN, min_chars=1),
+               "prompt_token_ids": IntList(0, INT64_MAX, max_len=INT32_MAX, min_len=1)},
+    Abort: {"request_ids": StrList(max_len=65536, max_chars=MAX_REQUEST_ID_LEN)},
+    StatsRequest: {"nonce": Int(INT64_MIN, INT64_MAX)},
+    Ping: {"time": Float(-sys.float_info.max, sys.float_info.max)},
+    Goodbye: {},
+}
+
+
+def validate_client_message(msg) -> None:
+    """Raise ValidationError naming the first out-of-bounds field of a decoded client message (sampling
+    fields are named bare, e.g. "temperature", as SamplingParams.validate() names them)."""
+    check_fields(msg, CLIENT_BOUNDS[type(msg)])
+    if isinstance(msg, Generate):
+        msg.params.validate()
 
 
 # ---------------------------------------------------------------- core -> client

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import msgspec
 
+from llmserve_proto.bounds import (INT32_MAX, INT64_MAX, Bool, Float, Int, IntFloatMap, IntList, Nested, StrList,
+                                   ValidationError, check_fields)
 
-class ValidationError(ValueError):
-    """A request field is out of range. `field` names it so a client can point at it."""
+__all__ = ["SamplingParams", "ValidationError", "GREEDY_EPSILON"]
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (1e-40 is a
+# float32 denormal), and the distribution it asks for is the argmax anyway.
+GREEDY_EPSILON = 1e-5
 
 
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -45,17 +45,12 @@ class GuidedDecoding(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValidationError("guided.choice", "must be a non-empty list of non-empty strings")
 
 
-def _number_in(value, lo: float, hi: float) -> bool:
-    """A real number (not a bool) in [lo, hi]; NaN and infinities fail."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
-
-
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     """Per-request sampling and stopping controls (vLLM's names and defaults).
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k. `logprobs`: None for none, 0 for the
-    sampled token's log-probability only, n for it plus the n most likely tokens. `stop` strings are
-    matched by the client on detokenized text; the core never sees text.
+    temperature 0 (or below GREEDY_EPSILON) means greedy. top_k 0 or -1 disables top-k. `logprobs`: None
+    for none, 0 for the sampled token's log-probability only, n for it plus the n most likely tokens.
+    `stop` strings are matched by the client on detokenized text; the core never sees text.
     """
 
     max_tokens: int = 16
@@ -81,55 +76,17 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     guided: GuidedDecoding | None = None
 
     MAX_LOGPROBS = 20
+    MAX_TEMPERATURE = 100.0      # past this the distribution is uniform to float32 precision anyway
     MAX_PENALTY = 2.0            # OpenAI's range for presence and frequency penalties: [-2, 2]
     MAX_REPETITION_PENALTY = 100.0
     MAX_LOGIT_BIAS = 100.0       # OpenAI's range for a bias: [-100, 100]
 
     def validate(self) -> "SamplingParams":
-        """Raise ValidationError naming the first bad field; return self so calls can chain."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValidationError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise ValidationError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValidationError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValidationError("top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValidationError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValidationError("seed", f"must be in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValidationError("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValidationError("stop_token_ids", "must be non-negative integers")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValidationError("stop", "must be non-empty strings")
-        if not isinstance(self.speculative, bool):
-            raise ValidationError("speculative", f"must be a boolean, got {self.speculative!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _number_in(getattr(self, name), -self.MAX_PENALTY, self.MAX_PENALTY):
-                raise ValidationError(name, f"must be a number in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}], "
-                                            f"got {getattr(self, name)!r}")
-        if not (_number_in(self.repetition_penalty, 0.0, self.MAX_REPETITION_PENALTY) and self.repetition_penalty > 0):
-            raise ValidationError("repetition_penalty", f"must be a number in (0, {self.MAX_REPETITION_PENALTY:g}], "
-                                                        f"got {self.repetition_penalty!r}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValidationError("logit_bias", f"has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES}")
-        for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**31:
-                raise ValidationError("logit_bias", f"keys must be token ids in [0, 2**31), got {token!r}")
-            if not _number_in(bias, -self.MAX_LOGIT_BIAS, self.MAX_LOGIT_BIAS):
-                raise ValidationError("logit_bias", f"token {token}: bias must be a number in "
-                                                    f"[-{self.MAX_LOGIT_BIAS:g}, {self.MAX_LOGIT_BIAS:g}], got {bias!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
-                or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValidationError("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], "
-                                                f"got {self.min_tokens!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValidationError("include_stop_str_in_output", "must be a boolean")
-        if self.guided is not None:
-            self.guided.validate()
+        """Raise ValidationError naming the first bad field; return self so calls can chain.
+        Context-dependent limits (max_model_len, the vocabulary) are the engine's to check."""
+        check_fields(self, SAMPLING_BOUNDS)
+        if self.min_tokens > self.max_tokens:
+            raise ValidationError("min_tokens", f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         return self
 
     @property
@@ -143,4 +100,30 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPSILON
+
+
+# One entry per field, in field order: a new field adds its line here (test_protocol checks every field has
+# one). The bounds are what the core's tensors hold: top_k and counts fit int32, seeds and token ids int64,
+# floats are finite.
+SAMPLING_BOUNDS = {
+    "max_tokens": Int(1, INT32_MAX),
+    "temperature": Float(0.0, SamplingParams.MAX_TEMPERATURE),
+    "top_p": Float(0.0, 1.0, lo_open=True),
+    "top_k": Int(-1, INT32_MAX),
+    "min_p": Float(0.0, 1.0),
+    "seed": Int(0, INT64_MAX, optional=True),
+    "stop_token_ids": IntList(0, INT64_MAX, max_len=1024),
+    "ignore_eos": Bool(),
+    "logprobs": Int(0, SamplingParams.MAX_LOGPROBS, optional=True),
+    "stop": StrList(max_len=256, max_chars=4096),
+    "speculative": Bool(),
+    "presence_penalty": Float(-SamplingParams.MAX_PENALTY, SamplingParams.MAX_PENALTY),
+    "frequency_penalty": Float(-SamplingParams.MAX_PENALTY, SamplingParams.MAX_PENALTY),
+    "repetition_penalty": Float(0.0, SamplingParams.MAX_REPETITION_PENALTY, lo_open=True),
+    "logit_bias": IntFloatMap(0, INT32_MAX, -SamplingParams.MAX_LOGIT_BIAS, SamplingParams.MAX_LOGIT_BIAS,
+                              max_len=MAX_LOGIT_BIAS_ENTRIES),
+    "min_tokens": Int(0, INT32_MAX),          # and at most max_tokens (validate)
+    "include_stop_str_in_output": Bool(),
+    "guided": Nested(GuidedDecoding, optional=True),
+}

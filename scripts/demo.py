@@ -52,7 +52,7 @@ def main() -> int:
             print(f"\n\n[{done.finish_reason}] {done.usage.completion_tokens} tokens, "
                   f"TTFT {1000 * done.timings.ttft:.1f} ms, total {1000 * done.timings.e2e:.1f} ms")
             stats = client.stats()
-            keep = ("running", "waiting", "free_kv_blocks", "total_kv_blocks", "prefix_hit_rate", "num_steps",
+            keep = ("running", "waiting", "used_kv_blocks", "cached_kv_blocks", "total_kv_blocks", "prefix_hit_rate", "num_steps",
                     "spec_acceptance_rate", "spec_mean_acceptance_length")
             print("engine stats:", {k: round(v, 3) if isinstance(v, float) else v
                                     for k, v in stats.items() if k in keep})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 
 
 def make_kv_caches(cfg, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):

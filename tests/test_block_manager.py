@@ -66,7 +66,7 @@ def test_draft_row_flags_follow_published_blocks_and_valid_twins_replace_flagged
         bm.release(r)
     bm.check_invariants()
     # Reusing the replaced block for other tokens must not drop the entry that now names its twin.
-    while bm.num_free_blocks:
+    while bm.num_free_blocks + bm.num_cached_blocks:      # every unreferenced block, evicting the cached
         bm.allocate(make_req("x", [1]), 1)
     assert bm.num_cached_blocks == 0 and all(bm.ref_counts)
 
@@ -77,14 +77,16 @@ def test_release_keeps_cache_until_evicted_lru():
     run_prefill(bm, a)
     bm.release(a)
     bm.check_invariants()
-    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    # Two blocks hold the cached prefix (evictable), two are empty; none is used.
+    assert (bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks) == (2, 2, 0)
     again = make_req("a2", [1, 2, 3, 4, 5])
     assert bm.admit(again) == 4           # both full blocks still cached
+    assert (bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks) == (2, 0, 2)
     bm.release(again)
     other = make_req("o", [7, 7, 7, 7, 7, 7, 7])
     other.num_computed_tokens = bm.admit(other)
     bm.allocate(other, 7)                 # needs all 4 blocks: evicts both cached ones
-    assert bm.num_cached_blocks == 0
+    assert (bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks) == (0, 0, 4)
     assert bm.admit(make_req("x", [1, 2, 3, 4, 5])) == 0
     bm.check_invariants()
 
@@ -143,9 +145,10 @@ def test_random_workload_never_leaks(seed, caching, block_size):
             bm.release(live.pop(rnd.randrange(len(live))))
         bm.check_invariants()
         held = sum(len(r.block_ids) for r in live)
-        assert held >= bm.num_blocks - bm.num_free_blocks   # shared blocks are counted once in the pool
+        assert held >= bm.num_used_blocks   # shared blocks are counted once in the pool
     for req in live:
         bm.release(req)
     bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
+    assert bm.num_cached_blocks == (len(bm.cached) if caching else 0)
     assert all(c == 0 for c in bm.ref_counts)

@@ -21,26 +21,13 @@ from llmserve_client import AsyncClient, Client, EngineDeadError, HandshakeTimeo
 from llmserve_proto import Hello, ModelInfo, decode_core, encode
 from llmserve_proto.messages import EngineError as EngineErrorMsg
 from llmserve_proto.messages import RequestError as RequestErrorMsg
-from llmserve_proto.messages import Heartbeat, Welcome
+from llmserve_proto.messages import Welcome
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE_ARGS = ["--device", "cpu", "--max-model-len", "512", "--num-kv-blocks", "256", "--block-size", "16"]
+from daemon_helpers import (READY_TIMEOUT, ROOT, free_port, recv_reply, start_core, stop_core, wait_idle,
+                            wait_ready)
+
 PROMPTS = ["def add(a, b):", "Return the value of", "The quick brown fox", "import os\nimport sys\n",
            "class Stack:", "while True:", "for i in range(10):", "print('hello')"]
-
-
-def start_core(model_dir: str, endpoint: str, log_path: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model_dir, "--listen", endpoint,
-                             *ENGINE_ARGS, "--heartbeat-interval", "0.2", "--client-timeout", "3",
-                             "--log-interval", "0.5", *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
-
-
-def stop_core(proc: subprocess.Popen, timeout: float = 15.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +36,8 @@ def core(tiny_model_dir, tmp_path_factory):
     endpoint, log = f"ipc://{d}/core.sock", str(d / "core.log")
     proc = start_core(tiny_model_dir, endpoint, log)
     try:
-        with Client(endpoint, connect_timeout=60) as c:      # waits for the model to load
+        wait_ready(endpoint, proc, log)
+        with Client(endpoint) as c:
             assert c.model_info.vocab_size == 1024
         yield endpoint, proc, log
     finally:
@@ -73,18 +61,6 @@ def expected(engine, tok, prompts, max_tokens, **kw):
     from llmserve_proto import SamplingParams
     outs = engine.generate([tok.encode(p) for p in prompts], SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
     return [o.token_ids for o in outs]
-
-
-def wait_idle(client: Client, timeout: float = 10.0) -> dict:
-    """Stats once nothing runs or waits; fails if KV blocks stay held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if (s["running"] == 0 and s["waiting"] == 0 and s["live_requests"] == 0
-                and s["free_kv_blocks"] == s["total_kv_blocks"]):
-            return s
-        assert time.monotonic() < deadline, f"engine never went idle: {s}"
-        time.sleep(0.05)
 
 
 # ---- the shared core ----------------------------------------------------------------------------------
@@ -192,14 +168,6 @@ def test_bad_requests_are_rejected_with_the_field(core):
         wait_idle(c)
 
 
-def recv_reply(sock):
-    """The next message that is not a heartbeat (the core sends those on its own schedule)."""
-    while True:
-        msg = decode_core(sock.recv())
-        if not isinstance(msg, Heartbeat):
-            return msg
-
-
 def test_garbage_and_wrong_typed_messages_leave_the_engine_serving(core):
     endpoint, _, log = core
     ctx = zmq.Context.instance()
@@ -260,11 +228,11 @@ def test_killed_client_leaves_no_kv_blocks_held(core):
         assert victim.stdout.readline().strip() == b"streaming"
         with Client(endpoint) as c:
             before = c.stats()
-            assert before["running"] >= 1 and before["free_kv_blocks"] < before["total_kv_blocks"]
+            assert before["running"] >= 1 and before["used_kv_blocks"] > 0
             victim.kill()
             victim.wait()
             t0 = time.monotonic()
-            s = wait_idle(c, timeout=5.0)
+            s = wait_idle(c)
             assert time.monotonic() - t0 < 3.0     # noticed by the failing send, not the 3 s silence timeout
             assert s["requests_aborted_disconnect"] >= 1
     finally:
@@ -305,12 +273,12 @@ def test_many_short_lived_clients_in_one_process(core):
     # never disturb the next.
     endpoint, _, _ = core
     for i in range(40):
-        with Client(endpoint, connect_timeout=10) as c:
+        with Client(endpoint, connect_timeout=60) as c:
             if i % 10 == 0:
                 assert len(c.generate([1, 2, i + 3], max_tokens=2).token_ids) == 2
     with pytest.raises(HandshakeTimeoutError):
         Client(endpoint + ".absent", connect_timeout=0.2)
-    with Client(endpoint, connect_timeout=10) as c:
+    with Client(endpoint, connect_timeout=60) as c:
         assert c.stats()["running"] == 0
 
 
@@ -322,17 +290,11 @@ def test_periodic_log_line(core):
 
 # ---- cores of their own -------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigkill_of_the_core_makes_every_waiting_call_raise(tiny_model_dir, tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"     # tcp here; the shared core covers ipc
     proc = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"))
     try:
-        c = Client(endpoint, connect_timeout=60, heartbeat_timeout=2.0)
+        c = Client(endpoint, connect_timeout=READY_TIMEOUT, heartbeat_timeout=2.0)
         s = c.stream([1, 2, 3], max_tokens=400, ignore_eos=True)
         next(s)
         raised = []
@@ -351,7 +313,7 @@ def test_sigkill_of_the_core_makes_every_waiting_call_raise(tiny_model_dir, tmp_
         with pytest.raises(EngineDeadError):
             for _ in s:
                 pass
-        t.join(5)
+        t.join(15)
         assert raised and time.monotonic() - t0 < 3.0
         with pytest.raises(EngineDeadError):
             c.generate([1], max_tokens=2)
@@ -367,20 +329,20 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir, tmp_path):
     endpoint = f"ipc://{tmp_path}/core.sock"
     early: list = []
     # A client started before the core waits for it.
-    t = threading.Thread(target=lambda: early.append(Client(endpoint, connect_timeout=60)))
+    t = threading.Thread(target=lambda: early.append(Client(endpoint, connect_timeout=READY_TIMEOUT)))
     t.start()
     time.sleep(0.3)
     proc = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"), "--drain-timeout", "3",
                       "--max-model-len", "2048")
     try:
-        t.join(60)
+        t.join(READY_TIMEOUT)
         c = early[0]
         c.generate([1, 2, 3], max_tokens=4)      # warm the engine up so the drain window measures steady steps
         short = c.stream([1, 2, 3], max_tokens=6, ignore_eos=True)
         long = c.stream([4, 5, 6], max_tokens=2000, ignore_eos=True)
         next(short), next(long)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
+        assert proc.wait(60) == 0
         assert [x for x in short][-1].finish_reason == "length"
         assert [x for x in long][-1].finish_reason == "abort"
         assert len(short.completion.token_ids) == 6
@@ -393,29 +355,36 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir, tmp_path):
         proc.wait()
 
 
-def test_engine_failure_reaches_every_client_and_exits_1(tiny_model_dir, tmp_path):
+def test_an_engine_failing_every_step_reaches_every_client_and_exits_1(tiny_model_dir, tmp_path):
+    # One failing step fails only its requests (test_faults.py); steps failing in a row mean a broken
+    # engine: the requests of the first failures get errors, then the core tells everyone and exits 1.
     from llmserve_core import Engine, EngineConfig
     from llmserve_core.server import DaemonConfig, serve
+    from llmserve_core.server.busy_loop import MAX_CONSECUTIVE_STEP_FAILURES
     eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=512, num_kv_blocks=64))
-    real_step, calls = eng.step, []
+    real_launch, calls = eng.runner.launch, []
 
-    def failing_step():
+    def failing_launch(sched):
         calls.append(1)
         if len(calls) > 3:
             raise RuntimeError("device lost")
-        return real_step()
+        return real_launch(sched)
 
-    eng.step = failing_step
+    eng.runner.launch = failing_launch
     endpoint = f"ipc://{tmp_path}/core.sock"
     codes = []
     t = threading.Thread(target=lambda: codes.append(serve(eng, DaemonConfig(heartbeat_interval=0.2), endpoint)),
                          daemon=True)   # a failing test must not leave the process unable to exit
     t.start()
-    with Client(endpoint, connect_timeout=30) as c:
+    with Client(endpoint, connect_timeout=READY_TIMEOUT) as c:
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
+            with pytest.raises(RequestError, match="device lost") as e:
+                c.generate([1, 2, 3], max_tokens=50, ignore_eos=True)
+            assert e.value.field == "" and "internal error" in e.value.message
         with pytest.raises(EngineDeadError) as e:
             c.generate([1, 2, 3], max_tokens=50, ignore_eos=True)
         assert "device lost" in str(e.value)
-    t.join(10)
+    t.join(60)
     assert codes == [1]
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
+from llmserve_core.kernels.attention_reference import paged_attention_reference
 from llmserve_core.kernels.paged_decode import paged_decode
-from llmserve_core.kernels.paged_prefill import paged_prefill_reference
 from test_kernels import prefill_case, rel_err
 
 CUDA = torch.cuda.is_available()
@@ -30,7 +30,7 @@ def test_decode_rows_match_reference(rows, ctx_lens, num_heads, num_kv_heads, he
                                                   tree=tree)
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, 0.3, out=out, num_splits=num_splits, rows_per_seq=rows, tree_mask=mask)
-    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.3, tree_mask=mask)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3, query_start_loc=qsl, tree_mask=mask)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -49,4 +49,5 @@ def test_decode_rows_qwen3_8b_bf16(rows, tree, batch):
     q, kc, vc, bt, qsl, lens, mask = prefill_case([rows] * batch, ctx, 32, 8, 128, 16, torch.bfloat16, "cuda",
                                                   seed=batch + rows, tree=tree)
     out = paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, rows_per_seq=rows, tree_mask=mask)
-    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5, tree_mask=mask)) < 1e-2
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5, query_start_loc=qsl, tree_mask=mask)
+    assert rel_err(out, ref) < 1e-2

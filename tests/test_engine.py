@@ -89,7 +89,8 @@ def test_alone_equals_batched(model_case):
 def _assert_all_blocks_free(engine):
     st = engine.stats()
     assert st["running"] == 0 and st["waiting"] == 0
-    assert st["free_kv_blocks"] == st["total_kv_blocks"]
+    assert st["used_kv_blocks"] == 0
+    assert st["free_kv_blocks"] + st["cached_kv_blocks"] == st["total_kv_blocks"]
     engine.block_manager.check_invariants()
 
 
@@ -172,7 +173,7 @@ def test_abort_mid_generation_frees_blocks(engine):
     engine.add_request("b", list(range(2, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.stats()["free_kv_blocks"] < engine.stats()["total_kv_blocks"]
+    assert engine.stats()["used_kv_blocks"] > 0
     engine.abort("a")
     engine.abort("b")
     engine.step()
@@ -181,8 +182,11 @@ def test_abort_mid_generation_frees_blocks(engine):
 
 def test_stats_fields(engine):
     st = engine.stats()
-    for key in ("running", "waiting", "free_kv_blocks", "total_kv_blocks", "prefix_hit_rate", "num_tokens_scheduled"):
+    for key in ("running", "waiting", "free_kv_blocks", "cached_kv_blocks", "used_kv_blocks", "total_kv_blocks",
+                "kv_usage", "prefix_hit_rate", "num_tokens_scheduled"):
         assert key in st
+    assert st["free_kv_blocks"] + st["cached_kv_blocks"] + st["used_kv_blocks"] == st["total_kv_blocks"]
+    assert st["kv_usage"] == st["used_kv_blocks"] / st["total_kv_blocks"]
 
 
 # ---- sampling ----------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
-from llmserve_core.kernels.paged_decode import paged_decode, paged_decode_reference
-from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
+from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
+from llmserve_core.kernels.paged_decode import paged_decode
+from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
-from llmserve_core.layers.fp8 import FP8, FP8_MAX, dequantize_weight, from_cache, quantize_per_block, \
+from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, dequantize_weight, quantize_per_block, \
     quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from test_kernels import paged_cache, prefill_case, rel_err
@@ -164,10 +165,10 @@ def test_paged_decode_fp8_cache(dtype):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     for splits in (1, 4):
         out = paged_decode(q, kc8, vc8, bt, lens, 0.3, num_splits=splits, k_scale=0.05, v_scale=0.004)
-        ref = paged_decode_reference(q, kc8, vc8, bt, lens, 0.3, k_scale=0.05, v_scale=0.004)
+        ref = paged_attention_reference(q, kc8, vc8, lens, bt, 0.3, k_scale=0.05, v_scale=0.004)
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
     # the FP8 cache stays close to the float one it was made from
-    full = paged_decode_reference(q, kc * 3, vc * 0.2, bt, lens, 0.3)
+    full = paged_attention_reference(q, kc * 3, vc * 0.2, lens, bt, 0.3)
     assert rel_err(ref, full) < 0.1
 
 
@@ -175,7 +176,7 @@ def test_paged_prefill_fp8_cache():
     q, kc, vc, bt, qsl, lens, _ = prefill_case([5, 33, 3], [7, 40, 0], 4, 2, 16, 4, torch.float32, DEVICE, 5)
     kc8, vc8 = fp8_cache(kc, vc, 0.02, 0.5)
     out = paged_prefill(q, kc8, vc8, qsl, lens, bt, 33, 0.25, k_scale=0.02, v_scale=0.5)
-    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 0.25, k_scale=0.02, v_scale=0.5)
+    ref = paged_attention_reference(q, kc8, vc8, lens, bt, query_start_loc=qsl, scale=0.25, k_scale=0.02, v_scale=0.5)
     assert rel_err(out, ref) < 1e-5
     assert torch.equal(from_cache(kc8, 0.02), kc8.float() * 0.02)
 
@@ -188,7 +189,7 @@ def test_decode_rows_fp8_cache(rows, tree):
     kc8, vc8 = fp8_cache(kc, vc, 0.03, 0.2)
     out = paged_decode(q, kc8, vc8, bt, lens, 0.3, num_splits=2, rows_per_seq=rows, tree_mask=mask,
                        k_scale=0.03, v_scale=0.2)
-    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 0.3, tree_mask=mask, k_scale=0.03, v_scale=0.2)
+    ref = paged_attention_reference(q, kc8, vc8, lens, bt, query_start_loc=qsl, scale=0.3, tree_mask=mask, k_scale=0.03, v_scale=0.2)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -243,10 +244,10 @@ def test_fp8_kv_at_qwen3_8b_shapes():
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     q = torch.randn(4, 32, 128, generator=gen).to("cuda", torch.bfloat16)
     out = paged_decode(q, kc8, vc8, bt, lens, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
-    assert rel_err(out, paged_decode_reference(q, kc8, vc8, bt, lens, 128 ** -0.5, 0.01, 0.02)) < 2e-2
+    assert rel_err(out, paged_attention_reference(q, kc8, vc8, lens, bt, 128 ** -0.5, k_scale=0.01, v_scale=0.02)) < 2e-2
     q, kc, vc, bt, qsl, lens, _ = prefill_case([512, 1, 300], [0, 900, 64], 32, 8, 128, 16, torch.float32, "cuda", 1)
     kc8, vc8 = fp8_cache(kc, vc, 0.01, 0.02)
     q = q.to(torch.bfloat16)
     out = paged_prefill(q, kc8, vc8, qsl, lens, bt, 512, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
-    ref = paged_prefill_reference(q, kc8, vc8, qsl, lens, bt, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
+    ref = paged_attention_reference(q, kc8, vc8, lens, bt, query_start_loc=qsl, scale=128 ** -0.5, k_scale=0.01, v_scale=0.02)
     assert rel_err(out, ref) < 2e-2

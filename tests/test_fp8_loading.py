@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 
 from batch_helpers import make_batch, make_kv_caches
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.layers.fp8 import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
+from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
-from llmserve_core.models.tiny import write_sharded_copy
+from test_loader import write_sharded_copy
 from llmserve_proto import SamplingParams
 from test_engine import make_prompts
 

@@ -149,7 +149,7 @@ def test_grammars_always_match_from_random_weights(tiny_model_dir, tok, cfg):
         check_guided(tok.decode(o.token_ids, skip_special_tokens=True), p.guided)
     st = eng.stats()
     assert st["grammars_compiled"] == 5 and st["grammar_cache_hits"] == 5   # one compile per distinct grammar
-    assert st["free_kv_blocks"] == st["total_kv_blocks"]
+    assert st["used_kv_blocks"] == 0        # every block freed (the prompts stay cached)
 
 
 def test_grammar_that_cannot_finish_ends_with_length(tiny_model_dir, tok):

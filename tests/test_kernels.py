@@ -9,15 +9,17 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.engine.batch import ForwardBatch
-from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_reference
-from llmserve_core.kernels.paged_prefill import paged_prefill, paged_prefill_reference
+from llmserve_core.kernels.attention_reference import paged_attention_reference
+from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
+from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
 from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
+from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decode_config, prefill_config
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
+from llmserve_core.layers.batch import ForwardBatch
 from batch_helpers import allocate_tables, make_batch
 
 CUDA = torch.cuda.is_available()
@@ -81,7 +83,7 @@ def test_paged_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, n
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, 0.3, out=out, num_splits=num_splits)
-    ref = paged_decode_reference(q, kc, vc, bt, lens, 0.3)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -132,7 +134,7 @@ def test_paged_prefill(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, 
                                                block_size, torch.float32, DEVICE, sum(query_lens) + head_dim)
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 0.25, out=out)
-    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -142,9 +144,9 @@ def test_paged_prefill_tree_mask(query_lens, ctx_lens, block_size):
                                                   DEVICE, 7 + block_size, tree=True)
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 0.25, tree_mask=tree, out=out)
-    ref = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25, tree_mask=tree)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl, tree_mask=tree)
     assert rel_err(out, ref) < 1e-5
-    causal = paged_prefill_reference(q, kc, vc, qsl, lens, bt, 0.25)
+    causal = paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl)
     assert rel_err(out, causal) > 1e-3, "the tree mask must change the result"
 
 
@@ -279,7 +281,7 @@ def test_gpu_paged_decode(batch, ctx, block_size, num_heads, num_kv_heads):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, out=out)
-    assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
+    assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -292,7 +294,7 @@ def test_gpu_paged_prefill(query_lens, ctx_lens, block_size):
                                                "cuda", block_size)
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, kc, vc, qsl, lens, bt, max(query_lens), 128 ** -0.5, out=out)
-    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5)) < 1e-2
+    assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5, query_start_loc=qsl)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -301,7 +303,8 @@ def test_gpu_paged_prefill_tree_mask():
     q, kc, vc, bt, qsl, lens, tree = prefill_case([16, 25, 60], [500, 3000, 7], 32, 8, 128, 16, torch.bfloat16,
                                                   "cuda", 1, tree=True)
     out = paged_prefill(q, kc, vc, qsl, lens, bt, 60, 128 ** -0.5, tree_mask=tree)
-    assert rel_err(out, paged_prefill_reference(q, kc, vc, qsl, lens, bt, 128 ** -0.5, tree_mask=tree)) < 1e-2
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5, query_start_loc=qsl, tree_mask=tree)
+    assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -346,7 +349,7 @@ def test_gpu_triton_backend_bf16_and_decode_graph():
         q.copy_(torch.randn(4, 32, 128, generator=gen).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, paged_decode_reference(q, kc, vc, bt, lens, 128 ** -0.5)) < 1e-2
+        assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -364,3 +367,105 @@ def test_gpu_flash_attn_backend_matches_torch(block_size):
     for ref, got in zip(*outs):
         assert rel_err(got, ref) < 1e-2
     assert torch.equal(caches[0][0], caches[1][0])
+
+
+# ---------------------------------------------------------------- tile configs from the shared memory
+
+H200_SMEM = 232448
+
+
+def test_float32_head_128_prefill_no_longer_asks_for_more_than_the_h200_has():
+    bf16 = prefill_config(128, 2, short=False, smem_limit=H200_SMEM)
+    assert bf16 == TileConfig(128, 128, 8, 2)                       # the measured best stays
+    # The config the H200 refused: 2 stages of 128 x 128 float32 K and V tiles are 262,144 bytes alone.
+    assert attention_smem_bytes(TileConfig(128, 128, 8, 2), 128, 4) >= 262144
+    fp32 = prefill_config(128, 4, short=False, smem_limit=H200_SMEM)
+    assert fp32 != bf16 and attention_smem_bytes(fp32, 128, 4) <= H200_SMEM
+    for block_d in (64, 128, 256):
+        for elem in (2, 4):
+            for short in (True, False):
+                cfg = prefill_config(block_d, elem, short, H200_SMEM)
+                assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
+            cfg = decode_config(16, 64, block_d, elem, H200_SMEM)
+            assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
+
+
+def test_configs_fall_back_to_fewer_stages_then_narrower_tiles():
+    cfg = decode_config(16, 64, 256, 4, H200_SMEM)                  # float32, head_dim 256
+    assert (cfg.block_n, cfg.num_stages) == (64, 1)
+    small = 20_000
+    cfg = prefill_config(64, 4, short=True, smem_limit=small)
+    assert attention_smem_bytes(cfg, 64, 4) <= small and cfg.num_stages == 1 and cfg.block_n < 32
+    with pytest.raises(ValueError, match="does not fit"):
+        prefill_config(256, 4, short=True, smem_limit=1024)
+
+
+def test_prefill_is_exact_with_a_config_chosen_under_a_tiny_smem_limit():
+    """The tiles a small limit picks still compute the same attention (run here in the interpreter)."""
+    cfg = prefill_config(16, 4, short=True, smem_limit=9_000)
+    assert cfg.block_n == 16 and cfg.block_m >= 16
+    q, kc, vc, bt, qsl, lens, _ = prefill_case([19, 3], [5, 30], 4, 2, 16, 8, torch.float32, DEVICE, 3)
+    out = paged_prefill(q, kc, vc, qsl, lens, bt, 19, 0.25, block_m=cfg.block_m, block_n=cfg.block_n)
+    assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 0.25, query_start_loc=qsl)) < 1e-5
+
+
+# ---------------------------------------------------------------- Triton decode + FA4 prefill
+
+def test_fa4_predicate_takes_prefill_and_extend_only():
+    from llmserve_core.layers.attention.triton_fa4_backend import FA4_MIN_QUERY_LEN, use_fa4
+    tables, _ = allocate_tables([64, 64], 16)
+    prefill = make_batch([(0, 40), (10, FA4_MIN_QUERY_LEN)], tables, 16)
+    decode = make_batch([(30, 1), (12, 1)], tables, 16)
+    short = make_batch([(30, 4), (12, 4)], tables, 16)
+    verify = make_batch([(30, 16), (12, 16)], tables, 16)
+    verify.uniform_query_len = 16
+    assert use_fa4(torch.bfloat16, 128, prefill, capturing=False)
+    assert use_fa4(torch.float16, 64, prefill, capturing=False)
+    assert not use_fa4(torch.float32, 128, prefill, capturing=False)          # FA4 builds no float32
+    assert not use_fa4(torch.bfloat16, 256, prefill, capturing=False)         # nor heads over 128
+    assert not use_fa4(torch.bfloat16, 100, prefill, capturing=False)         # nor ones not a multiple of 8
+    assert not use_fa4(torch.bfloat16, 128, prefill, capturing=True)          # graphs keep the Triton path
+    assert not use_fa4(torch.bfloat16, 128, decode, capturing=False)          # decode: split-KV Triton wins
+    assert not use_fa4(torch.bfloat16, 128, short, capturing=False)           # a few rows: mostly padding
+    assert not use_fa4(torch.bfloat16, 128, verify, capturing=False)          # verify: Triton's decode rows
+    prefill.tree_mask = torch.ones(prefill.num_tokens, 40, dtype=torch.bool)
+    assert not use_fa4(torch.bfloat16, 128, prefill, capturing=False)         # tree masks need Triton
+
+
+def test_triton_fa4_backend_routes_by_the_predicate():
+    """Without FA4 here, both sides are stand-ins that record who ran; the GPU test checks the numbers."""
+    from llmserve_core.layers.attention.triton_fa4_backend import TritonFA4Backend
+    calls = []
+    backend = object.__new__(TritonFA4Backend)
+    backend.fa4 = lambda q, *a, **kw: (calls.append(("fa4", kw["max_seqlen_q"])), torch.zeros_like(q))[1]
+    backend.triton = type("T", (), {"forward": lambda self, q, *a: (calls.append(("triton", a[-2].max_query_len)),
+                                                                    torch.zeros_like(q))[1]})()
+    tables, num_blocks = allocate_tables([80], 16)
+    cache = torch.zeros(num_blocks, 16, 2, 16, dtype=torch.float16)
+    for step in ([(0, 40)], [(40, 1)], [(41, 4)]):
+        batch = make_batch(step, tables, 16)
+        t = batch.num_tokens
+        q, kv = torch.randn(t, 4, 16).half(), torch.randn(t, 2, 16).half()
+        backend.forward(q, kv, kv, cache, cache.clone(), batch, 0.25)
+    assert calls == [("fa4", 40), ("triton", 1), ("triton", 4)]
+    assert cache.abs().sum() > 0, "the FA4 path stores this step's K/V itself"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_triton_fa4_backend_matches_torch(block_size, dtype):
+    """Prefill, chunked extend mixed with decode rows, decode and a short verify-like extend, against the
+    torch reference: pages of 16 (FA4's non-TMA path) and 128 (its TMA path)."""
+    from llmserve_core.layers.attention.triton_fa4_backend import TritonFA4Backend
+    try:
+        backend = TritonFA4Backend()
+    except ImportError as e:
+        pytest.skip(str(e))
+    steps = [[(0, 300), (0, 40), (0, 700)], [(300, 1), (40, 1), (700, 129)], [(301, 64), (41, 1), (829, 1)],
+             [(365, 4), (42, 4), (830, 4)]]
+    outs, caches = backend_steps(steps, block_size, 32, 8, 128, dtype, "cuda", 5, [TorchAttentionBackend(), backend])
+    for ref, got in zip(*outs):
+        assert rel_err(got, ref) < 1e-2
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

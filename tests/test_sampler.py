@@ -3,6 +3,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmserve_core.layers.sampler import SamplingTensors, sample, sampling_probs
 from llmserve_proto import SamplingParams
@@ -93,3 +95,85 @@ def test_seeded_rows_reproducible_regardless_of_position():
     c = sample(logits[1:2], SamplingTensors.from_params([p], [g()], "cpu")).token_ids[0]
     assert a == b == c
     assert not math.isnan(float(a))
+
+
+# ---- degenerate parameters ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 1e-6, 9.99e-6, 0.0])
+def test_temperatures_below_epsilon_are_greedy(temperature):
+    torch.manual_seed(4)
+    logits = torch.randn(64, 50) * 3
+    st = SamplingTensors.from_params([SamplingParams(temperature=temperature, top_p=0.9)] * 64, [None] * 64, "cpu")
+    assert st.all_greedy and SamplingParams(temperature=temperature).greedy
+    assert sample(logits, st).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    # Mixed with sampled rows the tiny-temperature rows still take the argmax.
+    mixed = [SamplingParams(temperature=temperature), SamplingParams(temperature=1.0)] * 32
+    out = sample(logits, SamplingTensors.from_params(mixed, [None] * 64, "cpu")).token_ids
+    assert out[0::2].tolist() == logits[0::2].argmax(dim=-1).tolist()
+
+
+def test_temperature_at_epsilon_samples_and_stays_finite():
+    torch.manual_seed(5)
+    logits = torch.randn(4, 30) * 50       # logits / 1e-5 reach 1e7: softmax must still be finite
+    st = SamplingTensors.from_params([SamplingParams(temperature=1e-5)] * 4, [None] * 4, "cpu")
+    assert not st.all_greedy
+    probs = sampling_probs(logits, st)
+    assert torch.isfinite(probs).all() and probs.sum(-1).allclose(torch.ones(4))
+    assert sample(logits, st).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-30, 1e-8])
+def test_tiny_top_p_keeps_only_the_top_token(top_p):
+    torch.manual_seed(6)
+    logits = torch.randn(5, 40)
+    p = SamplingParams(temperature=1.0, top_p=top_p)
+    probs = sampling_probs(logits, SamplingTensors.from_params([p] * 5, [None] * 5, "cpu"))
+    assert not torch.isnan(probs).any()
+    assert probs.argmax(-1).tolist() == logits.argmax(-1).tolist()
+    assert probs.max(-1).values.tolist() == pytest.approx([1.0] * 5)
+    for row in range(5):
+        assert probs[row].tolist() == pytest.approx(reference_probs(logits[row], p), abs=1e-6)
+    tokens = sample(logits, SamplingTensors.from_params([p] * 5, [None] * 5, "cpu")).token_ids
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("min_p", [1e-300, 1e-45, 1.0])
+def test_extreme_min_p_matches_reference(min_p):
+    torch.manual_seed(7)
+    logits = torch.randn(3, 12) * 2
+    p = SamplingParams(temperature=0.8, min_p=min_p)
+    probs = sampling_probs(logits, SamplingTensors.from_params([p] * 3, [None] * 3, "cpu"))
+    for row in range(3):
+        assert probs[row].tolist() == pytest.approx(reference_probs(logits[row], p), abs=1e-6)
+
+
+def test_rows_without_a_distribution_take_the_greedy_token():
+    logits = torch.randn(3, 10)
+    logits[0, 4] = float("inf")                       # softmax of it is NaN
+    logits[1] = float("-inf")
+    logits[1, 7] = 0.0
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=3)] * 3, [None] * 3, "cpu")
+    tokens = sample(logits, st).token_ids.tolist()
+    assert tokens[0] == 4 and tokens[1] == 7 and 0 <= tokens[2] < 10
+
+
+EXTREME_VALID = dict(temperature=[1e-5, 1e-3, 1.0, 7.0, SamplingParams.MAX_TEMPERATURE],
+                     top_p=[1e-300, 1e-30, 0.3, 1.0], min_p=[0.0, 1e-300, 0.5, 1.0], top_k=[-1, 0, 1, 3, 2**31 - 1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(EXTREME_VALID["temperature"]), st.sampled_from(EXTREME_VALID["top_p"]),
+       st.sampled_from(EXTREME_VALID["min_p"]), st.sampled_from(EXTREME_VALID["top_k"]),
+       st.sampled_from([1e-3, 1.0, 30.0, 1e4]), st.integers(0, 2**31))
+def test_extreme_valid_parameters_give_the_reference_distribution(temperature, top_p, min_p, top_k, scale, seed):
+    torch.manual_seed(seed)
+    logits = torch.randn(2, 16) * scale
+    p = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k).validate()
+    st_ = SamplingTensors.from_params([p] * 2, [None] * 2, "cpu")
+    probs = sampling_probs(logits, st_)
+    assert torch.isfinite(probs).all()
+    tokens = sample(logits, st_).token_ids
+    for row in range(2):
+        want = reference_probs(logits[row], p)
+        assert probs[row].tolist() == pytest.approx(want, abs=1e-4)
+        assert want[tokens[row]] > 0, "sampled a token the reference filters out"

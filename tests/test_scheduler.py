@@ -102,4 +102,4 @@ def test_random_load_always_progresses():
         bm.check_invariants()
     assert not s.has_unfinished()
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_used_blocks == 0

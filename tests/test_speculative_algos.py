@@ -9,7 +9,7 @@ import torch
 
 from llmserve_core.layers.sampler import SamplingTensors, sampling_probs
 from llmserve_proto import SamplingParams
-from llmserve_core.speculative.types import SpecMetrics, SpecStepResult, results_from_verify
+from llmserve_core.speculative.types import SpecMetrics, SpecStepResult
 from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
 
 
@@ -141,7 +141,7 @@ def test_rejection_sampling_seeded_requests_are_reproducible_across_batches():
 
 def test_metrics_accumulate():
     m = SpecMetrics()
-    m.record(results_from_verify([[1, 2, 3], [4]], [3, 3]))
+    m.record([SpecStepResult([1, 2, 3], 3, 2), SpecStepResult([4], 3, 0)])
     m.record([SpecStepResult([5, 6, 7, 8], 3, 3)])
     assert m.num_steps == 3 and m.num_batches == 2
     assert m.acceptance_rate == pytest.approx(5 / 9)
@@ -159,7 +159,7 @@ def test_metrics_accumulate():
 
 # ---- trees -----------------------------------------------------------------------------------------
 
-from llmserve_core.engine.batch import ForwardBatch  # noqa: E402
+from llmserve_core.layers.batch import ForwardBatch  # noqa: E402
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from llmserve_core.speculative.tree import (  # noqa: E402
     CandidateTree, batch_tree_mask, compact_kv, fill_level, get_tree, tree_greedy_verify, tree_kv_moves,
@@ -179,7 +179,6 @@ def test_tree_structure_and_mask(name, gamma):
     for i in range(1, n):
         assert mask[i, tree.parents[i]]
         assert torch.equal(mask[i] & ~torch.nn.functional.one_hot(torch.tensor(i), n).bool(), mask[tree.parents[i]])
-    assert tree.position_offsets().tolist() == list(tree.depths)
     if name == "chain":
         assert torch.equal(mask, torch.ones(n, n, dtype=torch.bool).tril())
     if name == "eagle-small" and gamma == 3:
@@ -496,7 +495,7 @@ def test_draft_loader_names_sharing_and_vocab_mapping(target, draft_dir, tmp_pat
     assert draft.to_target_ids(torch.tensor([0, 1, 5])).tolist() == [0, 2, 10]
     assert int(draft.t2d.sum()) == cfg.draft_vocab_size and bool(draft.t2d[10]) and not bool(draft.t2d[11])
     logits = torch.randn(2, cfg.draft_vocab_size)
-    full = draft.target_space_logits(logits)
+    full = to_target_space(logits, draft.d2t, cfg.vocab_size)
     assert full.shape == (2, cfg.vocab_size) and torch.equal(full[:, 10], logits[:, 5]) and torch.isinf(full[:, 11]).all()
     with pytest.raises(ValueError, match="embed"):
         load_eagle3(draft_dir)                                                    # nothing to share
@@ -534,7 +533,7 @@ def test_dummy_draft_from_config_alone(draft_dir):
 
 # ---- proposal ------------------------------------------------------------------------------------------
 
-from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose  # noqa: E402
+from llmserve_core.speculative.propose import greedy_propose, sample_propose, to_target_space, topk_propose  # noqa: E402
 
 
 def test_propose_maps_draft_ids_and_samples_from_q():

@@ -21,7 +21,9 @@ CORE_GAUGES = {
     "waiting": ("llmserve_num_requests_waiting", "Requests queued in the engine."),
     "kv_usage": ("llmserve_kv_cache_usage_ratio", "Share of KV cache blocks in use (0..1)."),
     "prefix_hit_rate": ("llmserve_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache."),
-    "free_kv_blocks": ("llmserve_kv_cache_free_blocks", "Free KV cache blocks."),
+    "free_kv_blocks": ("llmserve_kv_cache_free_blocks", "Empty KV cache blocks (neither used nor cached)."),
+    "cached_kv_blocks": ("llmserve_kv_cache_cached_blocks", "Unused KV cache blocks holding a cached prefix (evictable)."),
+    "used_kv_blocks": ("llmserve_kv_cache_used_blocks", "KV cache blocks held by requests."),
     "total_kv_blocks": ("llmserve_kv_cache_total_blocks", "KV cache blocks in the pool."),
     "num_preemptions": ("llmserve_num_preemptions", "Requests preempted since the core started."),
 }

@@ -15,8 +15,3 @@ def corpus_paragraphs() -> tuple[str, ...]:
     text = CORPUS_PATH.read_text(encoding="utf-8")
     body = "\n".join(line for line in text.split("\n") if not line.startswith("#"))
     return tuple(p.strip() for p in body.split("\n\n") if p.strip())
-
-
-def corpus_text() -> str:
-    """The corpus body (no header), paragraphs separated by blank lines."""
-    return "\n\n".join(corpus_paragraphs())

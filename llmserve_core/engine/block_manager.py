@@ -4,6 +4,9 @@ A full block is named by a chained hash: sha256(parent block's hash + this block
 hashes mean equal whole prefixes (sha256 makes accidental collisions impossible in practice, unlike
 Python's hash()). Freed blocks keep their hash and stay findable until they are reused for other
 tokens; the free queue is LRU, so the blocks used longest ago are evicted first.
+
+Every block is in exactly one of three states: used (referenced by a request), cached (unreferenced but
+holding a published prefix: evictable, so as good as free for allocation) or free (unreferenced, empty).
 """
 from __future__ import annotations
 
@@ -38,18 +41,27 @@ class BlockManager:
         # draft_valid_tokens.
         self.draft_rows_valid: list[bool] = [True] * num_blocks
         self.cached: dict[bytes, int] = {}                    # hash -> block id
+        # Unreferenced blocks, cached and free alike, in eviction order (LRU first).
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._num_unreferenced_cached = 0     # of self.free, the blocks that still hold a cached prefix
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0      # of those, tokens found
 
     # ---- accounting -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        """Unreferenced blocks holding no cached prefix."""
+        return len(self.free) - self._num_unreferenced_cached
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.cached)
+        """Unreferenced blocks that still hold a cached prefix (evictable)."""
+        return self._num_unreferenced_cached
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.num_blocks - len(self.free)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -108,6 +120,7 @@ class BlockManager:
                 if self.cached.get(old) == block:
                     del self.cached[old]
                 self.block_hash[block] = None
+                self._num_unreferenced_cached -= 1
             self.ref_counts[block] = 1
             req.block_ids.append(block)
 
@@ -153,12 +166,15 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)  # uncached: reuse it first
                 else:
                     self.free[block] = None
+                    self._num_unreferenced_cached += 1
         req.block_ids = []
         req.block_hashes = []
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free[block]
+            if self.block_hash[block] is not None:
+                self._num_unreferenced_cached -= 1
         self.ref_counts[block] += 1
 
     def check_invariants(self) -> None:
@@ -168,3 +184,6 @@ class BlockManager:
             assert (self.ref_counts[block] == 0) == in_free, f"block {block}: ref {self.ref_counts[block]}, free {in_free}"
         for h, block in self.cached.items():
             assert self.block_hash[block] == h
+        cached_free = sum(1 for block in self.free if self.block_hash[block] is not None)
+        assert cached_free == self._num_unreferenced_cached, (cached_free, self._num_unreferenced_cached)
+        assert self.num_free_blocks + self.num_cached_blocks + self.num_used_blocks == self.num_blocks

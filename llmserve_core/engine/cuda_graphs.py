@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 
 log = logging.getLogger("llmserve.cuda_graphs")
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.engine.logits_inputs import build_logits_processors
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
@@ -469,7 +469,7 @@ class EagleExecutor:
         if logits is None:
             idx = (self._h2d(rows, torch.long)[:, None] + torch.arange(width, device=self.device)).flatten()
             logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
-        greedy = all(r.params.temperature == 0 for r in drafting)
+        greedy = all(r.params.greedy for r in drafting)
         generators = [r.generator for r in drafting]
         if not greedy:
             st = self._sampling(drafting)
@@ -573,6 +573,11 @@ class EagleExecutor:
         )
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        self.phases.collect()
+        self.metrics = SpecMetrics()
+        self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
+
     def stats(self) -> dict:
         """Scalar spec_* counters and rates (the protocol's stats carry scalars only)."""
         self.phases.collect()

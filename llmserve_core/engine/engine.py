@@ -16,11 +16,22 @@ from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, draft_
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler
+from llmserve_core.engine.warmup import warm_up
+from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.speculative.policy import Decision, MeasuredCosts, SpecPolicy, batch_bucket
 from llmserve_proto import SamplingParams, ValidationError
 
 log = logging.getLogger("llmserve.engine")
+
+
+class QueueFull(ValidationError):
+    """The client already has as many waiting requests as the engine lets one client queue. Not a fault of
+    any field (field ""): retrying once some of its requests have started succeeds."""
+
+    def __init__(self, cap: int):
+        super().__init__("", f"queue full: this client already has {cap} requests waiting "
+                             "(max_queued_requests_per_client); retry when some have started")
 
 
 @dataclass
@@ -87,6 +98,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []     # abort notices, reported by the next step
         self._in_flight = None                   # the launched step whose results are not read yet
+        self._step_requests: list[Request] | None = None   # requests the step being run holds
         # Plain steps launch ahead where the plain engine would; a drafting step needs the previous step's
         # tokens, so it first completes the plain step in flight (speculative steps are synchronous).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -95,18 +107,33 @@ class Engine:
         self.step_costs = MeasuredCosts()
         self._last_step: tuple[int, int] | None = None      # (draft depth, batch) of the last step with work
         self.grammars: GrammarService | None = None     # started by the first guided request
+        self.reset_counters()
+        self.warmup_report = warm_up(self) if config.resolved_warmup() else None
+
+    def reset_counters(self) -> None:
+        """Zero every counter stats() reports (after the warm-up, which must not show in them)."""
         self.num_steps = 0
         self.num_tokens_scheduled = 0            # in the last step
         self.total_prompt_tokens = 0
         self.total_generated_tokens = 0
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+        if self.spec is not None:
+            self.spec.reset_metrics()
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValidationError naming the bad field; the engine is unchanged then."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    client=None) -> None:
+        """Queue a request. Raises ValidationError naming the bad field (QueueFull when `client` already has
+        max_queued_requests_per_client waiting); the engine is unchanged then. `client` is the fairness
+        key: waiting requests are admitted round-robin across clients."""
         params = SamplingParams() if params is None else params
         self._validate(request_id, prompt_token_ids, params)
+        cap = self.config.max_queued_requests_per_client
+        if client is not None and cap and self.scheduler.waiting.count(client) >= cap:
+            raise QueueFull(cap)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(self.model_info.eos_token_ids),
-                      self.max_model_len)
+                      self.max_model_len, client=client)
         if params.guided is not None:
             req.grammar = self._grammar_service().submit(params.guided)    # raises ValidationError
         if params.seed is not None:
@@ -164,6 +191,21 @@ class Engine:
         req.finish_reason = "abort"
         self._pending.append(StepOutput(request_id, [], "abort", None, req.num_prompt_tokens, req.num_cached_tokens))
 
+    def fail_step(self) -> list[str]:
+        """After step() raised: drop the requests that step held (and the one still in flight), whose state
+        the failure left unknown, and free their blocks; return their ids. Every other request goes on."""
+        held = self._step_requests if self._step_requests is not None else list(self.scheduler.running)
+        self._in_flight = None
+        self._step_requests = None
+        failed = []
+        for req in held:
+            if self.requests.get(req.request_id) is req:
+                del self.requests[req.request_id]
+                self.scheduler.finish(req)
+                req.finish_reason = "error"
+                failed.append(req.request_id)
+        return failed
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending) or self._in_flight is not None
 
@@ -174,9 +216,18 @@ class Engine:
         With async scheduling the step launched here runs on the device while the host reads back the
         previous one: requests it sampled hold a PLACEHOLDER token, which the next launch reads on the
         device, so the host never waits for the GPU between steps. Without it the step completes here.
+        If it raises, fail_step() drops the requests it held and the engine can step on.
         """
-        outputs, self._pending = self._pending, []
-        outputs.extend(self._drop_failed_grammars())
+        in_flight = self._in_flight.sched.requests if self._in_flight is not None else []
+        self._step_requests = list(self.scheduler.running) + in_flight      # what fail_step() drops
+        outputs = self._step()
+        self._step_requests = None
+        pending, self._pending = self._pending, []
+        return pending + outputs
+
+    def _step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        self._drop_failed_grammars()
         started = time.perf_counter()
         has_work = self.scheduler.running or self.scheduler.waiting
         decision = self._decide() if self.spec is not None and has_work else None
@@ -188,6 +239,8 @@ class Engine:
             done, self._in_flight = self._in_flight, None
             outputs.extend(self._complete(done))
         sched = self.scheduler.schedule()
+        in_flight = self._in_flight.sched.requests if self._in_flight is not None else []
+        self._step_requests = list(sched.requests) + in_flight
         self.num_tokens_scheduled = sched.total_tokens
         launched = None
         if self.spec is not None:
@@ -247,16 +300,15 @@ class Engine:
                 req.spec_state.start(req.num_computed_tokens,
                                      self.block_manager.draft_valid_tokens(req, req.num_computed_tokens))
 
-    def _drop_failed_grammars(self) -> list[StepOutput]:
-        """A grammar that parsed but failed to compile (rare: e.g. too large) ends its request."""
+    def _drop_failed_grammars(self) -> None:
+        """A grammar that parsed but failed to compile (rare: e.g. too large) ends its request (its abort
+        notice goes out with this step's outputs)."""
         if self.grammars is None:
-            return []
+            return
         failed = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.failed is not None]
         for req in failed:
             log.error("request %s: grammar compilation failed: %r", req.request_id, req.grammar.failed)
             self.abort(req.request_id)
-        out, self._pending = self._pending, []
-        return out
 
     def _complete(self, handle) -> list[StepOutput]:
         sampled = handle.result()
@@ -389,10 +441,12 @@ class Engine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            # free + cached + used == total; cached blocks are as good as free for new requests (evicted LRU).
             "free_kv_blocks": bm.num_free_blocks,
-            "total_kv_blocks": bm.num_blocks,
             "cached_kv_blocks": bm.num_cached_blocks,
-            "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "used_kv_blocks": bm.num_used_blocks,
+            "total_kv_blocks": bm.num_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_hit_rate": bm.prefix_hit_rate,
             "prefix_queries": bm.prefix_queries,
             "prefix_hits": bm.prefix_hits,
@@ -401,6 +455,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
+            "jit_compilations": jit_compilations(),
             **(self.grammars.stats() if self.grammars is not None else {}),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self._policy_stats() if self.policy is not None else {}),

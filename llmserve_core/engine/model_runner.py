@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.engine.cuda_graphs import DecodeGraphs
 from llmserve_core.engine.grammar import MaskBuilder
 from llmserve_core.engine.logits_inputs import build_logits_processors
@@ -266,9 +266,6 @@ class Staging:
             fill_from=buf(max_seqs, dtype=i64))
         for name, t in vars(self.tensors).items():   # numpy views: fast element writes from Python
             setattr(self, name, t.numpy())
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
 
 
 # Sampling settings that exercise the most expensive sampler path during memory profiling.

@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)     # identity: the queues look requests up by object, never by value
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +45,7 @@ class Request:
     # the blocks it publishes to the prefix cache are whole), and whether it drafts when decoding.
     spec_state: object | None = None
     speculative: bool = False
+    client: object = None               # fairness key: the scheduler admits round-robin across clients
     grammar: object | None = None       # engine.grammar.RequestGrammar for guided decoding
 
     @property
@@ -71,12 +72,13 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """What the penalties count (logits_inputs.py)."""
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_prefilling(self) -> bool:

@@ -3,9 +3,10 @@
 Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
 1. running requests that decode take one token each, first, so prefills never stall generation;
 2. running requests still mid-prefill take the next chunk of what remains;
-3. waiting requests are admitted in arrival order while budget, sequence slots and KV blocks last
-   (one whose grammar is still compiling, or whose prompt's first block a running request is about to
-   publish to the prefix cache, lets the others pass for now).
+3. waiting requests are admitted while budget, sequence slots and KV blocks last: round-robin across
+   clients, in arrival order within a client (waiting_queue.py); one whose grammar is still compiling, or
+   whose prompt's first block a running request is about to publish to the prefix cache, lets the others
+   pass for now.
 When a running request needs a block and none is free, the newest running request is preempted:
 its blocks are released (full ones stay in the prefix cache) and it goes back to the front of the
 queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the oldest
@@ -13,11 +14,11 @@ request can always progress: no deadlock, no lost request.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.request import Request, RequestStatus
+from llmserve_core.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Scheduler:
         self.chunked_prefill = enable_chunked_prefill
         # Extra KV slots a drafting request needs per step (speculative draft tokens to verify).
         self.lookahead_tokens = lookahead_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         # First prompt block -> the running request computing it (not yet in the prefix cache).
@@ -79,17 +80,18 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget = self.max_num_batched_tokens - out.total_tokens  # a victim may have returned budget
 
-        # Admit waiting requests, in arrival order among those that may start now (see _may_start).
-        skipped = 0
-        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs \
-                and not out.preempted:
-            req = self.waiting[skipped]
+        # Admit waiting requests, in admission order among those that may start now (see _may_start).
+        skipped: set[str] = set()
+        while budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting.peek(skipped)
+            if req is None:
+                break
             if not req.block_ids:
                 req.num_computed_tokens = self.blocks.admit(req)
             if not self._may_start(req):
                 self.blocks.release(req)
                 req.num_computed_tokens = 0
-                skipped += 1
+                skipped.add(req.request_id)
                 continue
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0 or not self.blocks.can_allocate(req, req.num_computed_tokens + num_new):
@@ -101,7 +103,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.blocks.count_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
-            del self.waiting[skipped]
+            self.waiting.pop(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._note_first_block(req)
@@ -168,14 +170,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.push_preempted(req)
         out.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Drop a finished or aborted request from the queues and free its blocks."""
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.release(req)
         req.status = RequestStatus.FINISHED

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.engine.cuda_graphs import batch_buckets
 
 log = logging.getLogger("llmserve.spec_graphs")

@@ -61,6 +61,19 @@ def _fix_interpreter_fp8_downcast() -> None:
     interpreter._convert_float = convert
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+def _triton_present() -> bool:
+    # The torch-only modules here (references, the FP8 number format) must import where Triton is absent.
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and _triton_present():
     _fix_interpreter_scalar_index()
     _fix_interpreter_fp8_downcast()
+
+from llmserve_core.kernels import jit_count  # noqa: E402  (after the interpreter choice above)
+
+jit_count.install()

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.layers.fp8 import FP8, dequantize_weight
+from llmserve_core.kernels.fp8_format import FP8, dequantize_weight
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
-from llmserve_core.layers.fp8 import dequantize_weight
+from llmserve_core.kernels.fp8_format import dequantize_weight
 
 
 @triton.jit

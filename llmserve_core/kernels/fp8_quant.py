@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.layers.fp8 import FP8, FP8_MAX, MIN_SCALE, to_fp8
+from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, to_fp8
 
 
 @triton.jit

@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.layers.fp8 import from_cache
+from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
 MAX_SPLITS = 128
 
 
-@triton.jit
+# The split count, block-table width and tree width vary with the batch; none is worth a compiled variant
+# per value class (Triton specializes ints that are 1 or divisible by 16), so one variant serves them all.
+@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                          sm_scale_log2, v_scale,
                          stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
@@ -105,7 +107,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, 
         tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
@@ -202,6 +204,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits = choose_num_splits(batch, num_kv_heads)
     if block_n is None:
         block_n = choose_block_n(num_splits) if q.is_cuda else 16
+    block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
+    if q.is_cuda:
+        # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
+        cfg = decode_config(block_g, block_n, triton.next_power_of_2(head_dim), q.element_size(),
+                            smem_limit_for(q), num_warps, num_stages)
+        block_n, num_warps, num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
     scratch = scratch or _default_scratch
     mid_o, mid_lse = scratch.get(tokens * num_heads * num_splits, head_dim, q.device)
     if k_cache.dtype != torch.float8_e4m3fn:
@@ -211,7 +219,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
-        num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=max(16, triton.next_power_of_2(rows_per_seq * group)),
+        num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SINGLE=num_splits == 1, MIN_SPLIT=block_n, HAS_TREE=tree_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -223,23 +231,4 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
-    return out
-
-
-def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Float32 attention of each sequence's single query over its whole cached context."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            out[b] = 0
-            continue
-        blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-        k = from_cache(k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len], k_scale)
-        v = from_cache(v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len], v_scale)
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        probs = torch.softmax(torch.einsum("hd,shd->hs", q[b].float(), k) * scale, dim=-1)
-        out[b] = torch.einsum("hs,shd->hd", probs, v).to(q.dtype)
     return out

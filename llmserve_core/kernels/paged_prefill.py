@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.layers.fp8 import from_cache
+from llmserve_core.kernels.tiling import prefill_config, smem_limit_for
 
 
-@triton.jit
+# Triton compiles a variant per int argument that is 1 or divisible by 16. These vary with each step's
+# shape (tile count, block-table width, tree width) but do not touch the inner loop: one variant serves all,
+# so nothing compiles after start-up whatever the lengths.
+@triton.jit(do_not_specialize=["num_m_tiles", "stride_bt", "stride_tree"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr,
                     sm_scale_log2, v_scale, num_m_tiles,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -125,14 +128,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     if q.is_cuda:
-        # Measured on the H200 at head_dim 128 (benchmarks/results/kernels_h200_run1.md): 128 x 128 tiles,
-        # 8 warps, 2 stages beat 128 x 64 / 3 stages by 19% on a long extend and tie 64 x 64 on 8 x 512.
-        # Short queries (tree verify, small chunks) keep 64-row tiles so few rows are padding.
         short = tree_mask is not None or max_query_len <= 64
-        block_m = block_m or (64 if short else 128)
-        block_n = block_n or (64 if short else 128)
-        num_warps = num_warps or (4 if short else 8)
-        num_stages = num_stages or (3 if short else 2)
+        cfg = prefill_config(triton.next_power_of_2(head_dim), q.element_size(), short, smem_limit_for(q))
+        block_m, block_n = block_m or cfg.block_m, block_n or cfg.block_n
+        num_warps, num_stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     else:
         block_m, block_n, num_warps, num_stages = block_m or 16, block_n or 16, 4, 1
     if tree_mask is not None:
@@ -155,29 +154,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    return out
-
-
-def paged_prefill_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                            tree_mask=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Float32 softmax attention per sequence: causal, prefix fully visible, tree mask among own tokens."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.zeros_like(q)
-    qsl = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        start, q_len = qsl[b], qsl[b + 1] - qsl[b]
-        if q_len == 0:
-            continue
-        blocks = block_tables[b, :triton.cdiv(seq_len, block_size)].long()
-        k = from_cache(k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len], k_scale)
-        v = from_cache(v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len], v_scale)
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,shd->hqs", q[start:start + q_len].float(), k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        if tree_mask is not None:
-            allowed[:, seq_len - q_len:] = tree_mask[start:start + q_len, :q_len]
-        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
-        out[start:start + q_len] = torch.einsum("hqs,shd->qhd", probs, v).to(q.dtype)
     return out

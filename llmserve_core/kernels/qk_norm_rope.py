@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.rotary import rotary_reference
+
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv,
@@ -66,8 +68,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
 
 
 def qk_norm_rope_reference(qkv, positions, q_weight, k_weight, cos, sin, eps, num_q_heads, num_k_heads, head_dim):
-    """The eager composition the Qwen3 model runs without fused kernels."""
-    from llmserve_core.layers.rotary import RotaryEmbedding
+    """The unfused composition: RMSNorm each head as the model's RMSNorm does, then rotate in float32."""
     T = qkv.shape[0]
 
     def norm(x, w):
@@ -75,5 +76,4 @@ def qk_norm_rope_reference(qkv, positions, q_weight, k_weight, cos, sin, eps, nu
         return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     q = qkv[:, :num_q_heads * head_dim].reshape(T, num_q_heads, head_dim)
     k = qkv[:, num_q_heads * head_dim:(num_q_heads + num_k_heads) * head_dim].reshape(T, num_k_heads, head_dim)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    return RotaryEmbedding.apply(norm(q, q_weight), c, s), RotaryEmbedding.apply(norm(k, k_weight), c, s)
+    return rotary_reference(norm(q, q_weight), norm(k, k_weight), positions, cos, sin)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.layers.attention.base import store_kv_reference  # noqa: F401  (the reference)
+from llmserve_core.kernels.attention_reference import store_kv_reference  # noqa: F401  (its reference)
 
 
 @triton.jit

@@ -3,15 +3,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * d] laid out as [gate | up] -> silu(gate) * up, [..., d]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve_core.layers.fp8 import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
+from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 
 GEMV_MAX_ROWS = 16
 

@@ -4,12 +4,18 @@ Greedy rows take the argmax of the raw logits. Other rows go through temperature
 (`sampling_probs`, which speculative verification reuses so both see the same distribution), then
 draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
 Rows with a seed draw E from their own generator, so their tokens do not depend on batch company.
+
+Degenerate parameters stay safe: a temperature under GREEDY_EPSILON is greedy (dividing by it would
+overflow), top-p always keeps the most likely token (1e-300 rounds to 0 in float32), and a row whose
+distribution still comes out without finite mass takes the greedy token rather than a NaN argmax.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from llmserve_proto.sampling import GREEDY_EPSILON
 
 
 @dataclass
@@ -28,7 +34,8 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params_list, generators, device, pin: bool = False) -> "SamplingTensors":
-        temps = [p.temperature for p in params_list]
+        # Exactly 0 from here on for every greedy row: the sampler, verification and proposals test `== 0`.
+        temps = [0.0 if p.temperature < GREEDY_EPSILON else p.temperature for p in params_list]
         top_ks = [p.top_k for p in params_list]
         top_ps = [p.top_p for p in params_list]
         min_ps = [p.min_p for p in params_list]
@@ -72,9 +79,12 @@ def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         if st.need_top_p:
             sorted_probs = sorted_logits.softmax(dim=-1)
-            # Drop a token once the mass before it already reaches top_p; the first token always stays.
+            # Drop a token once the mass before it already reaches top_p; the first token always stays, also
+            # when top_p rounds to 0 or cumsum's rounding error makes its "mass before" positive.
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_logits = sorted_logits.masked_fill(mass_before >= st.top_p[:, None], float("-inf"))
+            drop = mass_before >= st.top_p[:, None]
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if st.need_min_p:
@@ -128,7 +138,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, processors=None) -> Sample
     if st.all_greedy:
         tokens = greedy_tokens
     else:
-        tokens = torch.where(st.temperature == 0, greedy_tokens, draw(sampling_probs(logits, st), st.generators))
+        probs = sampling_probs(logits, st)
+        # A row without finite positive mass (NaN or inf logits from upstream) has no distribution to draw
+        # from: it takes the greedy token instead of whatever argmax makes of NaN.
+        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        tokens = torch.where((st.temperature == 0) | ~valid, greedy_tokens, draw(probs, st.generators))
     out = SamplerOutput(tokens)
     if st.max_num_logprobs is not None:
         # Log-probabilities of the model's own distribution (before temperature and filters), as vLLM reports.

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path
 from llmserve_core.layers.linear import MAX_ROWS as GEMV_MAX_ROWS
@@ -41,7 +41,6 @@ from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import _read_rope
 from llmserve_core.models.loader import PACKED_WEIGHTS, checkpoint_files
-from llmserve_core.speculative.propose import to_target_space
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -355,10 +354,6 @@ class Eagle3DraftModel(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-    def target_space_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits placed into the target vocabulary, -inf where the draft cannot propose."""
-        return to_target_space(draft_logits, self.d2t, self.cfg.vocab_size)
 
 
 # -- loading --------------------------------------------------------------------------------------

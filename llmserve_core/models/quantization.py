@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve_core.layers.fp8 import FP8
+from llmserve_core.kernels.fp8_format import FP8
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
 

@@ -10,7 +10,6 @@ chat template. Same seed and overrides -> byte-identical files.
 from __future__ import annotations
 
 import json
-import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -129,34 +128,6 @@ def write_tokenizer(tokenizer, out_dir) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     special = {"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": [IM_START, IM_END]}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-
-
-def write_sharded_copy(src_dir, out_dir, num_shards: int = 2) -> str:
-    """Copy a single-file checkpoint into num_shards files plus model.safetensors.index.json, as
-    transformers writes large checkpoints. Non-weight files are copied unchanged."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    src, out = Path(src_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.startswith("model.safetensors"):
-            shutil.copyfile(f, out / f.name)
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        names = sorted(f.keys())
-        tensors = {name: f.get_tensor(name) for name in names}
-    per_shard = (len(names) + num_shards - 1) // num_shards
-    weight_map, total = {}, 0
-    for i in range(num_shards):
-        shard_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n].contiguous() for n in names[i * per_shard:(i + 1) * per_shard]}
-        save_file(part, str(out / shard_name), metadata={"format": "pt"})
-        for n, t in part.items():
-            weight_map[n] = shard_name
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return str(out)
 
 
 def main() -> None:

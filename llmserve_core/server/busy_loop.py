@@ -17,8 +17,13 @@ from dataclasses import dataclass
 from llmserve_proto import EngineError, RequestMetrics, Shutdown, ValidationError
 from llmserve_core.server.events import (AbortRequests, Broadcast, ClientGone, ErrorReply, NewRequest, SocketFailed,
                                          StatsQuery, StatsResult, StepResult)
+from llmserve_core.server.log_safety import printable
 
 log = logging.getLogger("llmserve_core.server")
+
+# A step that raises fails the requests it held and the core serves on; this many failing in a row mean
+# the engine itself is broken (a lost device, say), and the core exits.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass
@@ -33,12 +38,13 @@ class Live:
 
 class BusyLoop:
     def __init__(self, engine, in_q: queue.SimpleQueue, out_q: queue.SimpleQueue, *, log_interval: float = 10.0,
-                 drain_timeout: float = 30.0, num_clients=lambda: 0):
+                 drain_timeout: float = 30.0, num_clients=lambda: 0, stop=None):
         self.engine = engine
         self.in_q, self.out_q = in_q, out_q
         self.log_interval = log_interval
         self.drain_timeout = drain_timeout
         self.num_clients = num_clients
+        self.stop_event = stop                               # a threading.Event: set = drain as on SIGTERM
         self.live: dict[str, Live] = {}
         self.by_client: dict[bytes, dict[str, str]] = {}     # client -> its request id -> engine id
         self.stop_reason: str | None = None                  # set (from a signal handler) to start draining
@@ -46,7 +52,8 @@ class BusyLoop:
         self.fatal: str | None = None
         self.counters = dict(requests_received=0, requests_finished=0, requests_rejected=0,
                              requests_aborted_by_client=0, requests_aborted_disconnect=0,
-                             requests_aborted_shutdown=0, clients_gone=0)
+                             requests_aborted_shutdown=0, requests_failed=0, clients_gone=0)
+        self.consecutive_step_failures = 0
         self.start_time = time.monotonic()
         self._last_log = (self.start_time, 0, 0, 0)          # time, prompt tokens, generated tokens, steps
         self._idle_logged = False
@@ -89,12 +96,12 @@ class BusyLoop:
             return
         eid = f"{item.client.hex()}/{msg.request_id}"
         try:
-            self.engine.add_request(eid, msg.prompt_token_ids, msg.params)
-        except ValidationError as e:
+            self.engine.add_request(eid, msg.prompt_token_ids, msg.params, client=item.client)
+        except ValidationError as e:       # also QueueFull: the client's waiting queue is at its cap
             self._reject(item.client, msg.request_id, e.field, e.message)
             return
         except Exception as e:      # an engine bug must not take the core down for one request
-            log.exception("add_request failed for %s", eid)
+            log.exception("add_request failed for %s", printable(eid))
             self._reject(item.client, msg.request_id, "", f"internal error: {e!r}")
             return
         self.counters["requests_received"] += 1
@@ -116,6 +123,17 @@ class BusyLoop:
         if mine:
             log.info("aborted %d request(s) of departed client %s", len(mine), client.hex())
 
+    def _end(self, eid: str) -> Live | None:
+        """Forget a request that has had its final item."""
+        lv = self.live.pop(eid, None)
+        if lv is not None:
+            mine = self.by_client.get(lv.client)
+            if mine is not None:
+                mine.pop(lv.request_id, None)
+                if not mine:
+                    del self.by_client[lv.client]
+        return lv
+
     # ---- stepping -----------------------------------------------------------------------------------
     def _step(self) -> None:
         outs = self.engine.step()
@@ -134,12 +152,7 @@ class BusyLoop:
                 metrics = RequestMetrics(arrival_time=lv.arrival_time, first_token_time=lv.first_token_time,
                                          finish_time=now, num_prompt_tokens=so.num_prompt_tokens or lv.num_prompt_tokens,
                                          num_cached_tokens=so.num_cached_tokens, num_generated_tokens=lv.num_generated)
-                del self.live[so.request_id]
-                mine = self.by_client.get(lv.client)
-                if mine is not None:
-                    mine.pop(lv.request_id, None)
-                    if not mine:
-                        del self.by_client[lv.client]
+                self._end(so.request_id)
                 self.counters["requests_finished"] += 1
             items.append((lv.client, lv.request_id, so, metrics))
         if items:
@@ -152,6 +165,8 @@ class BusyLoop:
             if self.fatal is not None:
                 return self._die(self.fatal)
             self._drain_inputs(block=not self.engine.has_unfinished())
+            if self.stop_event is not None and self.stop_event.is_set() and self.stop_reason is None:
+                self.stop_reason = "asked to stop"
             if self.stop_reason is not None and deadline is None:
                 log.info("%s: draining %d request(s) for up to %.0f s", self.stop_reason, len(self.live),
                          self.drain_timeout)
@@ -165,10 +180,26 @@ class BusyLoop:
             if self.engine.has_unfinished():
                 try:
                     self._step()
+                    self.consecutive_step_failures = 0
                 except Exception as e:
                     log.exception("engine step failed")
-                    return self._die(f"engine step failed: {e!r}")
+                    self.consecutive_step_failures += 1
+                    if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        return self._die(f"engine step failed {self.consecutive_step_failures} times in a row: {e!r}")
+                    self._fail_step(e)
             self._maybe_log()
+
+    def _fail_step(self, error: Exception) -> None:
+        """The step raised: its requests end with a request_error; the rest of the engine serves on."""
+        failed = self.engine.fail_step()
+        log.error("engine step failed: %d request(s) in it ended with an error", len(failed))
+        for eid in failed:
+            lv = self._end(eid)
+            if lv is None:
+                continue    # its client is gone
+            self.counters["requests_failed"] += 1
+            self.out_q.put(ErrorReply(lv.client, lv.request_id, "", f"internal error: the engine step running "
+                                                                     f"this request failed: {error!r}"))
 
     def _abort_all(self) -> None:
         if self.live:
@@ -205,7 +236,8 @@ class BusyLoop:
         self._idle_logged = idle
         dt = now - t0
         log.info("prompt %.1f tok/s, generation %.1f tok/s, %.1f steps/s | running %d, waiting %d | "
-                 "KV usage %.1f%% (%d/%d blocks free) | prefix hit rate %.1f%% | clients %d",
+                 "KV usage %.1f%% (%d used, %d cached, %d free of %d blocks) | prefix hit rate %.1f%% | clients %d",
                  (p - p0) / dt, (g - g0) / dt, (n - n0) / dt, s.get("running", 0), s.get("waiting", 0),
-                 100.0 * s.get("kv_usage", 0.0), s.get("free_kv_blocks", 0), s.get("total_kv_blocks", 0),
+                 100.0 * s.get("kv_usage", 0.0), s.get("used_kv_blocks", 0), s.get("cached_kv_blocks", 0),
+                 s.get("free_kv_blocks", 0), s.get("total_kv_blocks", 0),
                  100.0 * s.get("prefix_hit_rate", 0.0), self.num_clients())

@@ -35,21 +35,43 @@ class DaemonConfig:
     client_timeout: float = 15.0        # a client silent this long is dropped and its requests aborted (s)
     drain_timeout: float = 30.0         # on SIGTERM/SIGINT, how long running requests may finish (s)
     log_interval: float = 10.0          # periodic stats log line; 0 disables
+    max_unread_bytes: int = 16 * 1024 * 1024   # a client with more unread than this is disconnected
 
 
 def prepare_endpoint(cfg: DaemonConfig) -> str:
+    """Check the endpoint can be bound, before the (slow) model load: raises ValueError starting "listen:"
+    with one line saying what is wrong."""
     endpoint = check_listen_endpoint(cfg.listen or default_endpoint(), cfg.allow_remote)
     path = ipc_path(endpoint)
-    if path is None:
-        return endpoint
-    parent = os.path.dirname(os.path.abspath(path))
-    if cfg.listen is None or parent == runtime_dir():
-        ensure_private_dir(parent)
-    else:
-        os.makedirs(parent, mode=0o700, exist_ok=True)
-    if _someone_listening(path):
-        raise RuntimeError(f"listen: another process is already serving at {endpoint}")
+    if path is not None:
+        parent = os.path.dirname(os.path.abspath(path))
+        try:
+            if cfg.listen is None or parent == runtime_dir():
+                ensure_private_dir(parent)
+            else:
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"listen: cannot use directory {parent}: {e.strerror or e}") from None
+        if _someone_listening(path):
+            raise ValueError(f"listen: another process is already serving at {endpoint}")
+    _trial_bind(endpoint)
     return endpoint
+
+
+def _trial_bind(endpoint: str) -> None:
+    """Bind and close a socket set up as the real one will be, so a port in use, a directory we may not
+    write or an address this host lacks fails now rather than after loading the model."""
+    ctx = zmq.Context()
+    try:
+        router = bind_router(ctx, endpoint)
+        router.close(linger=0)
+    except zmq.ZMQError as e:
+        raise ValueError(f"listen: cannot bind {endpoint}: {zmq.strerror(e.errno)}") from None
+    finally:
+        ctx.term()          # waits for the socket to close, so the real bind finds the address free
+    path = ipc_path(endpoint)
+    if path is not None and os.path.exists(path):
+        os.unlink(path)
 
 
 def _someone_listening(path: str) -> bool:
@@ -80,8 +102,9 @@ def max_request_tokens(engine, max_model_len: int) -> int:
     return min(max_model_len, bm.num_blocks * bm.block_size - engine.lookahead)
 
 
-def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
-    """Serve `engine` at `endpoint` until SIGTERM/SIGINT; returns the exit code."""
+def serve(engine, cfg: DaemonConfig, endpoint: str, stop: threading.Event | None = None) -> int:
+    """Serve `engine` at `endpoint` until SIGTERM/SIGINT (or `stop` is set: signals reach only the main
+    thread, so a serve() embedded in another thread is stopped this way); returns the exit code."""
     info = model_info_of(engine)
     welcome = Welcome(protocol_version=PROTOCOL_VERSION, model_info=info, heartbeat_interval_s=cfg.heartbeat_interval,
                       client_timeout_s=cfg.client_timeout, core_pid=os.getpid(),
@@ -91,10 +114,11 @@ def serve(engine, cfg: DaemonConfig, endpoint: str) -> int:
     out_q: queue.SimpleQueue = queue.SimpleQueue()
     router = bind_router(ctx, endpoint)
     pair_addr = f"inproc://llmserve-outputs-{os.getpid()}"
-    sock_thread = SocketThread(ctx, router, pair_addr, in_q, welcome, cfg.heartbeat_interval, cfg.client_timeout)
+    sock_thread = SocketThread(ctx, router, pair_addr, in_q, welcome, cfg.heartbeat_interval, cfg.client_timeout,
+                               cfg.max_unread_bytes)
     out_thread = OutputThread(ctx, pair_addr, out_q)
     busy = BusyLoop(engine, in_q, out_q, log_interval=cfg.log_interval, drain_timeout=cfg.drain_timeout,
-                    num_clients=lambda: len(sock_thread.clients))
+                    num_clients=lambda: len(sock_thread.clients), stop=stop)
 
     def on_signal(signum, _frame):
         name = signal.Signals(signum).name

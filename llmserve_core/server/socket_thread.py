@@ -3,9 +3,11 @@
 It receives, decodes and checks client frames and queues work for the busy loop; it sends the frames the
 output thread encoded (arriving over an inproc PAIR); it keeps the client registry, sends heartbeats, and
 reports clients that vanished: a send that fails with EHOSTUNREACH (ROUTER_MANDATORY: the peer's
-connection is gone, which a killed process triggers at once) or silence longer than client_timeout
-(covers peers that vanish without closing the connection). Bad input is answered to its sender and logged;
-it never reaches the engine.
+connection is gone, which a killed process triggers at once), silence longer than client_timeout
+(covers peers that vanish without closing the connection), or not reading what it is sent (outbox.py).
+Bad input is answered to its sender and logged (escaped, truncated, rate-limited per client); it never
+reaches the engine. Each poll reads a bounded number of frames; ZMQ fair-queues the peers, so one
+client's flood takes its turn beside the others and never holds up heartbeats or outputs.
 """
 from __future__ import annotations
 
@@ -23,12 +25,17 @@ from llmserve_proto import (PROTOCOL_VERSION, Abort, BadMessage, EngineError, Ge
                             Hello, Ping, RequestError, StatsRequest, ValidationError, Welcome,
                             decode_client_checked, encode)
 from llmserve_proto.codec import MAX_FRAME_BYTES
+from llmserve_proto.endpoint import is_ipv6_endpoint
+from llmserve_proto.messages import validate_client_message
 from llmserve_core.server.events import AbortRequests, ClientGone, NewRequest, SocketFailed, StatsQuery
+from llmserve_core.server.log_safety import LogLimiter, printable
+from llmserve_core.server.outbox import SEND_HWM, Outbox
 from llmserve_core.server.output_thread import BROADCAST
 
 log = logging.getLogger("llmserve_core.server")
 
-MAX_REQUEST_ID_LEN = 256
+MAX_FRAMES_PER_POLL = 1000
+RECV_HWM = 1000           # messages ZMQ buffers per client before it stops reading that client's connection
 
 
 @dataclass
@@ -39,7 +46,8 @@ class ClientInfo:
 
 class SocketThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, router: zmq.Socket, pair_addr: str, in_q: queue.SimpleQueue,
-                 welcome: Welcome, heartbeat_interval: float, client_timeout: float):
+                 welcome: Welcome, heartbeat_interval: float, client_timeout: float,
+                 max_unread_bytes: int = 16 * 1024 * 1024):
         super().__init__(name="llmserve-socket", daemon=True)
         self.router = router
         self.in_q = in_q
@@ -53,25 +61,55 @@ class SocketThread(threading.Thread):
         self.pair.setsockopt(zmq.RCVHWM, 0)
         self.pair.bind(pair_addr)
         self.num_bad_frames = 0
+        # Unread messages are held up to this per client, for at most client_timeout (see outbox.py).
+        self.outbox = Outbox(max_unread_bytes, client_timeout)
+        self.warnings = LogLimiter()
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _send(self, client: bytes, payload) -> None:
+    def _try_send(self, client: bytes, payload) -> bool:
+        """False when the client's pipe is full (keep the frame); True when sent, or when the peer is gone
+        (then it is dropped: nothing is kept for it)."""
         try:
             self.router.send_multipart([client, payload], flags=zmq.NOBLOCK, copy=False)
+            return True
         except zmq.ZMQError as e:
-            if e.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                self._drop(client, "connection lost" if e.errno == errno.EHOSTUNREACH else "not reading its socket")
-            else:
-                raise
+            if e.errno == zmq.EAGAIN:
+                return False
+            if e.errno == errno.EHOSTUNREACH:
+                self._drop(client, "connection lost")
+                return True
+            raise
+
+    def _send(self, client: bytes, payload) -> None:
+        if client not in self.clients:
+            # No session (a stranger, or a client already dropped): one attempt, nothing queued for it.
+            try:
+                self.router.send_multipart([client, payload], flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:
+                if e.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH):
+                    raise
+            return
+        reason = self.outbox.send(client, payload, self._try_send, time.monotonic())
+        if reason is not None:
+            self._drop(client, reason)
 
     def _reply(self, client: bytes, msg) -> None:
         self._send(client, encode(msg))
 
     def _drop(self, client: bytes, reason: str) -> None:
         info = self.clients.pop(client, None)
+        self.outbox.forget(client)
         if info is not None:
             log.info("client %s (%s) gone: %s", client.hex(), info.name or "-", reason)
             self.in_q.put(ClientGone(client, reason))
+
+    def _warn(self, client: bytes, fmt: str, *args) -> None:
+        """A warning about one client's input: at most a few lines per client per window."""
+        allowed, suppressed = self.warnings.allow(client)
+        if suppressed:
+            log.warning("client %s: %d similar warning(s) suppressed", client.hex(), suppressed)
+        if allowed:
+            log.warning(fmt, *args)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -87,6 +125,8 @@ class SocketThread(threading.Thread):
                 if self.router in events:
                     self._receive()
                 now = time.monotonic()
+                for client, reason in self.outbox.flush(self._try_send, now):
+                    self._drop(client, reason)
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_interval
                     heartbeat = encode(Heartbeat(time=now))
@@ -118,7 +158,7 @@ class SocketThread(threading.Thread):
                 self._send(client, payload)
 
     def _receive(self) -> None:
-        for _ in range(1000):   # bounded, so a flood cannot starve heartbeats and outputs
+        for _ in range(MAX_FRAMES_PER_POLL):   # bounded, so a flood cannot starve heartbeats and outputs
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -136,27 +176,29 @@ class SocketThread(threading.Thread):
 
     def _bad(self, client: bytes, message: str, request_id: str | None = None, field: str = "") -> None:
         self.num_bad_frames += 1
-        log.warning("bad message from client %s: %s", client.hex(), message)
+        self._warn(client, "bad message from client %s: %s", client.hex(), printable(message, 300))
         info = self.clients.get(client)
         if info is not None:
             info.last_seen = time.monotonic()
         if request_id is not None and info is not None:
             self._reply(client, RequestError(request_id=request_id, field=field, message=message))
         else:
-            self._reply(client, EngineError(message=message))
+            self._reply(client, EngineError(message=f"{field}: {message}" if field else message))
 
     def _handle(self, client: bytes, msg, now: float) -> None:
         if isinstance(msg, Hello):
             if msg.protocol_version != PROTOCOL_VERSION:
-                log.warning("client %s speaks protocol %d, not %d", client.hex(), msg.protocol_version, PROTOCOL_VERSION)
-                self._reply(client, EngineError(message=f"protocol version {msg.protocol_version} not supported; "
-                                                        f"this core speaks {PROTOCOL_VERSION}", fatal=True))
+                self._warn(client, "client %s speaks protocol %s, not %d", client.hex(),
+                           printable(msg.protocol_version), PROTOCOL_VERSION)
+                self._reply(client, EngineError(message=f"protocol version {printable(msg.protocol_version)} not "
+                                                        f"supported; this core speaks {PROTOCOL_VERSION}", fatal=True))
                 return
             if not self.accepting:
                 self._reply(client, EngineError(message="the core is shutting down", fatal=True))
                 return
-            self.clients[client] = ClientInfo(now, msg.client_name[:100])
-            log.info("client %s (%s) connected", client.hex(), msg.client_name or "-")
+            name = printable(msg.client_name, 100)
+            self.clients[client] = ClientInfo(now, name)
+            log.info("client %s (%s) connected", client.hex(), name or "-")
             self._reply(client, self.welcome)
             return
         info = self.clients.get(client)
@@ -164,16 +206,17 @@ class SocketThread(threading.Thread):
             self._reply(client, EngineError(message="unknown client: send hello first (or it timed out)", fatal=True))
             return
         info.last_seen = now
-        if isinstance(msg, Ping):
+        error = self._check(msg)
+        if error is not None:
+            field, message = error
+            if isinstance(msg, Generate):
+                self._warn(client, "rejected request %s of client %s: %s: %s", printable(msg.request_id),
+                           client.hex(), printable(field), printable(message, 300))
+                self._reply(client, RequestError(request_id=msg.request_id, field=field, message=message))
+            else:
+                self._bad(client, f"{field}: {message}")
             return
         if isinstance(msg, Generate):
-            error = self._check(msg)
-            if error is not None:
-                field, message = error
-                log.info("rejected request %r of client %s: %s: %s", msg.request_id[:MAX_REQUEST_ID_LEN],
-                         client.hex(), field, message)
-                self._reply(client, RequestError(request_id=msg.request_id, field=field, message=message))
-                return
             self.in_q.put(NewRequest(client, msg, now))
         elif isinstance(msg, Abort):
             self.in_q.put(AbortRequests(client, list(msg.request_ids)))
@@ -182,24 +225,25 @@ class SocketThread(threading.Thread):
         elif isinstance(msg, Goodbye):
             self._drop(client, "said goodbye")
 
-    def _check(self, msg: Generate) -> tuple[str, str] | None:
-        """Cheap checks done here so bad requests never reach the busy loop (the engine checks again)."""
-        if not self.accepting:
-            return "", "the core is shutting down and accepts no new requests"
-        if not msg.request_id or len(msg.request_id) > MAX_REQUEST_ID_LEN:
-            return "request_id", f"must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters"
+    def _check(self, msg) -> tuple[str, str] | None:
+        """Every field within its bounds (proto/bounds.py) and the model's limits, checked here so bad input
+        never reaches the busy loop (the engine checks requests again)."""
         try:
-            msg.params.validate()
+            validate_client_message(msg)
         except ValidationError as e:
             return e.field, e.message
+        if not isinstance(msg, Generate):
+            return None
+        if not self.accepting:
+            return "", "the core is shutting down and accepts no new requests"
         ids, info = msg.prompt_token_ids, self.info
-        if not ids:
-            return "prompt_token_ids", "must be a non-empty list of token ids"
-        if min(ids) < 0 or max(ids) >= info.vocab_size:
+        if max(ids) >= info.vocab_size:
             return "prompt_token_ids", f"token ids must be in [0, {info.vocab_size})"
         if len(ids) + msg.params.max_tokens > info.max_model_len:
             return "max_tokens", (f"prompt ({len(ids)}) + max_tokens ({msg.params.max_tokens}) exceeds "
                                   f"max_model_len {info.max_model_len}")
+        if any(t >= info.vocab_size for t in msg.params.stop_token_ids):
+            return "stop_token_ids", f"token ids must be in [0, {info.vocab_size})"
         return None
 
 
@@ -207,13 +251,18 @@ def bind_router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     """ROUTER socket bound at endpoint; an ipc socket file is created 0600."""
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    router.setsockopt(zmq.SNDHWM, 0)
-    router.setsockopt(zmq.RCVHWM, 0)
+    router.setsockopt(zmq.SNDHWM, SEND_HWM)    # past it sends fail (ROUTER_MANDATORY) into the outbox
+    router.setsockopt(zmq.RCVHWM, RECV_HWM)
     router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     router.setsockopt(zmq.LINGER, 500)
+    if is_ipv6_endpoint(endpoint):
+        router.setsockopt(zmq.IPV6, 1)
     old = os.umask(0o177)
     try:
         router.bind(endpoint)
+    except zmq.ZMQError:
+        router.close(linger=0)      # else the context could never terminate
+        raise
     finally:
         os.umask(old)
     if endpoint.startswith("ipc://"):

@@ -81,9 +81,6 @@ class CandidateTree:
                 j = self.parents[j]
         return mask.to(device)
 
-    def position_offsets(self, device=None) -> torch.Tensor:
-        return torch.tensor(self.depths, dtype=torch.long, device=device)
-
     def batch(self, batch: int, device=None) -> "TreeBatch":
         """This tree for each of `batch` requests, as verification takes it."""
         parents = torch.tensor(self.parents, dtype=torch.long, device=device).expand(batch, -1)

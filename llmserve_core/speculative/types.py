@@ -82,21 +82,6 @@ class SpecMetrics:
         """P(draft j accepted | it was proposed), which includes needing every earlier draft accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
-    def merge(self, other: "SpecMetrics") -> None:
-        self.num_steps += other.num_steps
-        self.num_batches += other.num_batches
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.num_emitted_tokens += other.num_emitted_tokens
-        n = max(len(self.position_drafted), len(other.position_drafted))
-        for mine, theirs in ((self.position_drafted, other.position_drafted),
-                             (self.position_accepted, other.position_accepted)):
-            mine.extend([0] * (n - len(mine)))
-            for j, v in enumerate(theirs):
-                mine[j] += v
-        for k, v in other.timings.items():
-            self.timings[k] = self.timings.get(k, 0.0) + v
-
     def as_dict(self) -> dict:
         steps = max(self.num_batches, 1)
         return {
@@ -110,7 +95,3 @@ class SpecMetrics:
             "spec_accepted_tokens_per_step": self.num_accepted_tokens / steps,
             "spec_timings_s": dict(self.timings),
         }
-
-
-def results_from_verify(token_lists: list[list[int]], num_draft: list[int]) -> list[SpecStepResult]:
-    return [SpecStepResult(t, n, len(t) - 1) for t, n in zip(token_lists, num_draft)]

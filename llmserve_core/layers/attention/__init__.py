@@ -4,11 +4,12 @@ from __future__ import annotations
 from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 
-BACKENDS = ("auto", "torch", "triton", "flash-attn")
+BACKENDS = ("auto", "torch", "triton", "triton-fa4", "flash-attn")
 
 
 def get_backend(name: str, device: str) -> AttentionBackend:
-    """Resolve `--attention-backend`. 'auto' takes the fastest one that works on `device`."""
+    """Resolve `--attention-backend`. 'auto' takes the fastest one that works on `device`: Triton decode
+    with FlashAttention-4 prefill where flash_attn.cute imports, else Triton, else torch."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {name!r}, choose from {', '.join(BACKENDS)}")
     if name == "auto":
@@ -18,6 +19,9 @@ def get_backend(name: str, device: str) -> AttentionBackend:
     if name == "triton":
         from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
+    if name == "triton-fa4":
+        from llmserve_core.layers.attention.triton_fa4_backend import TritonFA4Backend
+        return TritonFA4Backend()
     from llmserve_core.layers.attention.flash_attn_backend import FlashAttentionBackend
     return FlashAttentionBackend()
 
@@ -26,9 +30,14 @@ def _best_cuda_backend() -> str:
     try:
         import triton  # noqa: F401
         from llmserve_core.layers.attention import triton_backend  # noqa: F401
-        return "triton"
     except ImportError:
         return "torch"
+    try:
+        from llmserve_core.layers.attention.triton_fa4_backend import TritonFA4Backend
+        TritonFA4Backend()
+        return "triton-fa4"
+    except ImportError:
+        return "triton"
 
 
 __all__ = ["AttentionBackend", "TorchAttentionBackend", "get_backend", "BACKENDS"]

@@ -10,8 +10,7 @@ from typing import Protocol
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
-from llmserve_core.layers.fp8 import to_cache_dtype
+from llmserve_core.layers.batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):
@@ -30,13 +29,3 @@ class AttentionBackend(Protocol):
         v_scale: float = 1.0,
     ) -> torch.Tensor:          # [T, num_heads, head_dim]
         ...
-
-
-def store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Write each token's K/V into its cache slot; slot -1 marks a token that must not be stored."""
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = to_cache_dtype(k[keep], k_cache.dtype, k_scale)
-    v_cache[blocks, offsets] = to_cache_dtype(v[keep], v_cache.dtype, v_scale)

@@ -9,16 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.store_kv import store_kv
+
+
+def load_fa4():
+    """flash_attn.cute's varlen forward (FlashAttention-4); ImportError when it is not installed."""
+    from flash_attn.cute import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def fa4_paged(fn, q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Causal varlen attention of the packed queries over the paged cache (lengths from device tensors)."""
+    out = fn(q, k_cache, v_cache, cu_seqlens_q=batch.query_start_loc, seqused_k=batch.seq_lens,
+             page_table=batch.block_tables, max_seqlen_q=batch.max_query_len, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _load_flash_attn():
     """('fa4', varlen) or ('fa2', (varlen, with_kvcache)); ImportError naming both when neither exists."""
     try:
-        from flash_attn.cute import flash_attn_varlen_func
-        return "fa4", flash_attn_varlen_func
+        return "fa4", load_fa4()
     except ImportError as fa4_error:
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -48,10 +60,7 @@ class FlashAttentionBackend:
             return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                  batch.max_query_len, scale, tree_mask=batch.tree_mask)
         if self.flavor == "fa4":
-            out = self._fn(q, k_cache, v_cache, cu_seqlens_q=batch.query_start_loc, seqused_k=batch.seq_lens,
-                           page_table=batch.block_tables, max_seqlen_q=batch.max_query_len,
-                           softmax_scale=scale, causal=True)
-            return out[0] if isinstance(out, tuple) else out
+            return fa4_paged(self._fn, q, k_cache, v_cache, batch, scale)
         varlen, with_kvcache = self._fn
         if batch.is_decode:
             out = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=batch.seq_lens,

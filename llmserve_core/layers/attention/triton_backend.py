@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve_core.engine.batch import ForwardBatch
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.kernels.paged_decode import MAX_TILE_ROWS, DecodeScratch, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.store_kv import store_kv

@@ -55,8 +55,3 @@ def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> t
         return x.to(cache_dtype)
     limit = torch.finfo(cache_dtype).max
     return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
-
-
-def from_cache(cached: torch.Tensor, scale: float) -> torch.Tensor:
-    """Cached K or V rows back in float32 (the inverse of to_cache_dtype)."""
-    return cached.float() * scale if cached.dtype == torch.float8_e4m3fn else cached.float()

@@ -1,0 +1,134 @@
+"""The floor every speed number is held against: the least time a step can take on this card.
+
+A step must read every weight it multiplies by once (the 36 layers, the final norm and the lm_head), plus
+one embedding row per token (not the whole table: a lookup reads only its rows), the K/V of every context
+position attended to, and write the K/V of its new tokens. It must also do its multiply-adds. So
+
+    floor = max(bytes / measured copy bandwidth, FLOPs / measured bf16 matmul peak)
+
+with both rates measured on the card in the same run. At batch 1 the bytes decide; at large batches and in
+steps that carry prefill chunks the FLOPs can. Activations are left out (a few MB per step), so the floor
+is a little generous, never too strict. One helper for every benchmark, so their ratios mean the same.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+def linear_params_per_layer(cfg: dict) -> int:
+    """Weights one decoder layer multiplies by: qkv, o, gate/up, down."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    return h * (q + 2 * kv) + q * h + 3 * h * i
+
+
+def norm_params_per_layer(cfg: dict) -> int:
+    """The two RMSNorm weights and Qwen3's per-head q/k norms."""
+    return 2 * cfg["hidden_size"] + 2 * cfg["head_dim"]
+
+
+def step_weight_bytes(cfg: dict, dtype_bytes: int = 2) -> int:
+    """What any step reads whatever its batch: the layers, the final norm and the lm_head (the embedding
+    table is read a row per token, counted in step_bytes)."""
+    h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    per_layer = linear_params_per_layer(cfg) + norm_params_per_layer(cfg)
+    return dtype_bytes * (L * per_layer + h + v * h)
+
+
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype_bytes
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One engine step: decode rows (their context lengths after the step, the new token included) and
+    prefill/extend chunks as (tokens already cached, new tokens). Every decode row samples; a chunk samples
+    only when it ends its prompt (sampled_chunks of them, the last ones)."""
+    decode_contexts: tuple[int, ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+    sampled_chunks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_contexts) + sum(new for _, new in self.prefill_chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.decode_contexts) + self.sampled_chunks
+
+
+def step_bytes(cfg: dict, shape: StepShape, dtype_bytes: int = 2) -> int:
+    kv = kv_bytes_per_token(cfg, dtype_bytes)
+    # A decode row attends over its context, including the token it writes.
+    kv_read = sum(shape.decode_contexts) + sum(cached + new for cached, new in shape.prefill_chunks)
+    embedding_rows = shape.num_tokens * cfg["hidden_size"] * dtype_bytes
+    return step_weight_bytes(cfg, dtype_bytes) + embedding_rows + kv * (kv_read + shape.num_tokens)
+
+
+def attention_flops(cfg: dict, keys_seen: int) -> int:
+    """QK^T and PV over every layer, for query rows that together see keys_seen (query, key) pairs."""
+    per_pair = 4 * cfg["num_attention_heads"] * cfg["head_dim"]
+    return cfg["num_hidden_layers"] * per_pair * keys_seen
+
+
+def step_flops(cfg: dict, shape: StepShape) -> int:
+    linear = 2 * cfg["num_hidden_layers"] * linear_params_per_layer(cfg) * shape.num_tokens
+    lm_head = 2 * cfg["vocab_size"] * cfg["hidden_size"] * shape.num_sampled
+    keys = sum(shape.decode_contexts)
+    for cached, new in shape.prefill_chunks:
+        # Causal: query j of the chunk sees the cached prefix and the chunk's first j + 1 tokens.
+        keys += new * cached + new * (new + 1) // 2
+    return linear + lm_head + attention_flops(cfg, keys)
+
+
+@dataclass(frozen=True)
+class Floor:
+    bytes: int
+    flops: int
+    memory_ms: float
+    compute_ms: float
+
+    @property
+    def ms(self) -> float:
+        return max(self.memory_ms, self.compute_ms)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_ms >= self.compute_ms else "compute"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "floor_ms": self.ms, "bound": self.bound}
+
+
+def step_floor(cfg: dict, shape: StepShape, bandwidth: float, peak_flops: float, dtype_bytes: int = 2) -> Floor:
+    """bandwidth in bytes/s (the measured copy rate, read + write), peak_flops in FLOP/s (measured)."""
+    if bandwidth <= 0 or peak_flops <= 0:
+        raise ValueError(f"bandwidth and peak_flops must be positive, got {bandwidth}, {peak_flops}")
+    b, f = step_bytes(cfg, shape, dtype_bytes), step_flops(cfg, shape)
+    return Floor(bytes=b, flops=f, memory_ms=b / bandwidth * 1e3, compute_ms=f / peak_flops * 1e3)
+
+
+def decode_floor(cfg: dict, contexts, bandwidth: float, peak_flops: float, dtype_bytes: int = 2) -> Floor:
+    """A pure decode step over rows with these context lengths."""
+    return step_floor(cfg, StepShape(decode_contexts=tuple(contexts)), bandwidth, peak_flops, dtype_bytes)
+
+
+# ---- the two rates, measured on the card (CUDA), as medians of many timed repeats -----------------
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting the read and the write."""
+    import torch
+    from triton.testing import do_bench
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * nbytes / (do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median") / 1e3)
+
+
+def measure_bf16_peak(n: int = 8192) -> float:
+    """Dense bf16 matmul rate in FLOP/s at a square shape large enough to saturate the card."""
+    import torch
+    from triton.testing import do_bench
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n ** 3 / (do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e3)

@@ -1,0 +1,138 @@
+"""Warm-up: run the engine through every kind of step it can take before it says it is ready, so that no
+kernel compiles inside a served request (a Triton or FlashAttention-4 compile costs seconds).
+
+Kernels compile per dtype, per constexpr (tile configs, which follow the query length: decode, short
+and long prefill, tree verify; the decode split count, which follows the batch size) and per shape class
+that a kernel specializes on; the warm-up drives real requests through the real step (scheduler, batch
+builder, CUDA graphs, speculative draft and verify, sampler), so whatever a kernel specializes on, the
+shapes a served step can have are met here first:
+- a prompt of every length 1..16 (the row counts small-M GEMV kernels specialize on) and lengths at each
+  tile boundary up to a full token budget (several prompts where one cannot fill it), and one longer than
+  the budget (chunked: an extend);
+- a decode batch of every size 1..16, every CUDA-graph bucket and the first size of every split count;
+- the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs) on mixed batches;
+- a step that mixes decode rows with a prefill chunk.
+The prefix cache is off meanwhile, and afterwards the counters and random state are as they were.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from llmserve_core.kernels.jit_count import jit_compilations
+from llmserve_proto import SamplingParams
+
+log = logging.getLogger("llmserve.warmup")
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+MIXED = (GREEDY,
+         SamplingParams(temperature=1.0, top_k=50, top_p=0.9, ignore_eos=True),
+         SamplingParams(temperature=0.7, min_p=0.05, ignore_eos=True),
+         SamplingParams(temperature=1.0, seed=1, ignore_eos=True),
+         SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True),
+         SamplingParams(temperature=1.0, logprobs=0, speculative=False, ignore_eos=True))
+
+
+@dataclass(frozen=True)
+class Round:
+    """Requests started together and run to completion: `num_requests` prompts of `prompt_len` tokens,
+    `new_tokens` each; mixed: cycle through the sampler's paths; late_prompt_len: one more prompt of
+    that length arrives once the others decode (a step mixing decode rows and a prefill chunk)."""
+    num_requests: int
+    prompt_len: int
+    new_tokens: int
+    mixed: bool = False
+    late_prompt_len: int = 0
+
+
+def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
+    tile_edges = [17, 31, 32, 33, 48, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1920, 1921, 2048]
+    lengths = list(range(1, 17)) + tile_edges + [budget - 1, budget]
+    if chunked:
+        lengths.append(budget + 17)               # a second chunk: an extend over the first
+    cap = longest if chunked else min(longest, budget)  # unchunked, a prompt must fit one step
+    return sorted({n for n in lengths if 1 <= n <= cap})
+
+
+def decode_sizes(max_num_seqs: int, buckets: list[int], num_kv_heads: int) -> list[int]:
+    sizes = set(range(1, min(16, max_num_seqs) + 1)) | {b for b in buckets if b <= max_num_seqs} | {max_num_seqs}
+    try:
+        from llmserve_core.kernels.paged_decode import choose_num_splits
+    except ImportError:                           # no Triton: no split-KV decode kernel to warm
+        return sorted(sizes)
+    seen = set()
+    for n in range(1, max_num_seqs + 1):          # the first batch size of every split count
+        splits = choose_num_splits(n, num_kv_heads)
+        if splits not in seen:
+            seen.add(splits)
+            sizes.add(n)
+    return sorted(sizes)
+
+
+def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, chunked: bool,
+                buckets: list[int], num_kv_heads: int, lookahead: int = 0) -> list[Round]:
+    # Room for the new tokens and the speculative lookahead past them.
+    new_tokens = 3
+    longest = max_model_len - new_tokens - lookahead
+    budget = max_num_batched_tokens if chunked else min(max_num_batched_tokens, longest)
+    rounds = [Round(1, n, new_tokens) for n in prefill_lengths(budget, longest, chunked)]
+    fill = -(-budget // longest)                  # prompts that fill a whole token budget in one step
+    if 1 < fill <= max_num_seqs:
+        rounds.append(Round(fill, -(-budget // fill), new_tokens))
+    for n in decode_sizes(max_num_seqs, buckets, num_kv_heads):
+        # Prompts of 2 tokens: n rows decode together after a short prefill of 2n tokens (if it fits).
+        rounds.append(Round(n, 2, new_tokens))
+    for n in sorted({1, min(8, max_num_seqs), max_num_seqs}):
+        rounds.append(Round(n, 2, new_tokens, mixed=True))
+    late = min(budget // 2, longest - 5)        # the late round decodes 8 tokens, not 3
+    if max_num_seqs > 1 and late > 1:
+        rounds.append(Round(min(8, max_num_seqs - 1), 2, 8, late_prompt_len=late))
+    return rounds
+
+
+def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
+    vocab = engine.model_info.vocab_size
+
+    def add(i: int, length: int, params: SamplingParams):
+        engine.add_request(f"__warmup-{tag}-{i}", [r.randrange(vocab) for _ in range(length)],
+                           msgspec.structs.replace(params, max_tokens=rnd.new_tokens))
+
+    for i in range(rnd.num_requests):
+        add(i, rnd.prompt_len, MIXED[i % len(MIXED)] if rnd.mixed else GREEDY)
+    if rnd.late_prompt_len:
+        for _ in range(3):                        # the short prompts are past their prefill: decoding
+            engine.step()
+        add(rnd.num_requests, rnd.late_prompt_len, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def warm_up(engine) -> dict:
+    """Run the plan on `engine`, then put its counters, prefix cache setting and random state back."""
+    t0 = time.perf_counter()
+    jit_before = jit_compilations()
+    runner, bm = engine.runner, engine.block_manager
+    buckets = runner.graphs.buckets if runner.graphs is not None else []
+    plan = warmup_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens, engine.max_model_len,
+                       engine.config.enable_chunked_prefill, buckets, engine.model_config.num_key_value_heads,
+                       engine.lookahead)
+    caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
+    r = random.Random(0)
+    try:
+        for tag, rnd in enumerate(plan):
+            _run_round(engine, rnd, r, tag)
+    finally:
+        bm.enable_prefix_caching = caching
+    engine.reset_counters()
+    runner.generator.manual_seed(engine.config.seed)
+    torch.manual_seed(engine.config.seed)
+    report = {"rounds": len(plan), "seconds": time.perf_counter() - t0,
+              "jit_compilations": jit_compilations() - jit_before}
+    log.info("warm-up: %d rounds in %.1f s, %d kernels compiled", report["rounds"], report["seconds"],
+             report["jit_compilations"])
+    return report

@@ -1,0 +1,48 @@
+"""How many kernels this process has JIT-compiled: Triton variants and FlashAttention-4 kernels.
+
+A compile inside a served request costs seconds; the engine warms every variant it can reach before it
+says it is ready, and `jit_compilations` in its stats shows that the count stays flat afterwards.
+Triton reports each variant it builds (or loads from its disk cache) through its post-compile hook;
+FlashAttention-4 keeps its compiled kernels in one dict. The interpreter (CPU) compiles nothing.
+"""
+from __future__ import annotations
+
+import sys
+
+_triton_compiles = 0
+_installed = False
+
+
+def _count(previous):
+    def hook(*args, **kwargs):
+        global _triton_compiles
+        _triton_compiles += 1
+        return previous(*args, **kwargs) if previous is not None else None
+    hook._llmserve_counter = True
+    return hook
+
+
+def install() -> None:
+    """Chain the counter onto Triton's post-compile hook (keeping any hook already set). Idempotent."""
+    global _installed
+    if _installed:
+        return
+    try:
+        from triton import knobs
+    except ImportError:
+        return      # no Triton, or one without knobs: nothing of ours compiles through it
+    current = knobs.runtime.jit_post_compile_hook
+    if not getattr(current, "_llmserve_counter", False):
+        knobs.runtime.jit_post_compile_hook = _count(current)
+    _installed = True
+
+
+def fa4_compilations() -> int:
+    interface = sys.modules.get("flash_attn.cute.interface")
+    fwd = getattr(interface, "_flash_attn_fwd", None)
+    return len(getattr(fwd, "compile_cache", ()))
+
+
+def jit_compilations() -> int:
+    """Kernels compiled in this process so far (Triton variants + FA4 kernels)."""
+    return _triton_compiles + fa4_compilations()

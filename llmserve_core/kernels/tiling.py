@@ -1,0 +1,81 @@
+"""Tile sizes and pipeline depth for the attention kernels, from dtype, head_dim and the device's shared memory.
+
+Triton keeps num_stages copies of each K and V tile in shared memory to overlap loads with math, so a
+config measured best in bf16 at head_dim 128 can ask for more than the chip has in float32 or at head_dim
+256 (128 x 128 tiles, 2 stages, float32, head_dim 128: 262,144 bytes against the H200's 232,448). Each
+kernel lists its configs best first; the first one whose estimate fits the device's opt-in shared memory
+per block is taken. The estimate counts the pipelined K/V tiles and the Q and P operands: more than Triton
+was seen to allocate (it reported exactly the K/V tiles for the float32 config above), so what it accepts
+has room to spare. The GPU sweep (tests/test_gpu_dtypes.py) runs every dtype and head size it picks for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int        # query rows per program (decode: the padded query heads of one KV group)
+    block_n: int        # keys per K/V tile
+    num_warps: int
+    num_stages: int
+
+
+def attention_smem_bytes(cfg: TileConfig, block_d: int, elem_bytes: int) -> int:
+    """Shared memory one program of a flash-attention loop asks for: num_stages K and V tiles, the Q tile
+    and the P tile that feeds the second dot."""
+    kv_tiles = cfg.num_stages * 2 * cfg.block_n * block_d * elem_bytes
+    return kv_tiles + cfg.block_m * block_d * elem_bytes + cfg.block_m * cfg.block_n * elem_bytes
+
+
+@lru_cache(maxsize=None)
+def device_smem_bytes(device_index: int) -> int:
+    """Opt-in shared memory per block of a CUDA device (the limit Triton checks a launch against)."""
+    import triton
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def smem_limit_for(t: torch.Tensor) -> int:
+    return device_smem_bytes(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def first_fitting(candidates: list[TileConfig], block_d: int, elem_bytes: int, smem_limit: int) -> TileConfig:
+    """The first candidate whose estimate fits; past them all, the last one with fewer stages and
+    narrower key tiles (down to 16 keys, one stage) until it fits."""
+    for cfg in candidates:
+        if attention_smem_bytes(cfg, block_d, elem_bytes) <= smem_limit:
+            return cfg
+    cfg = candidates[-1]
+    while attention_smem_bytes(cfg, block_d, elem_bytes) > smem_limit:
+        if cfg.num_stages > 1:
+            cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        elif cfg.block_n > 16:
+            cfg = TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 1)
+        elif cfg.block_m > 16:
+            cfg = TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 1)
+        else:
+            raise ValueError(f"head_dim padded to {block_d} with {elem_bytes}-byte elements does not fit "
+                             f"{smem_limit} bytes of shared memory at the smallest tile")
+    return cfg
+
+
+# Measured on the H200 at head_dim 128, bf16 (benchmarks/results/kernels_h200_run1.md): 128 x 128 tiles,
+# 8 warps, 2 stages beat 128 x 64 / 3 stages by 19% on a long extend and tie 64 x 64 on 8 x 512. Short
+# queries (tree verify, small chunks) keep 64-row tiles so few rows are padding. The rest are fallbacks
+# for wider elements and heads, largest first.
+PREFILL_LONG = [TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2),
+                TileConfig(64, 32, 4, 2)]
+PREFILL_SHORT = [TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)]
+
+
+def prefill_config(block_d: int, elem_bytes: int, short: bool, smem_limit: int) -> TileConfig:
+    return first_fitting(PREFILL_SHORT if short else PREFILL_LONG, block_d, elem_bytes, smem_limit)
+
+
+def decode_config(block_g: int, block_n: int, block_d: int, elem_bytes: int, smem_limit: int,
+                  num_warps: int = 4, num_stages: int = 2) -> TileConfig:
+    """The split-KV decode program holds block_g query heads; block_n comes from the split count."""
+    return first_fitting([TileConfig(block_g, block_n, num_warps, num_stages)], block_d, elem_bytes, smem_limit)

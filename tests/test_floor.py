@@ -1,0 +1,65 @@
+"""benchmarks/floor.py: the bytes and FLOPs every benchmark's floor is built from."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from floor import StepShape, decode_floor, kv_bytes_per_token, step_bytes, step_flops, step_floor, \
+    step_weight_bytes  # noqa: E402
+from qwen3_8b import QWEN3_8B_CONFIG  # noqa: E402
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+
+
+def test_weight_bytes_are_the_model_without_its_embedding_table():
+    """Counted against transformers' own Qwen3 (untied): every parameter but the embedding table."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL, tie_word_embeddings=False))
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    assert step_weight_bytes(SMALL, dtype_bytes=2) == 2 * params
+
+
+def test_qwen3_8b_batch1_floor_is_the_issue_arithmetic():
+    # 36 layers + final norm + lm_head = 15.14 GB in bf16; 147,456 KV bytes per token.
+    assert step_weight_bytes(QWEN3_8B_CONFIG) == pytest.approx(15.137e9, rel=1e-4)
+    assert kv_bytes_per_token(QWEN3_8B_CONFIG) == 147456
+    floor = decode_floor(QWEN3_8B_CONFIG, [640], 4.26e12, 790e12)
+    assert floor.bound == "memory" and floor.ms == pytest.approx(3.575, abs=0.005)
+
+
+def test_bytes_count_one_embedding_row_per_token_and_the_kv():
+    one = step_bytes(SMALL, StepShape(decode_contexts=(10,)))
+    two = step_bytes(SMALL, StepShape(decode_contexts=(10, 30)))
+    row, kv = SMALL["hidden_size"] * 2, kv_bytes_per_token(SMALL)
+    assert one == step_weight_bytes(SMALL) + row + kv * (10 + 1)
+    assert two - one == row + kv * (30 + 1)
+
+
+def test_flops_count_linears_lm_head_and_causal_attention():
+    c = SMALL
+    linear_per_token = 2 * c["num_hidden_layers"] * (c["hidden_size"] * (64 + 2 * 32) + 64 * 64
+                                                      + 3 * 64 * c["intermediate_size"])
+    lm_head = 2 * c["vocab_size"] * c["hidden_size"]
+    attn_pair = 4 * c["num_attention_heads"] * c["head_dim"] * c["num_hidden_layers"]
+    assert step_flops(c, StepShape(decode_contexts=(7,))) == linear_per_token + lm_head + attn_pair * 7
+    # A chunk of 4 new tokens over 5 cached ones: 5*4 + (1+2+3+4) key pairs; it samples nothing here.
+    chunk = StepShape(prefill_chunks=((5, 4),))
+    assert step_flops(c, chunk) == 4 * linear_per_token + attn_pair * (20 + 10)
+    assert step_flops(c, StepShape(prefill_chunks=((5, 4),), sampled_chunks=1)) == step_flops(c, chunk) + lm_head
+
+
+def test_a_big_prefill_chunk_makes_the_step_compute_bound():
+    decode = decode_floor(QWEN3_8B_CONFIG, [640] * 64, 4.26e12, 790e12)
+    assert decode.bound == "memory"
+    mixed = step_floor(QWEN3_8B_CONFIG, StepShape((640,) * 64, ((0, 2048),), 1), 4.26e12, 790e12)
+    assert mixed.bound == "compute" and mixed.ms == mixed.compute_ms > decode.ms
+
+
+@pytest.mark.parametrize("bw,peak", [(0, 1e12), (1e12, 0), (-1.0, 1e12)])
+def test_rates_must_be_positive(bw, peak):
+    with pytest.raises(ValueError, match="bandwidth and peak_flops"):
+        decode_floor(SMALL, [1], bw, peak)

@@ -1,0 +1,108 @@
+"""Units of the daemon's defences: log escaping and rate limits, the unread-output bound, and the waiting
+queue's round-robin order (end to end in test_hostile_clients.py)."""
+from __future__ import annotations
+
+import pytest
+
+from llmserve_core.engine.request import Request
+from llmserve_core.engine.waiting_queue import WaitingQueue
+from llmserve_core.server.log_safety import LogLimiter, printable
+from llmserve_core.server.outbox import Outbox
+from llmserve_proto import SamplingParams
+
+
+@pytest.mark.parametrize("raw, logged", [
+    ("plain name", "plain name"),
+    ("a\nb\r\tc", "a\\x0ab\\x0d\\x09c"),
+    ("\x1b[31mred\x7f", "\\x1b[31mred\\x7f"),
+    ("rtl\u202eevil\u2028x", "rtl\\u202eevil\\u2028x"),
+    ("back\\slash", "back\\\\slash"),
+    ("naïve 中文", "naïve 中文"),
+])
+def test_printable_escapes_what_could_forge_a_line(raw, logged):
+    assert printable(raw) == logged
+
+
+def test_printable_truncates_and_says_how_much():
+    out = printable("x" * 10_000_000, limit=50)
+    assert out == "x" * 50 + "...(+9999950 chars)"
+    assert printable(12345) == "12345"
+
+
+def test_log_limiter_allows_a_burst_per_key_then_reports_what_it_held_back():
+    now = [0.0]
+    lim = LogLimiter(burst=3, window=10.0, clock=lambda: now[0])
+    assert [lim.allow("a")[0] for _ in range(5)] == [True, True, True, False, False]
+    assert lim.allow("b") == (True, 0)              # other clients have their own budget
+    now[0] = 10.5
+    assert lim.allow("a") == (True, 2)              # the two held back are reported with the next line
+
+
+def test_log_limiter_table_stays_small():
+    now = [0.0]
+    lim = LogLimiter(burst=1, window=1.0, max_keys=100, clock=lambda: now[0])
+    for i in range(1000):
+        now[0] = i * 0.001
+        lim.allow(i)
+    assert len(lim._state) <= 100
+
+
+class FakePeer:
+    def __init__(self, capacity: int):
+        self.capacity, self.got = capacity, []
+
+    def __call__(self, client, payload) -> bool:
+        if len(self.got) >= self.capacity:
+            return False
+        self.got.append(payload)
+        return True
+
+
+def test_outbox_keeps_order_behind_a_full_peer_and_drains_when_it_reads():
+    ob, peer = Outbox(max_bytes=100, max_stall_s=5.0), FakePeer(capacity=2)
+    for i in range(5):
+        assert ob.send(b"c", b"m%d" % i, peer, now=0.0) is None
+    assert peer.got == [b"m0", b"m1"] and ob.queued_bytes() == 6
+    peer.capacity = 10                               # the client read its socket
+    assert ob.flush(peer, now=1.0) == []
+    assert peer.got == [b"m0", b"m1", b"m2", b"m3", b"m4"] and not ob.backlogs
+
+
+def test_outbox_disconnects_past_its_byte_cap_or_its_stall_time():
+    ob, peer = Outbox(max_bytes=10, max_stall_s=5.0), FakePeer(capacity=0)
+    assert ob.send(b"c", b"12345", peer, now=0.0) is None
+    assert ob.send(b"c", b"123456", peer, now=0.0) is not None       # 11 bytes > 10
+    ob2 = Outbox(max_bytes=10**6, max_stall_s=5.0)
+    ob2.send(b"d", b"x", peer, now=0.0)
+    assert ob2.flush(peer, now=4.0) == []
+    (client, reason), = ob2.flush(peer, now=6.0)
+    assert client == b"d" and "unread" in reason
+
+
+def _req(rid, client):
+    return Request(rid, [1, 2], SamplingParams(), frozenset(), 64, client=client)
+
+
+def test_waiting_queue_round_robin_across_clients_fifo_within_one():
+    q = WaitingQueue()
+    for i in range(4):
+        q.append(_req(f"a{i}", "A"))
+    q.append(_req("b0", "B"))
+    q.append(_req("c0", "C"))
+    q.append(_req("b1", "B"))
+    order = []
+    while q:
+        order.append(q.peek().request_id)
+        assert q.pop().request_id == order[-1]
+    assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+
+
+def test_waiting_queue_preempted_first_counts_and_removal():
+    q = WaitingQueue()
+    a0, a1, b0, p = _req("a0", "A"), _req("a1", "A"), _req("b0", "B"), _req("p", "B")
+    for r in (a0, a1, b0):
+        q.append(r)
+    q.push_preempted(p)
+    assert q.count("A") == 2 and q.count("B") == 1 and len(q) == 4
+    assert q.remove(a0) and not q.remove(a0) and len(q) == 3
+    assert [q.pop().request_id for _ in range(3)] == ["p", "a1", "b0"]

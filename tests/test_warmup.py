@@ -1,0 +1,102 @@
+"""The start-up warm-up: which shapes it runs, that it leaves no trace in what the engine serves or
+reports, and the JIT-compilation counter it is checked with."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve_core import Engine, EngineConfig
+from llmserve_core.engine.cuda_graphs import batch_buckets
+from llmserve_core.engine.warmup import decode_sizes, prefill_lengths, warmup_plan
+from llmserve_core.kernels import jit_count
+from llmserve_core.kernels.paged_decode import choose_num_splits
+from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_proto import SamplingParams
+
+
+def test_plan_covers_small_rows_tile_edges_every_bucket_and_split_count():
+    buckets = batch_buckets(256)
+    plan = warmup_plan(256, 8192, 4096, True, buckets, 8)
+    single = {r.prompt_len for r in plan if r.num_requests == 1 and not r.mixed}
+    assert set(range(1, 17)) <= single                           # every small row count
+    assert {64, 65, 128, 129, 1921, 2048} <= single               # tile edges
+    assert any(r.num_requests > 1 and r.num_requests * r.prompt_len >= 8192 for r in plan)  # fills a step
+    longer = warmup_plan(8, 2048, 16384, True, [], 8)
+    assert {2048, 2048 + 17} <= {r.prompt_len for r in longer}    # a whole budget, then an extend over it
+    sizes = {r.num_requests for r in plan if r.prompt_len == 2 and not r.mixed and not r.late_prompt_len}
+    assert set(range(1, 17)) | set(buckets) <= sizes
+    assert {choose_num_splits(n, 8) for n in sizes} == {choose_num_splits(n, 8) for n in range(1, 257)}
+    assert any(r.mixed for r in plan) and any(r.late_prompt_len for r in plan)
+    for r in plan:                                               # every round fits the model and the pool
+        assert max(r.prompt_len, r.late_prompt_len) + r.new_tokens <= 4096 and 1 <= r.num_requests <= 256
+
+
+def test_plan_respects_short_models_lookahead_and_unchunked_budgets():
+    plan = warmup_plan(4, 64, 100, False, [], 2, lookahead=4)
+    assert max(max(r.prompt_len, r.late_prompt_len) + r.new_tokens + 4 for r in plan) <= 100
+    assert max(prefill_lengths(64, 93, chunked=False)) == 64      # no extend round without chunking
+    assert decode_sizes(3, [1, 2, 3], 8) == [1, 2, 3]
+
+
+def generate(engine, prompts):
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    sampled = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=1.0, top_k=20, ignore_eos=True))
+    return [c.token_ids for c in greedy + sampled]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_model_dir, tmp_path_factory):
+    return make_tiny_draft(tmp_path_factory.mktemp("draft"), tiny_model_dir, seed=1)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_warmed_engine_serves_and_reports_as_a_cold_one(tiny_model_dir, tiny_draft, speculative):
+    cfg = dict(model=tiny_model_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+               num_kv_blocks=64, speculative_model=tiny_draft if speculative else None)
+    warm = Engine(EngineConfig(**cfg, warmup=True))
+    assert warm.warmup_report["rounds"] > 30
+    s = warm.stats()
+    assert s["num_steps"] == s["total_prompt_tokens"] == s["total_generated_tokens"] == 0
+    assert s["prefix_queries"] == s["prefix_hits"] == s["num_preemptions"] == 0
+    assert s["free_kv_blocks"] == s["total_kv_blocks"] and s["cached_kv_blocks"] == 0
+    assert s.get("spec_num_steps", 0) == 0 and not warm.requests
+    prompts = [[5, 9, 2, 7] * 5, [100, 3], list(range(30, 90))]
+    served = generate(warm, prompts)          # before the next engine re-seeds the process's generator
+    cold = Engine(EngineConfig(**cfg))
+    assert cold.warmup_report is None                           # off by default on the CPU
+    assert served == generate(cold, prompts)                    # greedy and sampled alike
+    assert warm.stats()["prefix_hit_rate"] == cold.stats()["prefix_hit_rate"]
+
+
+def test_jit_counter_chains_the_hook_it_finds(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw) or None)
+    monkeypatch.setattr(jit_count, "_installed", False)
+    before = jit_count.jit_compilations()
+    jit_count.install()
+    jit_count.install()                                         # idempotent: one counter, not two
+    knobs.runtime.jit_post_compile_hook(key="k", repr="r")
+    assert jit_count.jit_compilations() == before + 1 and seen == [{"key": "k", "repr": "r"}]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_nothing_compiles_after_start_up(make_random_qwen3_dir):
+    """A varied workload (lengths, batch sizes, sampler paths, chunked prompts) after the warm-up adds no
+    Triton or FA4 kernel."""
+    model = make_random_qwen3_dir(seed=3, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                  tie_word_embeddings=False)
+    engine = Engine(EngineConfig(model=model, device="cuda", max_num_seqs=16, max_num_batched_tokens=256,
+                                 max_model_len=1024, num_kv_blocks=512))
+    before = engine.stats()["jit_compilations"]
+    g = torch.Generator().manual_seed(0)
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True)]
+    for n, lengths in ((1, [1]), (1, [700]), (3, [5, 17, 300]), (16, [2, 33, 64, 65, 129] * 3 + [900]),
+                       (7, [250] * 7)):
+        prompts = [torch.randint(0, 1000, (L,), generator=g).tolist() for L in lengths[:n]]
+        engine.generate(prompts, [params[i % 3] for i in range(len(prompts))])
+    assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"
