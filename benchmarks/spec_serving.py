@@ -57,7 +57,7 @@ def run_8b(args, tmp: Path) -> dict:
         endpoint = f"ipc://{tmp}/{tag}.sock"
         core = start(target, endpoint, common + extra)
         try:
-            out[tag] = loops(endpoint, args.out, f"8b_{tag}", (1, 16, 64, 256), argv,
+            out[tag] = loops(endpoint, args.out, f"8b_{tag}", args.concurrency, argv,
                              "3" if args.quick else "5", "8" if args.quick else "15")
         finally:
             stop_core(core)
@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["8b", "trained"])
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--concurrency", default="1,16,64,256", type=lambda v: [int(c) for c in v.split(",")],
+                    help="the 8B section's concurrencies")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"commit": args.commit}

@@ -145,3 +145,23 @@ def test_bad_policy_arguments():
         SpecPolicy(CHAIN, mode="sometimes")
     with pytest.raises(ValueError, match="widths"):
         SpecPolicy({})
+
+
+def test_engine_times_only_decode_steps_that_follow_decode_steps():
+    """An async plain step's wall time is the wait for its predecessor: after a step that carried a prefill
+    chunk it would charge that chunk to plain decoding, so it is not recorded."""
+    from types import SimpleNamespace
+
+    from llmserve_core.engine.engine import Engine
+    from llmserve_core.speculative.policy import Decision, MeasuredCosts
+    fake = SimpleNamespace(policy=SimpleNamespace(widths={3: 4}), step_costs=MeasuredCosts(), _last_step=None)
+    decode = SimpleNamespace(requests=[1] * 8, total_tokens=8)
+    prefill = SimpleNamespace(requests=[1] * 8, total_tokens=520)
+    plain = Decision(0)
+    for sched, started in ((decode, 1.0), (prefill, 2.0), (decode, 3.0)):     # nothing steady yet
+        Engine._record_step_cost(fake, sched, plain, started)
+    assert fake.step_costs.ema == {}
+    Engine._record_step_cost(fake, decode, plain, 4.0)                        # decode after decode: timed
+    assert set(fake.step_costs.ema) == {(8, 1)}
+    Engine._record_step_cost(fake, decode, Decision(3), 5.0)                  # first drafting step: not yet
+    assert set(fake.step_costs.ema) == {(8, 1)}

@@ -105,7 +105,7 @@ class Engine:
                                  else self.runner.device.type == "cuda")
         self.policy = SpecPolicy(self.spec.policy_widths(), config.speculative_policy) if self.spec else None
         self.step_costs = MeasuredCosts()
-        self._last_step: tuple[int, int] | None = None      # (draft depth, batch) of the last step with work
+        self._last_step: tuple[int, int, bool] | None = None   # (draft depth, batch bucket, pure decode) of the last step
         self.grammars: GrammarService | None = None     # started by the first guided request
         self.reset_counters()
         self.warmup_report = warm_up(self) if config.resolved_warmup() else None
@@ -283,8 +283,11 @@ class Engine:
         if not sched.requests:
             self._last_step = None
             return
-        key = (decision.gamma, batch_bucket(len(sched.requests)))
-        steady = self._last_step == key and sched.total_tokens == len(sched.requests)
+        # The previous step must have been a pure decode of the same kind too: an async plain step's wall
+        # time is mostly the wait for its predecessor, so one after a prefill-carrying step would charge
+        # that prefill to plain decoding (and make drafting look cheap next to it).
+        key = (decision.gamma, batch_bucket(len(sched.requests)), sched.total_tokens == len(sched.requests))
+        steady = self._last_step == key and key[2]
         self._last_step = key
         if steady:
             width = self.policy.widths[decision.gamma] if decision.gamma else 1

@@ -39,8 +39,14 @@ def install() -> None:
 
 def fa4_compilations() -> int:
     interface = sys.modules.get("flash_attn.cute.interface")
-    fwd = getattr(interface, "_flash_attn_fwd", None)
-    return len(getattr(fwd, "compile_cache", ()))
+    cache = getattr(getattr(interface, "_flash_attn_fwd", None), "compile_cache", None)
+    # Its cache is a dict in some FA4 releases and a JITCache object holding one in others.
+    for held in (cache, getattr(cache, "cache", None), getattr(cache, "_cache", None)):
+        try:
+            return len(held)
+        except TypeError:
+            continue
+    return 0
 
 
 def jit_compilations() -> int:

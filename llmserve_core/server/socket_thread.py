@@ -38,10 +38,16 @@ MAX_FRAMES_PER_POLL = 1000
 RECV_HWM = 1000           # messages ZMQ buffers per client before it stops reading that client's connection
 
 
+STATS_BURST = 32
+STATS_PER_SECOND = 50.0
+
+
 @dataclass
 class ClientInfo:
     last_seen: float
     name: str
+    stats_budget: float = 0.0        # stats queries this client may still send now (refilled over time)
+    stats_refilled: float = 0.0
 
 
 class SocketThread(threading.Thread):
@@ -92,6 +98,20 @@ class SocketThread(threading.Thread):
         reason = self.outbox.send(client, payload, self._try_send, time.monotonic())
         if reason is not None:
             self._drop(client, reason)
+
+    def _stats_allowed(self, client: bytes, now: float) -> bool:
+        """At most STATS_BURST stats queries at once and STATS_PER_SECOND after that, per client: each
+        costs the busy loop a stats() and the client a reply, so a flood of them (read or not) must not
+        grow the core's queues. Queries past the rate get no reply (PROTOCOL.md)."""
+        info = self.clients.get(client)
+        if info is None:
+            return True
+        info.stats_budget = min(STATS_BURST, info.stats_budget + (now - info.stats_refilled) * STATS_PER_SECOND)
+        info.stats_refilled = now
+        if info.stats_budget < 1.0:
+            return False
+        info.stats_budget -= 1.0
+        return True
 
     def _reply(self, client: bytes, msg) -> None:
         self._send(client, encode(msg))
@@ -221,7 +241,8 @@ class SocketThread(threading.Thread):
         elif isinstance(msg, Abort):
             self.in_q.put(AbortRequests(client, list(msg.request_ids)))
         elif isinstance(msg, StatsRequest):
-            self.in_q.put(StatsQuery(client, msg.nonce))
+            if self._stats_allowed(client, now):
+                self.in_q.put(StatsQuery(client, msg.nonce))
         elif isinstance(msg, Goodbye):
             self._drop(client, "said goodbye")
 

@@ -51,9 +51,11 @@ class TritonFA4Backend:
         self.triton = TritonAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not use_fa4(q.dtype, q.shape[-1], batch, capturing):
-            return self.triton.forward(q, k, v, k_cache, v_cache, batch, scale)
+        # FA4 reads caches of the model's dtype; an FP8 cache stays on the Triton kernels.
+        if k_cache.dtype != q.dtype or not use_fa4(q.dtype, q.shape[-1], batch, capturing):
+            return self.triton.forward(q, k, v, k_cache, v_cache, batch, scale, k_scale, v_scale)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return fa4_paged(self.fa4, q, k_cache, v_cache, batch, scale)
