@@ -188,7 +188,7 @@ def chaos_http(base: str, tally: Tally, stop: threading.Event, seed: int) -> Non
                 body = {"prompt": rng.choice(TEXTS) if rng.random() < 0.5 else _ids(rng), **kw}
                 path = "/v1/completions"
             if rng.random() < 0.05:
-                body["n"], valid = 2, False
+                body["n"] = 2          # two choices (their copies share the prompt's KV)
             drop = rng.random() < 0.4
             body["stream"] = drop or rng.random() < 0.3
             try:

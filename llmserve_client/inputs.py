@@ -7,7 +7,7 @@ import uuid
 
 import msgspec
 
-from llmserve_proto import SamplingParams, ValidationError
+from llmserve_proto import GuidedDecoding, SamplingParams, ValidationError
 from llmserve_client.errors import RequestError
 
 
@@ -37,9 +37,17 @@ def build_params(sampling: dict) -> SamplingParams:
     for name, value in sampling.items():
         if _has_wide_int(value):
             raise RequestError(name, f"integer out of range: must be in [-2**63, 2**64), got {_short(value)}")
+    if isinstance(sampling.get("guided"), dict):
+        try:
+            sampling = {**sampling, "guided": GuidedDecoding(**sampling["guided"])}
+        except TypeError as e:
+            raise RequestError("guided", str(e)) from None
     try:
         # A wire round trip type-checks every field exactly as the core will.
         params = _roundtrip(SamplingParams(**sampling))
+    except OverflowError:
+        field = next((k for k, v in sampling.items() if _has_wide_int(v)), "params")
+        raise RequestError(field, "holds an integer outside [-2**63, 2**64)") from None
     except msgspec.ValidationError as e:
         m = re.search(r"at `\$\[(\d+)\]", str(e))
         field = SamplingParams.__struct_fields__[int(m.group(1))] if m else "params"
@@ -89,6 +97,8 @@ def check_token_ids(ids: list[int]) -> list[int]:
 def _has_wide_int(value) -> bool:
     if isinstance(value, int) and not isinstance(value, bool):
         return not INT64_MIN <= value < UINT64_LIMIT
+    if isinstance(value, dict):      # logit_bias: msgpack carries map keys in the same range
+        return any(_has_wide_int(k) or _has_wide_int(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return any(_has_wide_int(v) for v in value)
     return False

@@ -3,7 +3,8 @@
 Shared by the sync and async clients; it only transforms messages and never touches a socket.
 Stop strings are found on the detokenized text (the core never sees text). A match ends the request:
 text is cut before the stop string, finish_reason becomes "stop", and `needs_abort` tells the caller
-to abort the request in the engine. While streaming, the last len(longest stop) - 1 characters are held
+to abort the request in the engine. With include_stop_str_in_output the stop string stays in the text;
+before min_tokens outputs no stop string counts. While streaming, the last len(longest stop) - 1 characters are held
 back so a stop string split across steps never leaks into streamed text.
 """
 from __future__ import annotations
@@ -81,10 +82,12 @@ class RequestState:
         self.text += delta
         if not self.stops:
             return
+        if len(self.token_ids) < self.params.min_tokens:
+            return      # vLLM: stop strings count only once min_tokens are out
         hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
         if hits:
             i, s = min(hits)
-            self.text = self.text[:i]
+            self.text = self.text[:i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
             self.finish_reason, self.stop_reason, self.needs_abort = "stop", s, True
 
     def on_error(self, recv_time: float) -> None:

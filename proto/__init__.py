@@ -3,7 +3,7 @@
 Import name `llmserve_proto` (the folder is `proto/`). Nothing here imports torch. PROTOCOL.md
 describes sockets, framing, message order and error semantics.
 """
-from llmserve_proto.sampling import SamplingParams, ValidationError
+from llmserve_proto.sampling import GuidedDecoding, SamplingParams, ValidationError
 from llmserve_proto.messages import (
     FINISH_REASONS, PROTOCOL_VERSION, Abort, ClientMessage, CoreMessage, EngineError, Generate, Goodbye,
     Heartbeat, Hello, Logprobs, ModelInfo, OutputBatch, Ping, RequestError, RequestMetrics, RequestOutput,
@@ -13,7 +13,7 @@ from llmserve_proto.codec import BadMessage, decode_client, decode_client_checke
 from llmserve_proto.endpoint import default_endpoint
 
 __all__ = [
-    "SamplingParams", "ValidationError", "PROTOCOL_VERSION", "FINISH_REASONS",
+    "SamplingParams", "GuidedDecoding", "ValidationError", "PROTOCOL_VERSION", "FINISH_REASONS",
     "Hello", "Generate", "Abort", "StatsRequest", "Ping", "Goodbye", "ClientMessage",
     "ModelInfo", "Welcome", "Logprobs", "RequestMetrics", "RequestOutput", "OutputBatch", "RequestError",
     "EngineError", "StatsReply", "Heartbeat", "Shutdown", "CoreMessage",

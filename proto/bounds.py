@@ -108,6 +108,43 @@ class Str:
 
 
 @dataclass(frozen=True)
+class IntFloatMap:
+    """At most max_len entries, each an integer key in [key_lo, key_hi] and a finite number in [lo, hi]
+    (logit_bias: token id -> bias). The error names the field and, in its message, the key."""
+    key_lo: int
+    key_hi: int
+    lo: float
+    hi: float
+    max_len: int
+
+    def check(self, field: str, v) -> None:
+        if not isinstance(v, dict) or len(v) > self.max_len:
+            raise ValidationError(field, f"must be a map of at most {self.max_len} entries")
+        value = Float(self.lo, self.hi)
+        for k, x in v.items():
+            if not _is_int(k) or not self.key_lo <= k <= self.key_hi:
+                raise ValidationError(field, f"keys must be integers in [{self.key_lo}, {self.key_hi}], got {_show(k)}")
+            try:
+                value.check(field, x)
+            except ValidationError as e:
+                raise ValidationError(field, f"[{k}] {e.message}") from None
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A struct of type `cls` (or None when optional) whose own validate() checks its fields."""
+    cls: type
+    optional: bool = False
+
+    def check(self, field: str, v) -> None:
+        if v is None and self.optional:
+            return
+        if not isinstance(v, self.cls):
+            raise ValidationError(field, f"must be a {self.cls.__name__}{' or null' if self.optional else ''}")
+        v.validate()
+
+
+@dataclass(frozen=True)
 class Bool:
     def check(self, field: str, v) -> None:
         if not isinstance(v, bool):

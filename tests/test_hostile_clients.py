@@ -48,7 +48,7 @@ def _num(v) -> bool:
 
 # The documented ranges (PROTOCOL.md), written out here independently of the code that enforces them, so
 # a bound dropped from the code fails this test.
-def in_range(field: str, v) -> bool:
+def in_range(field: str, v, max_tokens=3) -> bool:
     if field == "max_tokens":
         return _is_int(v) and 1 <= v <= MAX_MODEL_LEN - len(PROMPT)
     if field == "temperature":
@@ -69,6 +69,19 @@ def in_range(field: str, v) -> bool:
         return type(v) is bool
     if field == "stop":
         return isinstance(v, list) and all(isinstance(s, str) and s for s in v)
+    if field in ("presence_penalty", "frequency_penalty"):
+        return _num(v) and -2 <= v <= 2
+    if field == "repetition_penalty":
+        return _num(v) and 0 < v <= 100
+    if field == "logit_bias":
+        return isinstance(v, dict) and len(v) <= 1024 and all(
+            _is_int(t) and 0 <= t < VOCAB and _num(b) and -100 <= b <= 100 for t, b in v.items())
+    if field == "min_tokens":
+        return _is_int(v) and 0 <= v and (not _num(max_tokens) or v <= max_tokens)
+    if field == "include_stop_str_in_output":
+        return type(v) is bool
+    if field == "guided":
+        return v is None        # no extreme here is a grammar; test_guided_and_penalties covers those
     raise AssertionError(f"no documented range for SamplingParams.{field}: add one here and in PROTOCOL.md")
 
 
@@ -86,7 +99,7 @@ def params_frame(values: dict) -> list:
 
 def bad_fields(values: dict) -> set[str]:
     full = {**DEFAULTS, "max_tokens": 3, **values}
-    return {f for f in values if not in_range(f, full[f])}
+    return {f for f in values if not in_range(f, full[f], full["max_tokens"])}
 
 
 def field_matches(reported: str, fields: set[str]) -> bool:

@@ -284,11 +284,15 @@ BAD_CHAT = [
     (dict(temperature=-1), "temperature", None),
     (dict(extra_body={"temperature": "hot"}), "temperature", None),
     (dict(top_p=0), "top_p", None),
-    (dict(n=2), "n", None),
+    (dict(n=0), "n", None),
+    (dict(n=17), "n", None),
     (dict(max_tokens=0), "max_tokens", None),
     (dict(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded"),
     (dict(top_logprobs=3), "top_logprobs", None),
-    (dict(presence_penalty=0.5), "presence_penalty", None),
+    (dict(presence_penalty=2.5), "presence_penalty", None),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", None),
+    (dict(logit_bias={"5": 101}), "logit_bias", None),
+    (dict(logit_bias={"x": 1}), "logit_bias", None),
     (dict(stop=[""]), "stop", None),
     (dict(messages=[{"role": "user", "content": "hi", "tool_calls": []}]), "messages[0].tool_calls", None),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", None),
@@ -316,7 +320,8 @@ def test_bad_completion_requests(oai, server):
         (dict(prompt=""), "prompt"),
         (dict(prompt=["a", ""]), "prompt[1]"),
         (dict(prompt="word " * 1000), "prompt"),
-        (dict(prompt="hi", echo=True), "echo"),
+        (dict(prompt="hi", echo=True, logprobs=1), "echo"),
+        (dict(prompt="hi", suffix="!"), "suffix"),
         (dict(prompt="hi", best_of=3), "best_of"),
     ]
     for kw, param in cases:
@@ -393,7 +398,7 @@ def test_health_and_metrics(server, oai):
     _, _, before = scrape(server)
     oai.completions.create(model=NAME, prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        oai.completions.create(model=NAME, prompt="hi", n=2)
+        oai.completions.create(model=NAME, prompt="hi", n=0)
     with httpx.stream("POST", server + "/v1/completions", timeout=30,
                       json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
         next(resp.iter_lines())

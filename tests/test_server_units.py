@@ -97,6 +97,19 @@ def test_waiting_queue_round_robin_across_clients_fifo_within_one():
     assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
 
 
+
+def test_waiting_queue_passes_over_skipped_requests_in_round_robin_order():
+    # a0 may not start yet (its grammar compiles): the others go in the order they would have anyway,
+    # and a0 keeps its place at the head of client A.
+    q = WaitingQueue()
+    for rid, client in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("b1", "B"), ("c0", "C")):
+        q.append(_req(rid, client))
+    taken = []
+    while (r := q.peek({"a0"})) is not None:
+        taken.append(q.pop(r).request_id)
+    assert taken == ["b0", "c0", "b1", "a1"]
+    assert len(q) == 1 and q.peek().request_id == "a0" and q.pop().request_id == "a0" and not q
+
 def test_waiting_queue_preempted_first_counts_and_removal():
     q = WaitingQueue()
     a0, a1, b0, p = _req("a0", "A"), _req("a1", "A"), _req("b0", "B"), _req("p", "B")

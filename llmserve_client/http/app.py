@@ -31,9 +31,12 @@ from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.http import schemas
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
+from llmserve_client.http.chat_output import ChoiceShaper, render_chat
+from llmserve_client.http.guided import error_param, guided_from_request
 from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
+from llmserve_client.http.tool_parsers import forced_call_guided
 from llmserve_client.inputs import to_token_ids
 from llmserve_client.types import Completion, StreamChunk
 
@@ -48,8 +51,11 @@ log = logging.getLogger("llmserve_client.http")
 
 
 class Frontend:
-    def __init__(self, client: AsyncClient, served_model_names: list[str] | None = None):
+    def __init__(self, client: AsyncClient, served_model_names: list[str] | None = None,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
         self.client = client
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
         self.names = list(served_model_names or [])
         self.tokenizer = None
         self.max_model_len = 0
@@ -122,11 +128,9 @@ class Frontend:
 
     async def _generate_or_raise(self, request: Request, chat: bool) -> Response:
         try:
-            req, streams = await self._start(await request.body(), chat)
+            req, streams, ctx = await self._start(await request.body(), chat)
         except ApiError as e:
             return self._error(e)
-        ctx = _Ctx(streams[0].request_id, self.names[0] if req.model is None else req.model, chat,
-                   req.stream and req.stream_options is not None and req.stream_options.include_usage)
         merged = merge(streams)
         try:
             if not req.stream:
@@ -142,50 +146,109 @@ class Frontend:
                 self.metrics.on_finished(s.completion)
             return Response(status_code=499)
         except LLMServeError as e:
-            return self._error(self._api_error(e, chat))
+            return self._error(self._api_error(e, chat, ctx.guided_source))
         return StreamingResponse(self._sse(ctx, streams, merged, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _start(self, body: bytes, chat: bool):
-        """Parse, validate, tokenize and send the request (one engine request per prompt); ApiError for
-        anything wrong with it."""
+        """Parse, validate, tokenize and send the request (n engine requests per prompt, choice i of a
+        seeded request seeded with seed + i); ApiError for anything wrong with it."""
         req = schemas.decode(body, schemas.ChatRequest if chat else schemas.CompletionRequest)
         if req.model is not None and req.model not in self.names:
             raise _model_not_found(req.model)
-        streams: list[AsyncStream] = []
-        try:
-            if chat:
-                sampling = schemas.chat_sampling(req)
-                prompts = [schemas.chat_messages(req)]
-                max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
-                                     if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-            else:
-                sampling = schemas.completion_sampling(req)
-                prompts = schemas.completion_prompts(req)
-                max_tokens, param = req.max_tokens, "max_tokens"
-            batch = []
-            loop = asyncio.get_running_loop()
-            for prompt in prompts:
+        guided, source = guided_from_request(req)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        ctx = _Ctx(rid, self.names[0] if req.model is None else req.model, chat,
+                   req.stream and req.stream_options is not None and req.stream_options.include_usage)
+        loop = asyncio.get_running_loop()
+        if chat:
+            sampling = schemas.chat_sampling(req)
+            tools, forced = self._tool_setup(req)
+            if forced is not None:
+                if guided is not None:
+                    raise ApiError(f"{source} cannot be combined with tool_choice {req.tool_choice!r}", source)
+                guided, source = forced, "tool_choice"
+            messages = schemas.chat_messages(req)
+            self._check_length_early(messages, chat)
+            ids, prompt_text = await loop.run_in_executor(self._tokenize_pool, render_chat, self.tokenizer, messages,
+                                                          tools, req.chat_template_kwargs)
+            prompts = [(ids, prompt_text)]
+            max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
+                                 if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+            shaper = lambda: ChoiceShaper(self.reasoning_parser is not None, prompt_text, tools is not None)
+        else:
+            sampling = schemas.completion_sampling(req)
+            prompts = []
+            for prompt in schemas.completion_prompts(req):
                 self._check_length_early(prompt, chat)
                 try:
                     ids = await loop.run_in_executor(self._tokenize_pool, to_token_ids, prompt, self._get_tokenizer)
-                except RequestError:
-                    raise
-                except Exception as e:   # a chat template that refuses these messages
-                    raise ApiError(f"the chat template failed on these messages: {e}", "messages") from None
-                batch.append((ids, self._fit_max_tokens(len(ids), max_tokens, param, chat)))
-            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            for i, (ids, n) in enumerate(batch):
+                except RequestError as e:
+                    raise self._api_error(e, chat) from None
+                prompts.append((ids, prompt if isinstance(prompt, str) else None))
+            max_tokens, param = req.max_tokens, "max_tokens"
+            shaper = None
+        if guided is not None:
+            sampling["guided"] = guided
+        ctx.guided_source, ctx.n = source, req.n
+        jobs = []
+        for p, (ids, prompt_text) in enumerate(prompts):
+            n_tokens = self._fit_max_tokens(len(ids), max_tokens, param, chat)
+            if not chat and req.echo and prompt_text is None:
+                prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
+            for i in range(req.n):
+                index = p * req.n + i
+                seed = sampling.get("seed")
+                # Choice 0 keeps the seed as sent, so a seed no message can carry is still refused.
+                jobs.append((index, ids, {**sampling, "max_tokens": n_tokens,
+                                          **({"seed": (seed + i) % 2**63} if seed is not None and i else {})}))
+                if shaper is not None:
+                    ctx.shapers[index] = shaper()
+                if not chat and req.echo:
+                    ctx.echo[index] = prompt_text
+        streams: list[AsyncStream] = []
+        try:
+            for index, ids, params in jobs:
                 streams.append(await self.client.stream(
-                    ids, request_id=rid if len(batch) == 1 else f"{rid}-{i}",
-                    skip_special_tokens=req.skip_special_tokens, **{**sampling, "max_tokens": n}))
+                    ids, request_id=rid if len(jobs) == 1 else f"{rid}-{index}",
+                    skip_special_tokens=req.skip_special_tokens, **params))
         except BaseException as e:
-            for s in streams:     # prompts of a batch already sent
+            for s in streams:     # choices already sent
                 await s.aclose()
             if isinstance(e, LLMServeError):
-                raise self._api_error(e, chat) from None
+                raise self._api_error(e, chat, source) from None
             raise
-        return req, streams
+        return req, streams, ctx
+
+    def _tool_setup(self, req) -> tuple[list[dict] | None, dict | None]:
+        """(tools for the chat template, the grammar a required or named tool_choice forces)."""
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if not req.tools:
+            if choice != "none":
+                raise ApiError("tool_choice needs tools", "tool_choice")
+            return None, None
+        if choice == "none":
+            return None, None      # OpenAI: the model calls no tool, so the prompt offers none
+        if self.tool_call_parser is None:
+            raise ApiError("tool calls need the server to run with --tool-call-parser (e.g. hermes)", "tools")
+        tools = []
+        for i, t in enumerate(req.tools):
+            if t.type != "function":
+                raise ApiError(f"tool type {t.type!r} is not supported (function only)", f"tools[{i}].type")
+            f = t.function
+            tools.append({"type": "function", "function": {k: v for k, v in (
+                ("name", f.name), ("description", f.description), ("parameters", f.parameters)) if v is not None}})
+        if choice == "auto":
+            return tools, None
+        if choice == "required":
+            return tools, forced_call_guided(tools, None)
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
+            raise ApiError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                           "{\"name\": ...}}", "tool_choice")
+        if name not in [t["function"]["name"] for t in tools]:
+            raise ApiError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return tools, forced_call_guided(tools, name)
 
     def _get_tokenizer(self):
         return self.tokenizer
@@ -235,8 +298,9 @@ class Frontend:
         accounted = False
         try:
             if ctx.chat:
-                yield _sse_data(self._chunk(ctx, 0, {"delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}))
+                for index in range(len(streams)):
+                    yield _sse_data(self._chunk(ctx, index, {"delta": {"role": "assistant", "content": ""},
+                                                             "logprobs": None, "finish_reason": None}))
             item = first
             while item is not None:
                 choice = self._stream_choice(ctx, *item)
@@ -248,10 +312,10 @@ class Frontend:
                 self.metrics.on_finished(c)
             accounted = True
             if ctx.include_usage:
-                yield _sse_data({**self._chunk(ctx, 0, None), "usage": _usage(completions)})
+                yield _sse_data({**self._chunk(ctx, 0, None), "usage": _usage(completions, ctx.n)})
         except LLMServeError as e:
             # Headers are gone already: the error travels as an event, which the openai package raises.
-            err = self._api_error(e, ctx.chat)
+            err = self._api_error(e, ctx.chat, ctx.guided_source)
             self.metrics.on_error(err.status)
             accounted = True
             yield _sse_data(err.body())
@@ -264,13 +328,20 @@ class Frontend:
         yield "data: [DONE]\n\n"
 
     def _stream_choice(self, ctx: "_Ctx", index: int, chunk: StreamChunk) -> dict | None:
-        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
+        final = chunk.finish_reason is not None
+        text = ctx.echo.pop(index, "") + chunk.text       # echo: the prompt leads the first chunk
+        if not text and not final and not chunk.logprobs:
             return None
-        logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs)
         if ctx.chat:
-            return {"delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs,
-                    "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
-        return {"text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
+            shaper = ctx.shapers[index]
+            delta = shaper.delta(text, final)
+            if not delta and not final and not chunk.logprobs:
+                return None
+            logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs)
+            return {"delta": delta, "logprobs": logprobs, "finish_reason": shaper.finish_reason(chunk.finish_reason),
+                    "stop_reason": chunk.stop_reason}
+        logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs)
+        return {"text": text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
                 "stop_reason": chunk.stop_reason}
 
     def _chunk(self, ctx: "_Ctx", index: int, choice: dict | None) -> dict:
@@ -287,12 +358,12 @@ class Frontend:
             choice = {"index": i, "logprobs": self._logprobs(ctx, i, c.token_ids, c.logprobs),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if ctx.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"], choice["finish_reason"] = ctx.shapers[i].message(c.text, c.finish_reason)
             else:
-                choice["text"] = c.text
+                choice["text"] = ctx.echo.get(i, "") + c.text
             choices.append(choice)
         return {"id": ctx.id, "object": "chat.completion" if ctx.chat else "text_completion",
-                "created": ctx.created, "model": ctx.model, "choices": choices, "usage": _usage(completions)}
+                "created": ctx.created, "model": ctx.model, "choices": choices, "usage": _usage(completions, ctx.n)}
 
     def _logprobs(self, ctx: "_Ctx", index: int, token_ids: list[int], logprobs) -> dict | None:
         """OpenAI's chat shape ({"content": [...]}) or the legacy completions shape (parallel lists)."""
@@ -321,13 +392,13 @@ class Frontend:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "llmserve",
                 "root": self.client.model_info.model, "max_model_len": self.max_model_len}
 
-    def _api_error(self, e: LLMServeError, chat: bool) -> ApiError:
+    def _api_error(self, e: LLMServeError, chat: bool, guided_source: str | None = None) -> ApiError:
         if isinstance(e, RequestError) and not e.field:
             # Not the request's fault (PROTOCOL.md §6): the core is draining, or failed to take it.
             return ApiError(f"the engine cannot take this request now: {e.message}", None, status=503,
                             type="server_error", code="engine_unavailable")
         if isinstance(e, RequestError):
-            return ApiError(e.message, schemas.param_name(e.field, chat) or None)
+            return ApiError(e.message, error_param(e.field, guided_source) or schemas.param_name(e.field, chat) or None)
         if isinstance(e, EngineDeadError):
             return ApiError(f"the engine is unavailable: {e}", None, status=503, type="server_error",
                             code="engine_unavailable")
@@ -346,6 +417,10 @@ class _Ctx:
         self.id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}   # legacy completions logprobs: choice -> offset of its next token
+        self.shapers: dict[int, ChoiceShaper] = {}   # chat: choice -> its reasoning / tool-call parsing
+        self.echo: dict[int, str] = {}           # completions with echo: choice -> prompt text to lead with
+        self.guided_source: str | None = None    # the request param a grammar came from (for errors)
+        self.n = 1                               # choices per prompt
 
 
 def _retry_after(status: int) -> dict | None:
@@ -367,11 +442,13 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-def _usage(completions: list[Completion]) -> dict:
-    prompt = sum(c.usage.prompt_tokens for c in completions)
+def _usage(completions: list[Completion], n: int = 1) -> dict:
+    """As OpenAI counts: each prompt once however many choices (n) it has; cached tokens likewise."""
+    firsts = completions[::n]
+    prompt = sum(c.usage.prompt_tokens for c in firsts)
     generated = sum(c.usage.completion_tokens for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": sum(c.usage.cached_tokens for c in completions)}}
+            "prompt_tokens_details": {"cached_tokens": sum(c.usage.cached_tokens for c in firsts)}}
 
 
 def _sse_data(obj: dict) -> str:
@@ -398,13 +475,15 @@ class _RequireApiKey:
 
 def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Starlette:
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None) -> Starlette:
     """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected).
     With api_key, /v1/* requires it as a bearer token. Bodies over max_body_bytes get 413, bodies not in
-    within body_timeout_s of their head get 408."""
+    within body_timeout_s of their head get 408. reasoning_parser ("qwen3") and tool_call_parser ("hermes")
+    shape chat outputs (see reasoning.py, tool_parsers.py)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key: must not be empty (None serves without a key)")
-    fe = Frontend(client, served_model_names)
+    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

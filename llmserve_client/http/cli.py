@@ -26,6 +26,8 @@ import sys
 import tempfile
 
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from llmserve_client.http.reasoning import PARSERS as REASONING_PARSERS
+from llmserve_client.http.tool_parsers import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("llmserve_client.http")
 
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
                    help=f"seconds a connection may take to send a complete request head, from its opening or the "
                         f"previous response; then it is closed (default: {DEFAULT_HEAD_TIMEOUT_S:g})")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="split thinking (<think>...</think>) into message.reasoning_content (qwen3)")
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="return <tool_call> blocks as message.tool_calls (hermes: Qwen3's format)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -147,7 +153,8 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
     client = AsyncClient(endpoint, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
     try:
         app = build_app(client, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        body_timeout_s=args.body_timeout)
+                        body_timeout_s=args.body_timeout, reasoning_parser=args.reasoning_parser,
+                        tool_call_parser=args.tool_call_parser)
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)

@@ -2,8 +2,8 @@
 
 Decoding is strict: an unknown field, a wrong type or a value out of range becomes an ApiError naming the
 field, which the app turns into OpenAI's 400 shape. Fields that OpenAI defines but this engine cannot honour
-(penalties, logit_bias, best_of, echo, suffix, n > 1) are accepted only at their neutral values, so a client
-never silently gets something other than what it asked for.
+(best_of > 1, suffix) are accepted only at their neutral values, so a client never silently gets something
+other than what it asked for.
 """
 from __future__ import annotations
 
@@ -51,6 +51,15 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format (chat) and vLLM's guided_* (both endpoints).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request):
@@ -66,10 +75,36 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None        # an assistant turn that called tools
+    tool_call_id: str | None = None                 # a tool turn: the call it answers
+    reasoning_content: str | None = None            # an assistant turn's thinking, as this server returned it
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDef
 
 
 class ChatRequest(_Request):
@@ -77,6 +112,10 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def decode(body: bytes, kind: type[_Request]) -> _Request:
@@ -100,26 +139,39 @@ def _param_of(message: str) -> str | None:
     return path or None
 
 
-def _reject_unsupported(req: _Request) -> None:
-    if req.n != 1:
-        raise ApiError(f"only n=1 is supported, got {req.n}", "n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise ApiError(f"{name} is not supported (only 0)", name)
-    if req.logit_bias:
-        raise ApiError("logit_bias is not supported", "logit_bias")
+MAX_N = 16      # choices per request (n)
+
+
+def _check_request(req: _Request) -> None:
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options is only allowed when stream is true", "stream_options")
 
 
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ApiError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        out[tok] = value
+    return out
+
+
 def sampling_fields(req: _Request) -> dict:
     """The SamplingParams fields both endpoints map the same way (max_tokens is decided by the caller)."""
-    _reject_unsupported(req)
-    out: dict = {"ignore_eos": req.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids"):
+    _check_request(req)
+    out: dict = {"ignore_eos": req.ignore_eos, "include_stop_str_in_output": req.include_stop_str_in_output}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
         value = getattr(req, name)
         if value is not None:
             out[name] = value
+    if req.logit_bias:
+        out["logit_bias"] = _logit_bias(req.logit_bias)
     if req.stop is not None:
         out["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     return out
@@ -129,10 +181,13 @@ def completion_sampling(req: CompletionRequest) -> dict:
     out = sampling_fields(req)
     if req.best_of not in (None, 1):
         raise ApiError(f"only best_of=1 is supported, got {req.best_of}", "best_of")
-    if req.echo:
-        raise ApiError("echo is not supported", "echo")
+    if req.echo and req.logprobs is not None:
+        raise ApiError("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
     if req.suffix:
-        raise ApiError("suffix is not supported", "suffix")
+        # OpenAI's suffix asks for an insertion (fill-in-the-middle); Qwen3's templates have no such mode.
+        raise ApiError("suffix needs a fill-in-the-middle model; Qwen3 has none", "suffix")
+    if req.response_format is not None:
+        raise ApiError("response_format belongs to chat completions; use guided_json here", "response_format")
     if req.logprobs is not None:
         out["logprobs"] = req.logprobs
     return out
@@ -166,7 +221,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return batch
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
@@ -188,9 +243,32 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        # Qwen's templates know system, user and assistant; OpenAI's developer role means system.
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        # Qwen's templates know system, user, assistant and tool; OpenAI's developer role means system.
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise ApiError("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            # Arguments arrive as JSON text; Qwen3's template writes a string as is and a mapping as JSON.
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
     return out
+
+
+def _arguments(args: str | dict) -> dict | str:
+    """Parsed arguments where they are JSON (templates render a mapping), else the text as given."""
+    if isinstance(args, dict):
+        return args
+    try:
+        value = msgspec.json.decode(args)
+    except msgspec.DecodeError:
+        return args
+    return value if isinstance(value, dict) else args
 
 
 def param_name(field: str, chat: bool) -> str:

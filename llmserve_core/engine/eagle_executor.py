@@ -12,7 +12,8 @@ need this step's accepted tokens):
   3. ONE target forward over the whole batch: prefill chunks and plain decodes as without speculation,
      plus the verify rows of each drafting request (the last token, then its drafts), capturing the
      aux hidden states the draft reads;
-  4. plain rows are sampled by the ordinary sampler; verify rows go through greedy verification or
+  4. plain rows are sampled by the ordinary sampler (with their logits processors: requests with
+     grammars, penalties, biases or min_tokens never draft, see Engine.add_request); verify rows go through greedy verification or
      lossless rejection sampling; a tree's accepted path is moved into consecutive KV slots;
   5. the aux states of the newly valid positions wait in the request's SpecState for step 1 of the
      request's next step.
@@ -34,6 +35,7 @@ import torch
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.layers.batch import ForwardBatch
+from llmserve_core.engine.logits_inputs import build_logits_processors
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.spec_graphs import FixedRowsGraphs
@@ -457,7 +459,8 @@ class EagleExecutor:
         if not reqs:
             return None, []
         logits = self.runner.model.compute_logits(hidden[self._h2d(rows, torch.long)])
-        return sample(logits, self._sampling(reqs)).to_host(False), reqs
+        processors = build_logits_processors(reqs, self.runner.model_config.vocab_size, self.device, self.runner.masks)
+        return sample(logits, self._sampling(reqs), processors).to_host(False), reqs
 
     def _verify(self, hidden, logits, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
         if not drafting:

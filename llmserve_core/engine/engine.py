@@ -5,11 +5,13 @@ The daemon drives the same object from its busy loop; tests and embedders call i
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
+from llmserve_core.engine.grammar import GrammarService
 from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, draft_kv_bytes_per_block, lookahead_tokens
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
@@ -19,6 +21,8 @@ from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.speculative.policy import Decision, MeasuredCosts, SpecPolicy, batch_bucket
 from llmserve_proto import SamplingParams, ValidationError
+
+log = logging.getLogger("llmserve.engine")
 
 
 class QueueFull(ValidationError):
@@ -102,6 +106,7 @@ class Engine:
         self.policy = SpecPolicy(self.spec.policy_widths(), config.speculative_policy) if self.spec else None
         self.step_costs = MeasuredCosts()
         self._last_step: tuple[int, int, bool] | None = None   # (draft depth, batch bucket, pure decode) of the last step
+        self.grammars: GrammarService | None = None     # started by the first guided request
         self.reset_counters()
         self.warmup_report = warm_up(self) if config.resolved_warmup() else None
 
@@ -129,12 +134,17 @@ class Engine:
             raise QueueFull(cap)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(self.model_info.eos_token_ids),
                       self.max_model_len, client=client)
+        if params.guided is not None:
+            req.grammar = self._grammar_service().submit(params.guided)    # raises ValidationError
         if params.seed is not None:
             req.generator = self.runner.make_generator(params.seed)
         if self.spec is not None:
             req.spec_state = SpecState()
-            # Logprobs come from the plain sampler, so requests asking for them decode without drafts.
-            req.speculative = params.speculative and params.logprobs is None
+            # Logprobs come from the plain sampler, so requests asking for them decode without drafts. So do
+            # requests whose logits are edited (grammar masks, penalties, biases, min_tokens): verification
+            # would need every draft position's edits (a grammar mask per draft, penalty counts including
+            # the drafts before it, rollback on rejection) to stay exact; plain decoding is exact already.
+            req.speculative = params.speculative and params.logprobs is None and not params.processes_logits
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -163,6 +173,14 @@ class Engine:
             raise ValidationError("max_tokens", f"needs {need} KV blocks, the whole pool has {self.block_manager.num_blocks}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValidationError("stop_token_ids", f"must be below the vocabulary size {vocab}")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValidationError("logit_bias", f"token ids must be below the vocabulary size {vocab}")
+
+    def _grammar_service(self) -> GrammarService:
+        if self.grammars is None:
+            self.grammars = GrammarService(self.config.tokenizer or self.config.model, self.model_info.vocab_size,
+                                           list(self.model_info.eos_token_ids))
+        return self.grammars
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
@@ -209,12 +227,17 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
+        self._drop_failed_grammars()
         started = time.perf_counter()
         has_work = self.scheduler.running or self.scheduler.waiting
         decision = self._decide() if self.spec is not None and has_work else None
-        if decision is not None and decision.gamma and self._in_flight is not None:
-            outputs.extend(self._complete(self._in_flight))
-            self._in_flight = None
+        # A grammar mask or a penalty needs the previous token: while such a request runs, read each step
+        # back before scheduling the next (the launched step still overlaps the host's mask filling). A
+        # drafting step needs the previous step's tokens too.
+        sync = self.async_scheduling and any(r.needs_sync for r in self.requests.values())
+        if (sync or (decision is not None and decision.gamma)) and self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None
+            outputs.extend(self._complete(done))
         sched = self.scheduler.schedule()
         in_flight = self._in_flight.sched.requests if self._in_flight is not None else []
         self._step_requests = list(sched.requests) + in_flight
@@ -236,7 +259,7 @@ class Engine:
                 req.num_computed_tokens += n
             for req in launched.sample_requests:
                 req.append_placeholder()
-        if self.async_scheduling:
+        if self.async_scheduling and not sync:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
@@ -279,6 +302,16 @@ class Engine:
             if req.spec_state.draft_pos is None:
                 req.spec_state.start(req.num_computed_tokens,
                                      self.block_manager.draft_valid_tokens(req, req.num_computed_tokens))
+
+    def _drop_failed_grammars(self) -> None:
+        """A grammar that parsed but failed to compile (rare: e.g. too large) ends its request (its abort
+        notice goes out with this step's outputs)."""
+        if self.grammars is None:
+            return
+        failed = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.failed is not None]
+        for req in failed:
+            log.error("request %s: grammar compilation failed: %r", req.request_id, req.grammar.failed)
+            self.abort(req.request_id)
 
     def _complete(self, handle) -> list[StepOutput]:
         sampled = handle.result()
@@ -426,6 +459,7 @@ class Engine:
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
             "jit_compilations": jit_compilations(),
+            **(self.grammars.stats() if self.grammars is not None else {}),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self._policy_stats() if self.policy is not None else {}),
         }

@@ -15,6 +15,8 @@ import torch
 from llmserve_core.config import EngineConfig
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.engine.cuda_graphs import DecodeGraphs
+from llmserve_core.engine.grammar import MaskBuilder
+from llmserve_core.engine.logits_inputs import build_logits_processors
 from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.layers.attention import get_backend
@@ -59,6 +61,8 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.graphs = self._capture_graphs()
+        # Grammar bitmasks: one pinned buffer is enough, since steps with grammar rows run synchronously.
+        self.masks = MaskBuilder(config.max_num_seqs, model_config.vocab_size, self.device, self.pin)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         torch.manual_seed(config.seed)
 
@@ -217,7 +221,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
         st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
                                          pin=self.pin)
-        out = sample(logits, st)
+        # Built after the forward is queued: on a GPU the host fills grammar masks while it runs.
+        processors = build_logits_processors(reqs, self.model_config.vocab_size, self.device, self.masks)
+        out = sample(logits, st, processors)
         self.last_sampled = out.token_ids
         return StepHandle(sched, reqs, out.to_host(self.pin))
 

@@ -46,6 +46,18 @@ class Request:
     spec_state: object | None = None
     speculative: bool = False
     client: object = None               # fairness key: the scheduler admits round-robin across clients
+    grammar: object | None = None       # engine.grammar.RequestGrammar for guided decoding
+
+    @property
+    def ready(self) -> bool:
+        """May be scheduled: a guided request waits in the queue until its grammar is compiled."""
+        return self.grammar is None or self.grammar.ready
+
+    @property
+    def needs_sync(self) -> bool:
+        """Its next logits depend on the token just sampled (grammar state, penalty counts), so its steps
+        must not be launched before the previous step's tokens are read back."""
+        return self.grammar is not None or self.params.has_penalties
 
     def __post_init__(self):
         if not self.token_ids:
@@ -62,6 +74,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """What the penalties count (logits_inputs.py)."""
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_prefilling(self) -> bool:
@@ -104,6 +121,10 @@ class Request:
             return "stop"
         if token_id in p.stop_token_ids:
             return "stop"
+        if self.grammar is not None:
+            reason = self.grammar.accept(token_id)
+            if reason is not None:
+                return reason
         if length - self.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None

@@ -4,7 +4,9 @@ Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_n
 1. running requests that decode take one token each, first, so prefills never stall generation;
 2. running requests still mid-prefill take the next chunk of what remains;
 3. waiting requests are admitted while budget, sequence slots and KV blocks last: round-robin across
-   clients, in arrival order within a client (waiting_queue.py).
+   clients, in arrival order within a client (waiting_queue.py); one whose grammar is still compiling, or
+   whose prompt's first block a running request is about to publish to the prefix cache, lets the others
+   pass for now.
 When a running request needs a block and none is free, the newest running request is preempted:
 its blocks are released (full ones stay in the prefix cache) and it goes back to the front of the
 queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the oldest
@@ -45,6 +47,8 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # First prompt block -> the running request computing it (not yet in the prefix cache).
+        self._computing_first_block: dict[tuple[int, ...], Request] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -76,11 +80,19 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget = self.max_num_batched_tokens - out.total_tokens  # a victim may have returned budget
 
-        # Admit waiting requests.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting.peek()
+        # Admit waiting requests, in admission order among those that may start now (see _may_start).
+        skipped: set[str] = set()
+        while budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting.peek(skipped)
+            if req is None:
+                break
             if not req.block_ids:
                 req.num_computed_tokens = self.blocks.admit(req)
+            if not self._may_start(req):
+                self.blocks.release(req)
+                req.num_computed_tokens = 0
+                skipped.add(req.request_id)
+                continue
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0 or not self.blocks.can_allocate(req, req.num_computed_tokens + num_new):
                 # Keep its cached-prefix references only while it is at the head of the queue.
@@ -91,13 +103,42 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.blocks.count_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
-            self.waiting.pop()
+            self.waiting.pop(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._note_first_block(req)
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _may_start(self, req: Request) -> bool:
+        """A request waits (others behind it may pass) while its grammar compiles, and while a running
+        request with the same first prompt block has not published that block yet: identical prompts
+        (n > 1 copies, retries) then share the prompt's KV through the prefix cache instead of each
+        computing it."""
+        if not req.ready:
+            return False
+        if not self.blocks.enable_prefix_caching or req.num_computed_tokens > 0:
+            return True
+        key = self._first_block(req)
+        owner = self._computing_first_block.get(key) if key is not None else None
+        if owner is None or owner is req:
+            return True
+        if owner.status != RequestStatus.RUNNING or owner.block_hashes:
+            del self._computing_first_block[key]    # published, finished or preempted: no longer worth waiting for
+            return True
+        return False
+
+    def _first_block(self, req: Request) -> tuple[int, ...] | None:
+        bs = self.blocks.block_size
+        return tuple(req.prompt_token_ids[:bs]) if req.num_prompt_tokens > bs else None
+
+    def _note_first_block(self, req: Request) -> None:
+        if self.blocks.enable_prefix_caching and not req.block_hashes and req.num_preemptions == 0:
+            key = self._first_block(req)
+            if key is not None:
+                self._computing_first_block.setdefault(key, req)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
@@ -140,3 +181,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.blocks.release(req)
         req.status = RequestStatus.FINISHED
+        key = self._first_block(req)
+        if key is not None and self._computing_first_block.get(key) is req:
+            del self._computing_first_block[key]

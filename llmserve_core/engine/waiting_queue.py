@@ -3,7 +3,8 @@
 Admitting strictly by arrival lets one client's flood of requests delay everyone else's by the whole
 flood. Here every client (the `client` key of its requests; None for the in-process engine) has its own
 FIFO, and admission takes the head of one client's FIFO, then moves that client behind the others. A
-head that cannot be admitted yet (no KV blocks) stays the head, so large requests are not starved.
+head that cannot be admitted yet (no KV blocks) stays the head, so large requests are not starved; one
+that may not start yet (its grammar compiling) is passed over in that order.
 Preempted requests were already running: they go before every client's queue, most recent first, so the
 oldest work keeps progressing (the scheduler's no-deadlock argument).
 """
@@ -43,25 +44,39 @@ class WaitingQueue:
         self._preempted.move_to_end(req.request_id, last=False)
         self._len += 1
 
-    def peek(self) -> Request:
-        """The request admission would take next."""
-        if self._preempted:
-            return next(iter(self._preempted.values()))
-        return next(iter(next(iter(self._clients.values())).values()))
+    def peek(self, skip: frozenset[str] | set[str] = frozenset()) -> Request | None:
+        """The request admission would take next, passing over the ids in `skip` (requests that may not
+        start yet); None when every waiting request is skipped."""
+        return next((r for r in self._admission_order() if r.request_id not in skip), None)
 
-    def pop(self) -> Request:
-        """Take the request peek() returned; its client's turn passes to the next client."""
-        if self._preempted:
+    def pop(self, req: Request | None = None) -> Request:
+        """Take the request peek() returned (default: the head); its client's turn passes to the next client."""
+        if req is None:
+            req = self.peek()
+        if self._preempted.pop(req.request_id, None) is not None:
             self._len -= 1
-            return self._preempted.popitem(last=False)[1]
-        client, fifo = next(iter(self._clients.items()))
-        req = fifo.popitem(last=False)[1]
+            return req
+        fifo = self._clients[req.client]
+        del fifo[req.request_id]
         if fifo:
-            self._clients.move_to_end(client)
+            self._clients.move_to_end(req.client)
         else:
-            del self._clients[client]
+            del self._clients[req.client]
         self._len -= 1
         return req
+
+    def _admission_order(self):
+        """Lazily: the preempted, then each client's first request in turn, then each one's second, ..."""
+        yield from self._preempted.values()
+        turns = [iter(fifo.values()) for fifo in self._clients.values()]
+        while turns:
+            alive = []
+            for it in turns:
+                req = next(it, None)
+                if req is not None:
+                    yield req
+                    alive.append(it)
+            turns = alive
 
     def remove(self, req: Request) -> bool:
         """Drop a request (aborted while waiting); False if it is not here. O(1)."""

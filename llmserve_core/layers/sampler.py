@@ -128,7 +128,12 @@ class SamplerOutput:
                              host(self.top_token_ids))
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+def sample(logits: torch.Tensor, st: SamplingTensors, processors=None) -> SamplerOutput:
+    """One token per row. `processors` (layers/logits_processors.LogitsProcessors) edit the logits first:
+    biases, min_tokens, penalties, grammar masks; reported logprobs stay the model's own."""
+    raw = logits
+    if processors is not None:
+        logits = processors.apply(logits)
     greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
         tokens = greedy_tokens
@@ -141,7 +146,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     out = SamplerOutput(tokens)
     if st.max_num_logprobs is not None:
         # Log-probabilities of the model's own distribution (before temperature and filters), as vLLM reports.
-        logp = logits.float().log_softmax(dim=-1)
+        logp = raw.float().log_softmax(dim=-1)
         out.logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
         if st.max_num_logprobs > 0:
             out.top_logprobs, out.top_token_ids = logp.topk(st.max_num_logprobs, dim=-1)

@@ -1,0 +1,196 @@
+"""Guided decoding with xgrammar: parse, compile (off the busy loop, cached), and one matcher per request.
+
+The core never tokenizes text, but xgrammar needs the vocabulary's byte strings to know which tokens can
+continue a grammar, so the tokenizer's vocabulary is loaded here (once, on the compile thread).
+
+- `GrammarService.submit` parses the request's grammar on the caller's thread (fast: it catches invalid
+  schemas, regexes and grammars as a ValidationError naming the field) and hands the expensive part,
+  compiling against the vocabulary, to a worker thread. Compiled grammars are cached by their spec, so
+  repeated schemas compile once per model; the scheduler keeps a request waiting until its grammar is ready.
+- `RequestGrammar` holds the request's matcher: it fills the request's row of the step's token bitmask
+  and advances on every accepted token. Because the mask depends on the previous token, the engine runs
+  steps with grammar requests synchronously (no async overlap), and such requests never draft (EAGLE-3
+  verify rows would need a mask per draft position and a rollback on rejection).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgspec
+import torch
+
+from llmserve_proto import GuidedDecoding, ValidationError
+
+log = logging.getLogger("llmserve.grammar")
+
+CACHE_ENTRIES = 512
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as e:   # pragma: no cover - xgrammar is a dependency; the message says what to do
+        raise ValidationError("guided", "structured outputs need the xgrammar package (pip install xgrammar)") from e
+    return xgrammar
+
+
+def ebnf_literal(text: str) -> str:
+    """A GBNF string literal matching `text` exactly (JSON's escapes are GBNF's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def bounded_strings_as_patterns(schema):
+    """xgrammar 0.2.9 compiles a string with minLength/maxLength into a character class that lets raw
+    control characters through (invalid JSON). Such strings get an equivalent pattern instead, which
+    excludes them (and quotes and backslashes: bounded strings are generated without escapes)."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
+            out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+    return out
+
+
+def parse_grammar(g: GuidedDecoding):
+    """The xgrammar Grammar for a request's spec; ValidationError naming `guided.<kind>` if it is invalid."""
+    xgr = _xgr()
+    field = f"guided.{g.kind}"
+    try:
+        if g.kind == "json":
+            schema = bounded_strings_as_patterns(json.loads(g.spec))
+            # Compact JSON: with free whitespace a model could pad forever and never close the object.
+            core = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        elif g.kind == "json_object":
+            core = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        elif g.kind == "regex":
+            core = xgr.Grammar.from_regex(g.spec)
+        elif g.kind == "choice":
+            core = xgr.Grammar.from_ebnf("root ::= " + " | ".join(ebnf_literal(c) for c in g.choices))
+        else:
+            core = xgr.Grammar.from_ebnf(g.spec)
+    except ValidationError:
+        raise
+    except json.JSONDecodeError as e:
+        raise ValidationError(field, f"is not valid JSON: {e}") from None
+    except Exception as e:       # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
+        raise ValidationError(field, f"is invalid: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+    parts = ([xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(g.prefix)}")] if g.prefix else []) + [core] + \
+            ([xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(g.suffix)}")] if g.suffix else [])
+    return parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
+
+
+class GrammarService:
+    """Compiles grammars for one model's vocabulary on a worker thread, caching the results."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int], max_workers: int = 1):
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[bytes, Future] = OrderedDict()
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+
+    def submit(self, g: GuidedDecoding) -> "RequestGrammar":
+        """Parse now (raising ValidationError), compile later; the result is shared through the cache."""
+        key = msgspec.msgpack.encode(g)
+        fut = self._cache.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._cache.move_to_end(key)
+            self.num_cache_hits += 1
+            return RequestGrammar(fut)
+        grammar = parse_grammar(g)
+        fut = self._pool.submit(self._compile, grammar)
+        self._cache[key] = fut
+        if len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return RequestGrammar(fut)
+
+    def _compile(self, grammar):
+        compiled = self._get_compiler().compile_grammar(grammar)
+        self.num_compiled += 1
+        return compiled
+
+    def _get_compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                from transformers import AutoTokenizer
+                tok = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids)
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict:
+        return {"grammars_compiled": self.num_compiled, "grammar_cache_hits": self.num_cache_hits}
+
+
+class RequestGrammar:
+    """One request's grammar: ready once compiled; then a matcher that follows the accepted tokens."""
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.matcher = None
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done()
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+    def _matcher(self):
+        if self.matcher is None:
+            self.matcher = _xgr().GrammarMatcher(self.future.result())
+        return self.matcher
+
+    def accept(self, token_id: int) -> str | None:
+        """Advance by one sampled token. "stop" once the grammar has ended (its EOS accepted, or nothing
+        may follow); "abort" for a token the grammar refuses, which the mask makes impossible."""
+        m = self._matcher()
+        if not m.accept_token(token_id):
+            log.error("grammar refused token %d although the mask allowed it", token_id)
+            return "abort"
+        return "stop" if m.is_terminated() else None
+
+
+class MaskBuilder:
+    """Fills the token bitmask of a step's grammar rows (host, pinned) and moves it to the device."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, pin: bool):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.words = (vocab_size + 31) // 32
+        self.host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
+        self._batch = None
+
+    def build(self, grammars: list[tuple[int, RequestGrammar]], num_rows: int):
+        """grammars: (row, grammar) pairs; returns the TokenMask for the sampler."""
+        from llmserve_core.layers.logits_processors import TokenMask
+        rows = [r for r, _ in grammars]
+        matchers = [g._matcher() for _, g in grammars]
+        host = self.host[:num_rows]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(host, rows[0])
+        else:
+            if self._batch is None:
+                self._batch = _xgr().BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        bitmask = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
+        return TokenMask(rows, bitmask)

@@ -1,0 +1,71 @@
+"""A tiny random Qwen3 whose tokenizer and chat template behave like Qwen3's for the OpenAI features:
+`<think>`/`</think>` and `<tool_call>`/`</tool_call>` as added (non-special) tokens, a few of the JSON
+punctuation tokens Qwen3's vocabulary has, and a chat template that renders tools, tool calls, tool
+results and thinking blocks as Qwen3's does (`enable_thinking: false` writes an empty block;
+`open_think: true` opens one, as the thinking-only Qwen3 templates do)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmserve_core.models.tiny import make_tiny_model
+
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>",
+         '",', '":', '"}', '"]', '},', '}}', '{"', '["', '],', '"},', '"],', '":"', '","', '"}}', '"]}']
+VOCAB_SIZE = 1056          # the tokenizer's 1024 + the added tokens, padded as real checkpoints are
+
+NL = "\\n"
+QWEN3_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system" + NL + "' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '" + NL + NL + "' }}{%- endif %}"
+    "{{- '# Tools" + NL + NL + "You may call one or more functions to assist with the user query." + NL + NL
+    + "You are provided with function signatures within <tools></tools> XML tags:" + NL + "<tools>' }}"
+    "{%- for tool in tools %}{{- '" + NL + "' + (tool | tojson) }}{%- endfor %}"
+    "{{- '" + NL + "</tools>" + NL + NL + "For each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:" + NL + "<tool_call>" + NL
+    + "{\"name\": <function-name>, \"arguments\": <args-json-object>}" + NL + "</tool_call><|im_end|>" + NL + "' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system" + NL + "' + messages[0].content + '<|im_end|>" + NL + "' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{{- '<|im_start|>user" + NL + "' + message.content + '<|im_end|>" + NL + "' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant" + NL + "' }}"
+    "{%- if message.reasoning_content %}{{- '<think>" + NL + "' + message.reasoning_content + '" + NL
+    + "</think>" + NL + NL + "' }}{%- endif %}"
+    "{{- message.content or '' }}"
+    "{%- for tc in message.tool_calls or [] %}"
+    "{%- if loop.first and message.content %}{{- '" + NL + "' }}{%- endif %}"
+    "{{- '<tool_call>" + NL + "{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
+    "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
+    "{{- '}" + NL + "</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>" + NL + "' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user" + NL + "<tool_response>" + NL + "' + message.content + '" + NL
+    + "</tool_response><|im_end|>" + NL + "' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant" + NL + "' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>" + NL + NL + "</think>"
+    + NL + NL + "' }}"
+    "{%- elif open_think is defined and open_think %}{{- '<think>" + NL + "' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def make_qwen3_chat_model(out_dir, seed: int = 0) -> str:
+    from tokenizers import AddedToken, Tokenizer
+
+    out = Path(make_tiny_model(out_dir, seed=seed, vocab_size=VOCAB_SIZE))
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    tok.save(str(out / "tokenizer.json"))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = QWEN3_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return str(out)

@@ -1,0 +1,84 @@
+"""The qwen3 reasoning parser and the hermes tool-call parser on text, whole and streamed at every split."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve_client.http.chat_output import ChoiceShaper
+from llmserve_client.http.reasoning import split_reasoning
+from llmserve_client.http.tool_parsers import parse_tool_calls
+
+REASONING_CASES = [
+    # (output text, template opened <think>, reasoning, content)
+    ("<think>\nweigh it\n</think>\n\nThe answer.", False, "\nweigh it\n", "The answer."),
+    ("weigh it</think>\n\nThe answer.", True, "weigh it", "The answer."),
+    ("still thinking, cut short", True, "still thinking, cut short", None),
+    ("<think>never closed <", False, "never closed <", None),
+    ("Just an answer, <think> late is text", False, None, "Just an answer, <think> late is text"),
+    ("<thin", False, None, "<thin"),
+    ("", True, "", None),
+]
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", REASONING_CASES)
+def test_reasoning_split_whole(text, opened, reasoning, content):
+    assert split_reasoning(text, opened) == (reasoning, content)
+
+
+def stream_in_pieces(shaper: ChoiceShaper, text: str, cuts: list[int]) -> tuple[str, str, list[dict]]:
+    reasoning, content, calls = "", "", []
+    bounds = [0, *cuts, len(text)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        d = shaper.delta(text[a:b], final=i == len(bounds) - 2)
+        reasoning += d.get("reasoning_content", "")
+        content += d.get("content", "")
+        calls += d.get("tool_calls", [])
+    return reasoning, content, calls
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", REASONING_CASES)
+def test_reasoning_streamed_at_every_split_equals_whole(text, opened, reasoning, content):
+    prompt = "<|im_start|>assistant\n<think>\n" if opened else "<|im_start|>assistant\n"
+    for cut in range(len(text) + 1):
+        for cut2 in (cut, min(len(text), cut + 3)):
+            r, c, _ = stream_in_pieces(ChoiceShaper(True, prompt, False), text, sorted({cut, cut2}))
+            assert (r, c or None) == (reasoning or "", content), (cut, cut2)
+
+
+CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "when": {"d": 2}}}\n'
+         '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "}"}}\n</tool_call>')
+
+
+def test_hermes_whole():
+    content, calls = parse_tool_calls(CALLS)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "when": {"d": 2}}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": "}"}
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse_tool_calls(broken) == (broken, [])
+
+
+def test_hermes_streamed_at_every_split_like_openai():
+    expected = [json.loads(c["function"]["arguments"]) for c in parse_tool_calls(CALLS)[1]]
+    for cut in range(len(CALLS) + 1):
+        shaper = ChoiceShaper(False, "", True)
+        _, content, deltas = stream_in_pieces(shaper, CALLS, [cut, min(len(CALLS), cut + 7)])
+        assert content == "Let me check.\n", cut
+        heads = [d for d in deltas if "id" in d]
+        assert [h["function"]["name"] for h in heads] == ["get_weather", "add"] and [h["index"] for h in heads] == [0, 1]
+        for i, want in enumerate(expected):
+            mine = [d for d in deltas if d["index"] == i]
+            assert "id" in mine[0] and all("id" not in d for d in mine[1:])      # id and name first
+            assert json.loads("".join(d["function"]["arguments"] for d in mine)) == want, cut
+        assert shaper.finish_reason("stop") == "tool_calls"
+
+
+def test_hermes_full_message_and_finish_reason():
+    msg, finish = ChoiceShaper(True, "", True).message("<think>plan</think>\n\n" + CALLS, "stop")
+    assert finish == "tool_calls" and msg["reasoning_content"] == "plan" and msg["content"] == "Let me check."
+    assert len(msg["tool_calls"]) == 2 and msg["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+    msg, finish = ChoiceShaper(False, "", True).message("plain answer", "length")
+    assert finish == "length" and msg == {"role": "assistant", "content": "plain answer"}

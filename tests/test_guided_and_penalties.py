@@ -1,0 +1,353 @@
+"""Logits processing in the core: penalties, logit_bias and min_tokens against a reference computed here
+with transformers' Qwen3 (greedy, float32, token-exact); grammars (xgrammar) from a random-weight model,
+under async scheduling and with a speculative core; n > 1 prompts sharing KV through the prefix cache;
+the bitmask kernel against its torch reference; the new SamplingParams fields' bounds."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from llmserve_core import Engine, EngineConfig
+from llmserve_core.layers.logits_processors import apply_token_bitmask_reference, bitmask_to_bool
+from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.speculative.policy import Decision, SpecPolicy
+from llmserve_proto import GuidedDecoding, SamplingParams, ValidationError
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "note"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+                         # Length-bounded strings go through a pattern (xgrammar lets control characters
+                         # into them otherwise); json.loads below fails on a raw control character.
+                         "note": {"type": "string", "minLength": 1, "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+
+
+def check_schema(obj) -> None:
+    assert set(obj) == {"name", "age", "tags", "note"}
+    assert re.fullmatch("[a-z ]{1,8}", obj["name"]) and 1 <= len(obj["note"]) <= 6
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
+    assert len(obj["tags"]) <= 3 and all(t in ("a", "b") for t in obj["tags"])
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import Qwen3ForCausalLM
+    return Qwen3ForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+
+
+def engine(model_dir, **kw) -> Engine:
+    return Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=128,
+                               max_model_len=512, **kw))
+
+
+# ---- penalties, logit_bias, min_tokens against a reference ------------------------------------------------
+_REFERENCE: dict = {}
+
+
+def reference_greedy(hf, prompt, p: SamplingParams, eos: set[int]) -> list[int]:
+    """Greedy decoding with vLLM's logits processing written out token by token, the slow way (cached:
+    both schedules compare against the same reference)."""
+    key = (tuple(prompt), repr(p))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_greedy(hf, prompt, p, eos)
+    return _REFERENCE[key]
+
+
+def _reference_greedy(hf, prompt, p: SamplingParams, eos: set[int]) -> list[int]:
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < p.max_tokens:
+            logits = hf(torch.tensor([ids])).logits[0, -1].double().tolist()
+            for t, b in p.logit_bias.items():
+                logits[t] += b
+            if len(out) < p.min_tokens:
+                for t in eos | set(p.stop_token_ids):
+                    logits[t] = -math.inf
+            for t in set(prompt) | set(out):
+                if p.repetition_penalty != 1.0:
+                    logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
+            for t in set(out):
+                logits[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+            tok = max(range(len(logits)), key=logits.__getitem__)
+            out.append(tok)
+            ids.append(tok)
+            if tok in eos:
+                break
+    return out
+
+
+PENALTY_CASES = {
+    "presence": dict(presence_penalty=1.5),
+    "frequency": dict(frequency_penalty=0.8),
+    "repetition": dict(repetition_penalty=1.8),
+    "negative-mix": dict(presence_penalty=-0.5, frequency_penalty=0.3, repetition_penalty=0.7),
+    "logit-bias": dict(logit_bias={7: 0.05, 300: -100.0, 301: 2.5}),
+    "min-tokens": dict(min_tokens=6, logit_bias={2: 100.0}),      # EOS pushed first, held off 6 tokens
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logits_processing_matches_reference(tiny_model_dir, hf, async_scheduling):
+    """Every case in one batch, with a plain request riding along: edits stay in their rows."""
+    eng = engine(tiny_model_dir, async_scheduling=async_scheduling)
+    prompts = [[5, 9, 5, 12, 40, 5, 9], [100, 200, 100, 300, 7, 7, 7, 7, 1]]
+    cases = [(name, SamplingParams(max_tokens=12, temperature=0.0, **kw)) for name, kw in PENALTY_CASES.items()]
+    cases.append(("plain", SamplingParams(max_tokens=12, temperature=0.0)))
+    jobs = [(name, prompt, p) for name, p in cases for prompt in prompts]
+    outs = eng.generate([prompt for _, prompt, _ in jobs], [p for _, _, p in jobs])
+    eos = set(eng.model_info.eos_token_ids)
+    for (name, prompt, p), o in zip(jobs, outs):
+        assert o.token_ids == reference_greedy(hf, prompt, p, eos), name
+        if name == "min-tokens":
+            assert len(o.token_ids) == 7 and o.token_ids[-1] == 2 and o.finish_reason == "stop"
+
+
+# ---- grammars --------------------------------------------------------------------------------------------
+def guided_params(n: int, max_tokens: int = 200) -> list[SamplingParams]:
+    kinds = [GuidedDecoding(kind="json", spec=json.dumps(SCHEMA)),
+             GuidedDecoding(kind="regex", spec=r"[a-z]{3,6}@[a-z]{2,5}\.(com|org)"),
+             GuidedDecoding(kind="choice", choices=["yes", "no", "maybe so"]),
+             GuidedDecoding(kind="grammar", spec='root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'),
+             GuidedDecoding(kind="json", spec=json.dumps(SCHEMA), prefix="<call>", suffix="</call>")]
+    return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, guided=kinds[i % len(kinds)])
+            for i in range(n)]
+
+
+def check_guided(text: str, g: GuidedDecoding) -> None:
+    if g.kind == "json":
+        assert text.startswith(g.prefix) and text.endswith(g.suffix), text
+        check_schema(json.loads(text[len(g.prefix):len(text) - len(g.suffix)]))
+    elif g.kind == "regex":
+        assert re.fullmatch(g.spec, text), text
+    elif g.kind == "choice":
+        assert text in g.choices
+    else:
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(async_scheduling=True), dict(async_scheduling=True, block_size=4,
+                                                                           num_kv_blocks=80, max_num_batched_tokens=7)])
+def test_grammars_always_match_from_random_weights(tiny_model_dir, tok, cfg):
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32",
+                              **{"num_kv_blocks": 128, "max_model_len": 512, **cfg}))
+    params = guided_params(10) + [SamplingParams(max_tokens=20, temperature=1.0, seed=3)]
+    prompts = [tok.encode(f"Write item {i} as requested:") for i in range(len(params))]
+    outs = eng.generate(prompts, params)
+    for o, p in zip(outs[:-1], params):
+        assert o.finish_reason == "stop", tok.decode(o.token_ids)
+        assert o.token_ids[-1] in eng.model_info.eos_token_ids       # the grammar ends with EOS
+        check_guided(tok.decode(o.token_ids, skip_special_tokens=True), p.guided)
+    st = eng.stats()
+    assert st["grammars_compiled"] == 5 and st["grammar_cache_hits"] == 5   # one compile per distinct grammar
+    assert st["used_kv_blocks"] == 0        # every block freed (the prompts stay cached)
+
+
+def test_grammar_that_cannot_finish_ends_with_length(tiny_model_dir, tok):
+    eng = engine(tiny_model_dir)
+    [o] = eng.generate([tok.encode("x")], SamplingParams(max_tokens=5, temperature=1.0, seed=0,
+                                                         guided=GuidedDecoding(kind="regex", spec="a{40}")))
+    assert o.finish_reason == "length" and len(o.token_ids) == 5
+    assert set(tok.decode(o.token_ids)) == {"a"}
+
+
+@pytest.mark.parametrize("guided, field", [
+    (GuidedDecoding(kind="regex", spec="(unclosed"), "guided.regex"),
+    (GuidedDecoding(kind="json", spec='{"type": 5}'), "guided.json"),
+    (GuidedDecoding(kind="json", spec="{not json"), "guided.json"),
+    (GuidedDecoding(kind="grammar", spec="root ::= missing_rule"), "guided.grammar"),
+    (GuidedDecoding(kind="choice", choices=[]), "guided.choice"),
+    (GuidedDecoding(kind="yaml", spec="x"), "guided.kind"),
+])
+def test_invalid_grammars_name_the_field_and_leave_the_engine_unchanged(tiny_model_dir, guided, field):
+    eng = engine(tiny_model_dir)
+    with pytest.raises(ValidationError) as e:
+        eng.add_request("bad", [1, 2, 3], SamplingParams(guided=guided))
+    assert e.value.field == field
+    assert not eng.requests and not eng.scheduler.waiting
+    [o] = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(o.token_ids) == 3
+
+
+def test_request_waits_in_queue_until_its_grammar_compiles(tiny_model_dir, tok, monkeypatch):
+    """Compilation happens off the stepping thread; until it is done the request is not scheduled, and a
+    plain request behind it passes."""
+    import threading
+    from llmserve_core.engine import grammar as grammar_mod
+    gate = threading.Event()
+    real = grammar_mod.GrammarService._compile
+
+    def slow_compile(self, g):
+        assert gate.wait(120)
+        return real(self, g)
+
+    monkeypatch.setattr(grammar_mod.GrammarService, "_compile", slow_compile)
+    eng = engine(tiny_model_dir)
+    eng.add_request("guided", tok.encode("a"), SamplingParams(max_tokens=50, temperature=1.0, seed=0,
+                                                             guided=GuidedDecoding(kind="choice", choices=["ok"])))
+    eng.add_request("plain", tok.encode("b"), SamplingParams(max_tokens=4, temperature=0))
+    finished = {}
+    while "plain" not in finished:
+        for o in eng.step():
+            if o.finish_reason:
+                finished[o.request_id] = o
+    assert "guided" not in finished and [r.request_id for r in eng.scheduler.waiting] == ["guided"]
+    gate.set()
+    text = []
+    while "guided" not in finished:
+        for o in eng.step():
+            if o.request_id == "guided":
+                text += o.new_token_ids
+                if o.finish_reason:
+                    finished["guided"] = o
+    assert tok.decode(text, skip_special_tokens=True) == "ok"
+
+
+def test_grammar_and_penalty_requests_decode_plainly_in_a_speculative_core(tiny_model_dir, tok, tmp_path):
+    """Requests with a grammar or penalties never draft (exactness without per-draft masks); the others
+    in the same batch still do, and greedy output equals the plain engine's."""
+    draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
+    spec = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=128,
+                               max_model_len=512, speculative_model=draft, speculative_policy="always"))
+    plain = engine(tiny_model_dir)
+    params = guided_params(5, max_tokens=100) + [SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0),
+                                                 SamplingParams(max_tokens=12, temperature=0.0)]
+    prompts = [tok.encode(f"Item {i}:") for i in range(len(params))]
+    for r_id, p in enumerate(params):
+        spec.add_request(f"r{r_id}", prompts[r_id], p)
+    assert [spec.requests[f"r{i}"].speculative for i in range(len(params))] == [False] * 6 + [True]
+    for rid in list(spec.requests):
+        spec.abort(rid)
+    while spec.has_unfinished():
+        spec.step()
+    spec_outs = spec.generate(prompts, params)
+    plain_outs = plain.generate(prompts, params)
+    for s, p_out, p in zip(spec_outs, plain_outs, params):
+        assert s.token_ids == p_out.token_ids
+        if p.guided is not None:
+            check_guided(tok.decode(s.token_ids, skip_special_tokens=True), p.guided)
+    assert spec.stats()["spec_num_draft_tokens"] > 0       # the plain greedy request drafted
+
+
+
+class _AlternatingPolicy(SpecPolicy):
+    """One plain step in four (the measured policy may never draft on the CPU); the first drafting step
+    after a plain one only catches the draft up, the next ones draft."""
+
+    def __init__(self, widths):
+        super().__init__(widths)
+        self.calls = 0
+
+    def _decide(self, batch, num_spec, costs):
+        self.calls += 1
+        return Decision(0 if self.calls % 4 == 0 else self.deepest)
+
+
+def test_async_plain_steps_wait_for_tokens_while_logits_processing_requests_run(tiny_model_dir, tok, tmp_path):
+    """An adaptive speculative core launches plain steps ahead, except while a request whose logits depend
+    on its last token (grammar, penalties) runs; such requests still sample through their processors on
+    both the plain step and a drafting step's plain rows, so output equals the plain engine's."""
+    draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
+    spec = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=128,
+                               max_model_len=512, speculative_model=draft, async_scheduling=True))
+    spec.policy = _AlternatingPolicy(spec.spec.policy_widths())
+    plain = engine(tiny_model_dir)
+    params = guided_params(2, max_tokens=60) + [
+        SamplingParams(max_tokens=10, temperature=0.0, frequency_penalty=1.5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=10, temperature=0.0, logit_bias={7: 5.0}, min_tokens=8),
+        SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)]
+    prompts = [tok.encode(f"Item {i}:") for i in range(len(params))]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        spec.add_request(f"r{i}", prompt, p)
+    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(params))}
+    overlapped_alone = False
+    while spec.has_unfinished():
+        for o in spec.step():
+            outs[o.request_id] += o.new_token_ids
+        if any(r.needs_sync for r in spec.requests.values()):
+            assert spec._in_flight is None
+        elif spec._in_flight is not None:
+            overlapped_alone = True
+    want = plain.generate(prompts, params)
+    for i, (w, p) in enumerate(zip(want, params)):
+        assert outs[f"r{i}"] == w.token_ids
+        if p.guided is not None:
+            check_guided(tok.decode(outs[f"r{i}"], skip_special_tokens=True), p.guided)
+    st = spec.stats()
+    assert overlapped_alone         # the plain greedy request ran on alone with async plain steps
+    assert st["spec_num_drafted_steps"] > 0 and st["spec_num_plain_steps"] > 0 and st["spec_num_draft_tokens"] > 0
+
+# ---- n > 1: copies share the prompt's KV --------------------------------------------------------------
+def test_identical_prompts_share_prefix_blocks(tiny_model_dir, tok):
+    eng = engine(tiny_model_dir)
+    prompt = tok.encode("A prompt long enough to fill several KV blocks of sixteen tokens each, "
+                        "so that the copies can share them through the prefix cache.")
+    assert len(prompt) > 3 * 16
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(4)]
+    outs = eng.generate([prompt] * 4, params)
+    full = (len(prompt) - 1) // 16
+    assert [o.num_cached_tokens for o in outs] == [0] + [full * 16] * 3
+    assert eng.stats()["prefix_hits"] == 3 * full * 16
+
+
+# ---- the bitmask ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [31, 32, 33, 1000, 1056])
+def test_bitmask_reference_matches_xgrammar_kernel(vocab):
+    import xgrammar
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=g)
+    rows = [0, 2, 3]
+    ours, theirs = logits.clone(), logits.clone()
+    apply_token_bitmask_reference(ours, bitmask, rows)
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+    assert torch.equal(ours, theirs)
+    allowed = bitmask_to_bool(bitmask, vocab)
+    assert torch.equal(torch.isinf(ours[rows]), ~allowed[rows]) and torch.equal(ours[1], logits[1])
+
+
+# ---- bounds of the new fields ---------------------------------------------------------------------------
+BAD = [("presence_penalty", v) for v in (2.5, -2.01, math.nan, math.inf, -math.inf, 2**63, True)] + \
+      [("frequency_penalty", v) for v in (3.0, math.nan, -2**63)] + \
+      [("repetition_penalty", v) for v in (0.0, -1.0, 1e-300 * 0, math.nan, math.inf, 101.0, 2**64)] + \
+      [("min_tokens", v) for v in (-1, 17, 2**63, 2**64, -2**63)] + \
+      [("logit_bias", v) for v in ({1: 101.0}, {1: math.nan}, {1: -math.inf}, {-1: 1.0}, {2**63: 1.0},
+                                   {i: 1.0 for i in range(1025)})]
+
+
+@pytest.mark.parametrize("field, value", BAD)
+def test_new_fields_reject_out_of_range_values(field, value):
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(max_tokens=16, **{field: value}).validate()
+    assert e.value.field == field
+
+
+def test_new_fields_survive_the_wire_and_extremes_are_refused_by_the_client():
+    from llmserve_client.errors import RequestError
+    from llmserve_client.inputs import build_params
+    p = build_params(dict(max_tokens=8, presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-300,
+                          logit_bias={5: -100, 6: 100.0}, min_tokens=8, include_stop_str_in_output=True,
+                          guided={"kind": "choice", "choices": ["a"]}))
+    assert p.logit_bias == {5: -100, 6: 100.0} and p.guided.choices == ["a"] and p.min_tokens == 8
+    for field, bad in (("logit_bias", dict(logit_bias={2**64: 1.0})), ("min_tokens", dict(min_tokens=2**64)),
+                       ("guided", dict(guided={"kind": "regex", "x": 1}))):
+        with pytest.raises(RequestError) as e:
+            build_params(bad)
+        assert e.value.field == field
+
+
+def test_logit_bias_token_outside_vocab_is_refused(tiny_model_dir):
+    eng = engine(tiny_model_dir)
+    with pytest.raises(ValidationError) as e:
+        eng.add_request("r", [1, 2], SamplingParams(logit_bias={eng.model_info.vocab_size: 1.0}))
+    assert e.value.field == "logit_bias"
