@@ -11,7 +11,7 @@ from llmserve_core.engine.warmup import decode_sizes, prefill_lengths, warmup_pl
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits
 from llmserve_core.models.eagle3 import make_tiny_draft
-from llmserve_proto import SamplingParams
+from llmserve_proto import GuidedDecoding, SamplingParams
 
 
 def test_plan_covers_small_rows_tile_edges_every_bucket_and_split_count():
@@ -60,6 +60,9 @@ def test_warmed_engine_serves_and_reports_as_a_cold_one(tiny_model_dir, tiny_dra
     assert s["prefix_queries"] == s["prefix_hits"] == s["num_preemptions"] == 0
     assert s["free_kv_blocks"] == s["total_kv_blocks"] and s["cached_kv_blocks"] == 0
     assert s.get("spec_num_steps", 0) == 0 and not warm.requests
+    # The grammar rounds ran (the tiny model has a tokenizer): the compiler is built, the counters are zero.
+    assert warm.grammars is not None and warm.grammars._compiler is not None
+    assert warm.grammars.stats() == {"grammars_compiled": 0, "grammar_cache_hits": 0}
     prompts = [[5, 9, 2, 7] * 5, [100, 3], list(range(30, 90))]
     served = generate(warm, prompts)          # before the next engine re-seeds the process's generator
     cold = Engine(EngineConfig(**cfg))
@@ -94,9 +97,13 @@ def test_gpu_nothing_compiles_after_start_up(make_random_qwen3_dir):
     g = torch.Generator().manual_seed(0)
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, ignore_eos=True, logprobs=3),
-              SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True)]
+              SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=0.9, presence_penalty=1.0, repetition_penalty=1.3,
+                             logit_bias={7: 3.0}, min_tokens=4, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0,
+                             guided=GuidedDecoding(kind="json", spec='{"type": "object"}'))]
     for n, lengths in ((1, [1]), (1, [700]), (3, [5, 17, 300]), (16, [2, 33, 64, 65, 129] * 3 + [900]),
                        (7, [250] * 7)):
         prompts = [torch.randint(0, 1000, (L,), generator=g).tolist() for L in lengths[:n]]
-        engine.generate(prompts, [params[i % 3] for i in range(len(prompts))])
+        engine.generate(prompts, [params[i % len(params)] for i in range(len(prompts))])
     assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"

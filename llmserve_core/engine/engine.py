@@ -120,6 +120,8 @@ class Engine:
         self.scheduler.num_preemptions = 0
         if self.spec is not None:
             self.spec.reset_metrics()
+        if self.grammars is not None:
+            self.grammars.reset_counters()
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,

@@ -136,6 +136,9 @@ class GrammarService:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def reset_counters(self) -> None:
+        self.num_compiled = self.num_cache_hits = 0
+
     def stats(self) -> dict:
         return {"grammars_compiled": self.num_compiled, "grammar_cache_hits": self.num_cache_hits}
 

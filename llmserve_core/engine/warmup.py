@@ -10,13 +10,17 @@ shapes a served step can have are met here first:
   tile boundary up to a full token budget (several prompts where one cannot fill it), and one longer than
   the budget (chunked: an extend);
 - a decode batch of every size 1..16, every CUDA-graph bucket and the first size of every split count;
-- the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs) on mixed batches;
+- the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs, the logits edits:
+  penalties, logit_bias, min_tokens) on mixed batches;
+- where the model has a tokenizer and xgrammar imports, grammar-masked decoding (the bitmask kernel, and
+  the grammar compiler with the vocabulary, which a first structured request would otherwise build);
 - a step that mixes decode rows with a prefill chunk.
 The prefix cache is off meanwhile, and afterwards the counters and random state are as they were.
 """
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -25,7 +29,7 @@ import msgspec
 import torch
 
 from llmserve_core.kernels.jit_count import jit_compilations
-from llmserve_proto import SamplingParams
+from llmserve_proto import GuidedDecoding, SamplingParams
 
 log = logging.getLogger("llmserve.warmup")
 
@@ -35,19 +39,24 @@ MIXED = (GREEDY,
          SamplingParams(temperature=0.7, min_p=0.05, ignore_eos=True),
          SamplingParams(temperature=1.0, seed=1, ignore_eos=True),
          SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True),
-         SamplingParams(temperature=1.0, logprobs=0, speculative=False, ignore_eos=True))
+         SamplingParams(temperature=1.0, logprobs=0, speculative=False, ignore_eos=True),
+         SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                        logit_bias={0: 1.0}, min_tokens=2, ignore_eos=True))
+GUIDED = SamplingParams(temperature=0.0, guided=GuidedDecoding(kind="json_object"))
 
 
 @dataclass(frozen=True)
 class Round:
     """Requests started together and run to completion: `num_requests` prompts of `prompt_len` tokens,
     `new_tokens` each; mixed: cycle through the sampler's paths; late_prompt_len: one more prompt of
-    that length arrives once the others decode (a step mixing decode rows and a prefill chunk)."""
+    that length arrives once the others decode (a step mixing decode rows and a prefill chunk); guided:
+    every request decodes under a JSON grammar."""
     num_requests: int
     prompt_len: int
     new_tokens: int
     mixed: bool = False
     late_prompt_len: int = 0
+    guided: bool = False
 
 
 def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
@@ -95,6 +104,20 @@ def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     return rounds
 
 
+def grammar_rounds(max_num_seqs: int) -> list[Round]:
+    return [Round(n, 2, 3, guided=True) for n in sorted({1, min(8, max_num_seqs)})]
+
+
+def grammars_available(engine) -> bool:
+    """Structured outputs can be served: xgrammar imports and the model (or --tokenizer) has a tokenizer."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    folder = engine.config.tokenizer or engine.config.model
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
     vocab = engine.model_info.vocab_size
 
@@ -103,7 +126,7 @@ def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
                            msgspec.structs.replace(params, max_tokens=rnd.new_tokens))
 
     for i in range(rnd.num_requests):
-        add(i, rnd.prompt_len, MIXED[i % len(MIXED)] if rnd.mixed else GREEDY)
+        add(i, rnd.prompt_len, GUIDED if rnd.guided else MIXED[i % len(MIXED)] if rnd.mixed else GREEDY)
     if rnd.late_prompt_len:
         for _ in range(3):                        # the short prompts are past their prefill: decoding
             engine.step()
@@ -121,6 +144,8 @@ def warm_up(engine) -> dict:
     plan = warmup_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens, engine.max_model_len,
                        engine.config.enable_chunked_prefill, buckets, engine.model_config.num_key_value_heads,
                        engine.lookahead)
+    if grammars_available(engine):
+        plan += grammar_rounds(engine.config.max_num_seqs)
     caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
     r = random.Random(0)
     try:
