@@ -2,6 +2,8 @@
 reports, and the JIT-compilation counter it is checked with."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -99,9 +101,10 @@ def test_gpu_nothing_compiles_after_start_up(make_random_qwen3_dir):
               SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, ignore_eos=True, logprobs=3),
               SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=11, temperature=0.9, presence_penalty=1.0, repetition_penalty=1.3,
-                             logit_bias={7: 3.0}, min_tokens=4, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0,
-                             guided=GuidedDecoding(kind="json", spec='{"type": "object"}'))]
+                             logit_bias={7: 3.0}, min_tokens=4, ignore_eos=True)]
+    if importlib.util.find_spec("xgrammar") is not None:      # a bare GPU machine may lack it
+        params.append(SamplingParams(max_tokens=12, temperature=0.0,
+                                     guided=GuidedDecoding(kind="json", spec='{"type": "object"}')))
     for n, lengths in ((1, [1]), (1, [700]), (3, [5, 17, 300]), (16, [2, 33, 64, 65, 129] * 3 + [900]),
                        (7, [250] * 7)):
         prompts = [torch.randint(0, 1000, (L,), generator=g).tolist() for L in lengths[:n]]
