@@ -13,7 +13,8 @@ norm_before_residual, aux layers 2, 18, 33). Per batch size, with every request 
   t_draft    one single-token draft step and its proposal
   t_verify   the packed target forward over 1 + gamma rows per request with aux capture, logits,
              greedy verification and fusing the accepted rows' aux states for the next catch-up
-  t_draft_graph, t_verify_graph  the same through the executor's CUDA graphs (when captured)
+  t_catchup_graph, t_draft_graph, t_verify_graph  the same through the executor's CUDA graphs (when
+             captured; the catch-up graph pads every request to 1 + gamma rows)
   t_step     a whole speculative engine step through EagleExecutor.execute (host work included)
 
 and the implied speedup AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify) at acceptance
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from llmserve_core import Engine, EngineConfig  # noqa: E402
-from llmserve_core.engine.eagle_executor import SpecState, _span  # noqa: E402
+from llmserve_core.engine.eagle_executor import SpecState  # noqa: E402
 from llmserve_core.engine.request import Request  # noqa: E402
 from llmserve_core.engine.scheduler import ScheduledBatch  # noqa: E402
 from llmserve_core.layers.sampler import SamplingTensors, sample  # noqa: E402
@@ -108,6 +109,14 @@ def decoding_requests(engine: Engine, batch: int, context: int) -> list[Request]
     return reqs
 
 
+def spans(ex, reqs, start: int, rows: int):
+    """The executor's ForwardBatch for `rows` rows per request from position `start` (a fresh step's staging)."""
+    ex.staging.new_step()
+    for r in reqs:
+        ex.builder.add(r.block_ids, start, rows)
+    return ex.builder.finish(uniform_rows=True).batch
+
+
 @torch.inference_mode()
 def time_batch(engine: Engine, batch: int, args, measure) -> dict:
     ex, runner, draft = engine.spec, engine.runner, engine.spec.draft
@@ -119,7 +128,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         out: dict = {"batch": batch}
 
         def decode():
-            runner.launch(sched).result()
+            runner.launch(sched).results()
         out["t_decode"] = measure(decode)
         if args.dynamic_tree:
             return whole_step_only(engine, reqs, sched, n, out, measure)
@@ -139,8 +148,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         last = torch.arange(rows - 1, batch * rows, rows, device=device)
 
         def catchup():
-            seqs = [_span(n - 1 - rows, n - 1, n - 1, r.block_ids) for r in reqs]
-            normed, _ = draft(catchup_ids, catchup_hidden, ex._pack(seqs), ex.kv)
+            normed, _ = draft(catchup_ids, catchup_hidden, spans(ex, reqs, n - 1 - rows, rows), ex.kv)
             greedy_propose(draft.compute_logits(normed[last]), draft.d2t)
         out["t_catchup"] = measure(catchup)
 
@@ -148,8 +156,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         step_hidden = torch.randn(batch, hidden_size, device=device, dtype=runner.dtype)
 
         def draft_step():
-            seqs = [_span(n - 1, n, n, r.block_ids) for r in reqs]
-            normed, _ = draft(step_ids, step_hidden, ex._pack(seqs), ex.kv)
+            normed, _ = draft(step_ids, step_hidden, spans(ex, reqs, n - 1, 1), ex.kv)
             greedy_propose(draft.compute_logits(normed), draft.d2t)
         out["t_draft"] = measure(draft_step)
 
@@ -159,8 +166,8 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         num_draft = torch.full((batch,), gamma, device=device)
 
         def verify():
-            seqs = [_span(n - 1, n - 1 + width, n - 1 + width, r.block_ids) for r in reqs]
-            hidden, aux = runner.model(verify_ids, ex._pack(seqs), runner.kv_caches, aux_layer_ids=ex.aux_layer_ids)
+            hidden, aux = runner.model(verify_ids, spans(ex, reqs, n - 1, width), runner.kv_caches,
+                                       aux_layer_ids=ex.aux_layer_ids)
             result = greedy_verify(runner.model.compute_logits(hidden), drafts, num_draft)
             keep = torch.arange(batch * rows, device=device) % (batch * width)   # ~AL rows per request
             draft.combine_aux([a[keep] for a in aux])
@@ -168,16 +175,25 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         out["t_verify"] = measure(verify)
 
         # The fixed-shape graphs the executor replays on CUDA (absent with --enforce-eager or on the CPU).
-        if ex.draft_graphs is not None and ex.draft_graphs.bucket_for(batch):
+        graphs = ex.graphs
+        if "catch-up" in graphs and graphs["catch-up"].bucket_for(batch):
+            padded_rows = ex.catchup_rows                  # the graph pads every request to its most rows
+            padded_ids = torch.randint(0, 1000, (batch * padded_rows,), device=device)
+            padded_hidden = torch.randn(batch * padded_rows, hidden_size, device=device, dtype=runner.dtype)
+
+            def catchup_graph():
+                logits, _ = graphs["catch-up"].run(padded_ids, padded_hidden, spans(ex, reqs, n - 1 - padded_rows,
+                                                                                    padded_rows))
+                greedy_propose(logits, draft.d2t)
+            out["t_catchup_graph"] = measure(catchup_graph)
+        if "draft step" in graphs and graphs["draft step"].bucket_for(batch):
             def draft_step_graph():
-                seqs = [_span(n - 1, n, n, r.block_ids) for r in reqs]
-                logits, _ = ex.draft_graphs.run(step_ids, step_hidden, ex._pack(seqs))
+                logits, _ = graphs["draft step"].run(step_ids, step_hidden, spans(ex, reqs, n - 1, 1))
                 greedy_propose(logits, draft.d2t)
             out["t_draft_graph"] = measure(draft_step_graph)
-        if ex.verify_graphs is not None and ex.verify_graphs.bucket_for(batch):
+        if "verify" in graphs and graphs["verify"].bucket_for(batch):
             def verify_graph():
-                seqs = [_span(n - 1, n - 1 + width, n - 1 + width, r.block_ids) for r in reqs]
-                logits, *aux = ex.verify_graphs.run(verify_ids, None, ex._pack(seqs))
+                logits, *aux = graphs["verify"].run(verify_ids, None, spans(ex, reqs, n - 1, width))
                 result = greedy_verify(logits, drafts, num_draft)
                 keep = torch.arange(batch * rows, device=device) % (batch * width)
                 draft.combine_aux([a[keep] for a in aux])
@@ -192,7 +208,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
 
         # What the engine runs: graphs where it has them.
         t_draft, t_verify = out.get("t_draft_graph", out["t_draft"]), out.get("t_verify_graph", out["t_verify"])
-        drafting = out["t_catchup"] + (gamma - 1) * t_draft + t_verify
+        drafting = out.get("t_catchup_graph", out["t_catchup"]) + (gamma - 1) * t_draft + t_verify
         out["t_spec_components"] = drafting
         for al in ACCEPTANCE_LENGTHS:
             out[f"speedup_al{al}"] = al * out["t_decode"] / drafting
@@ -224,9 +240,10 @@ def markdown(result: dict) -> str:
              f"gamma {result['gamma']}, context {result['context']}, catch-up rows {result['catchup_rows']}, "
              f"{result['dtype']}, attention {result['attention_backend']}, decode graphs "
              f"{'off' if result['enforce_eager'] else 'on'}; milliseconds (CUDA-event medians).", "",
-             "| batch | decode | decode eager | catch-up | draft step | draft graph | verify | verify graph | spec step | "
+             "| batch | decode | decode eager | catch-up | catch-up graph | draft step | draft graph | verify | "
+             "verify graph | spec step | step / decode | "
              + " | ".join(f"x @AL {al}" for al in ACCEPTANCE_LENGTHS) + " | x step @AL 2.5 |",
-             "|---" * (10 + len(ACCEPTANCE_LENGTHS)) + "|"]
+             "|---" * (12 + len(ACCEPTANCE_LENGTHS)) + "|"]
 
     def ms(row, key):
         return f"{row[key]:.2f}" if key in row else "-"
@@ -248,12 +265,13 @@ def markdown(result: dict) -> str:
             lines.append(f"| {row['batch']} | failed: {row['error']} |")
             continue
         lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_decode_eager']:.2f} | {row['t_catchup']:.2f} "
-                     f"| {row['t_draft']:.2f} | {ms(row, 't_draft_graph')} | {row['t_verify']:.2f} "
-                     f"| {ms(row, 't_verify_graph')} | {row['t_step']:.2f} | "
+                     f"| {ms(row, 't_catchup_graph')} | {row['t_draft']:.2f} | {ms(row, 't_draft_graph')} "
+                     f"| {row['t_verify']:.2f} | {ms(row, 't_verify_graph')} | {row['t_step']:.2f} "
+                     f"| {row['t_step'] / row['t_decode']:.2f} | "
                      + " | ".join(f"{row[f'speedup_al{al}']:.2f}" for al in ACCEPTANCE_LENGTHS)
                      + f" | {row['speedup_step_al2.5']:.2f} |")
     lines += ["", "x @AL: AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify), against the plain decode "
-              "the engine runs (graphs on CUDA), with the graph draft step / verify where they exist. x step: "
+              "the engine runs (graphs on CUDA), with the graph catch-up / draft step / verify where they exist. x step: "
               "AL * t_decode / t_step, the executor's whole step (catch-up of 1 row, graphs where available, host "
               "work included)."]
     return "\n".join(lines) + "\n"

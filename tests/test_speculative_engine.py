@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.engine import eagle_executor
+from llmserve_core.engine import engine as engine_module, model_runner
 from llmserve_core.models.eagle3 import Eagle3Config, make_tiny_draft
 from llmserve_core.speculative.policy import Decision, SpecPolicy
 from llmserve_proto import SamplingParams
@@ -156,7 +156,7 @@ class OracleDraft:
 def oracle(monkeypatch, pair):
     from transformers import Qwen3ForCausalLM
     hf = Qwen3ForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
-    monkeypatch.setattr(eagle_executor, "load_draft",
+    monkeypatch.setattr(engine_module, "load_draft",
                         lambda config, runner, max_positions: OracleDraft(hf, runner.model_config))
 
 
@@ -394,7 +394,7 @@ def test_daemon_serves_speculatively_and_reports_spec_stats(tmp_path, capsys):
 def test_spec_timing_smoke(tmp_path, monkeypatch):
     """benchmarks/spec_timing.py end to end on tiny shapes (the H200 run uses the 8B shapes), with the
     graph path in its eager mode so its timing code runs too."""
-    monkeypatch.setattr(eagle_executor, "use_graphs", lambda config, runner: True)
+    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
     import importlib.util
     spec = importlib.util.spec_from_file_location("spec_timing", Path(__file__).resolve().parents[1] / "benchmarks/spec_timing.py")
     module = importlib.util.module_from_spec(spec)
@@ -403,7 +403,7 @@ def test_spec_timing_smoke(tmp_path, monkeypatch):
     assert [r["batch"] for r in result["rows"]] == [1, 4]
     for row in result["rows"]:
         assert "error" not in row, row
-        assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_draft", "t_verify", "t_draft_graph",
+        assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_catchup_graph", "t_draft", "t_verify", "t_draft_graph",
                                         "t_verify_graph", "t_step", "speedup_al2.5"))
     saved = json.loads((tmp_path / "spec_timing.json").read_text())
     assert saved["rows"] == result["rows"] and "| 4 |" in (tmp_path / "spec_timing.md").read_text()
@@ -415,17 +415,19 @@ def test_spec_timing_smoke(tmp_path, monkeypatch):
 def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
     """The graph path's static buffers and bucket padding, run eagerly (no CUDA here): same tokens.
     max_num_seqs 5 gives buckets 1, 2, 4, 5, so 3 live requests run padded to 4."""
-    monkeypatch.setattr(eagle_executor, "use_graphs", lambda config, runner: True)
+    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
     target, draft = pair
     prompts, expected = plain
     engine = spec_engine(target, draft, max_num_seqs=5, **MODES[mode])
-    assert engine.spec.verify_graphs.capture is False
+    graphs = engine.spec.graphs
+    assert graphs["verify"].capture is False and engine.runner.graphs.capture is False
     got = engine.generate(prompts, mixed_params(len(prompts), 10))
     assert [c.token_ids for c in got] == [e[:10] for e in expected]
-    assert engine.spec.verify_graphs.replays > 0
-    if mode == "chain":
-        assert engine.spec.draft_graphs.replays > 0
-    assert engine.spec.catchup_graphs.replays > 0       # decoding steps catch up through the padded graph
+    # Every fixed-shape forward went through its graph's buffers: verify, catch-up (decoding steps catch
+    # up through the padded graph), the chain's draft steps or every tree level.
+    assert all(g.replays > 0 for g in graphs.values()), {name: g.replays for name, g in graphs.items()}
+    levels = engine.spec.shape.depth - 1 if mode != "chain" else 0     # draft forwards after the catch-up
+    assert len(graphs) == (3 if mode == "chain" else 2 + levels)
     assert_all_blocks_free(engine)
 
 
@@ -444,7 +446,7 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
                                      speculative_policy="always", **MODES[mode]))
         outs[eager] = [c.token_ids for c in engine.generate(prompts, params)]
         if not eager:
-            assert engine.spec.verify_graphs.capture and engine.spec.verify_graphs.replays > 0
+            assert all(g.capture and g.replays > 0 for g in engine.spec.graphs.values())
         st = engine.stats()      # phase times come from CUDA events, read once complete
         assert st["spec_time_draft_ms"] > 0 and st["spec_time_verify_ms"] > 0
         assert_all_blocks_free(engine)

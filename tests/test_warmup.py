@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.engine.cuda_graphs import batch_buckets
+from llmserve_core.engine.step_graphs import batch_buckets
 from llmserve_core.engine.warmup import decode_sizes, prefill_lengths, warmup_plan
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits

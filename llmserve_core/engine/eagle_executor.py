@@ -23,6 +23,10 @@ proposes token p + 2. The draft KV is a one-layer pool with the target's num_blo
 addressed through the target's block tables, so allocation, preemption and the prefix cache cover it
 too. KV written at rejected positions (target or draft) lies beyond num_computed_tokens and is simply
 overwritten by a later step. The algorithms (proposal, verification, trees) live in speculative/.
+
+Every forward is built by the runner's batch builder (engine/batch_builder.py) from per-sequence spans
+and, where its shape is fixed, replayed from a CUDA graph (engine/step_graphs.py); the step returns the
+same per-request results as a plain step (engine/step_result.py).
 """
 from __future__ import annotations
 
@@ -34,18 +38,17 @@ import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
-from llmserve_core.layers.batch import ForwardBatch
-from llmserve_core.engine.logits_inputs import build_logits_processors
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
-from llmserve_core.engine.spec_graphs import FixedRowsGraphs
-from llmserve_core.layers.fast_path import use_cuda_graphs
-from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
-from llmserve_core.models.eagle3 import Eagle3Config, load_eagle3
+from llmserve_core.engine.step_graphs import StepGraphs
+from llmserve_core.engine.step_result import RequestResult, StepHandle
+from llmserve_core.layers.batch import ForwardBatch
+from llmserve_core.layers.sampler import SamplingTensors
+from llmserve_core.models.eagle3 import load_eagle3
 from llmserve_core.speculative.dynamic_tree import TreeGrowth
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
-from llmserve_core.speculative.tree import TreeBatch, batch_tree_mask, compact_kv, fill_level, tree_greedy_verify, \
-    tree_kv_moves, tree_rejection_verify
+from llmserve_core.speculative.tree import TreeBatch, compact_kv, fill_level, tree_greedy_verify, tree_kv_moves, \
+    tree_rejection_verify
 from llmserve_core.speculative.types import TIMING_KEYS, SpecMetrics, SpecStepResult
 from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
 
@@ -60,19 +63,6 @@ def lookahead_tokens(config: EngineConfig) -> int:
     if config.speculative_model is None:
         return 0
     return config.draft_shape().lookahead
-
-
-def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch.dtype) -> int:
-    """What one block of the draft's one-layer KV pool costs, so the runner can size the pools together."""
-    if config.speculative_model is None:
-        return 0
-    cfg = Eagle3Config.from_dir(config.speculative_model)
-    return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
-def use_graphs(config: EngineConfig, runner) -> bool:
-    """The executor's graphs follow the runner's switch (tests turn them on without CUDA, capture off)."""
-    return use_cuda_graphs(runner.device, runner.attn_backend, config.enforce_eager)
 
 
 def load_draft(config: EngineConfig, runner, max_positions: int):
@@ -123,42 +113,9 @@ class SpecState:
         return num_computed, self.first_invalid
 
 
-@dataclass
-class Emitted:
-    """What a step produced for one request: tokens to append in order, their logprobs (plain rows of
-    requests that asked), and how many positions beyond the scheduled ones now hold valid KV."""
-    request: Request
-    token_ids: list[int]
-    logprobs_index: int = -1            # row in SpecStepOutput.sampled, -1: none
-    extra_computed: int = 0
-
-
-@dataclass
-class SpecStepOutput:
-    emitted: list[Emitted]
-    sampled: SamplerOutput | None      # the plain rows' sampler output (logprobs live here)
-    sampled_requests: list[Request]
-    num_accepted: list[int]            # per request that drafted: drafts accepted (what the policy learns from)
-
-
-@dataclass
-class _Seq:
-    """One sequence of a packed forward: its query rows' rotary positions and KV positions (they differ
-    only for tree nodes), its context length after the step, and its tree mask (None: causal)."""
-    block_ids: list[int]
-    rope: np.ndarray
-    kv: np.ndarray
-    seq_len: int
-    mask: torch.Tensor | None = None
-
-
-def _span(start: int, end: int, seq_len: int, block_ids: list[int]) -> _Seq:
-    p = np.arange(start, end)
-    return _Seq(block_ids, p, p, seq_len)
-
-
 class EagleExecutor:
-    def __init__(self, config: EngineConfig, runner, max_model_len: int):
+    def __init__(self, config: EngineConfig, runner, draft, max_model_len: int):
+        """`draft`: the loaded head (load_draft), loaded before the runner sized its KV pool."""
         self.config = config
         self.runner = runner
         self.device = runner.device
@@ -171,7 +128,7 @@ class EagleExecutor:
         self.lookahead = self.shape.lookahead
         self.verify_width = self.shape.verify_width      # target rows of a full-depth drafting request
         self.step_gamma = self.gamma                     # this step's draft depth (the policy may lower a chain's)
-        self.draft = load_draft(config, runner, max_model_len + self.lookahead)
+        self.draft = draft
         target = runner.model_config
         dcfg = self.draft.cfg
         if dcfg.vocab_size != target.vocab_size or dcfg.target_hidden_size != target.hidden_size:
@@ -184,45 +141,77 @@ class EagleExecutor:
         shape = (runner.num_blocks, self.block_size, dcfg.num_key_value_heads, dcfg.head_dim)
         self.kv = (torch.zeros(shape, dtype=runner.dtype, device=self.device),
                    torch.zeros(shape, dtype=runner.dtype, device=self.device))
+        # The runner's pinned staging (one step counter for both); a builder of its own for the scratch.
+        self.staging = runner.staging
+        self.builder = runner.batch_builder(config.max_num_batched_tokens, config.max_num_seqs)
         # Tree candidates are the draft's deterministic top-k, which rejection sampling treats as one-hot q.
         self.sample_drafts = config.speculative_accept_mode == "sample" and self.shape.kind == "chain"
         self.metrics = SpecMetrics()
         self.trace = config.speculative_trace
         self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
+        self.pin = self.device.type == "cuda"
         if self.tree is not None:
             self.tree_mask = self.tree.attention_mask(self.device)
             self.tree_depths = np.asarray(self.tree.depths)
-        self.pin = self.device.type == "cuda"
-        if self.tree is not None:
             self.tree_parents = torch.tensor(self.tree.parents, device=self.device)
             self.tree_levels = [torch.tensor(self.tree.level(d), device=self.device) - 1 for d in range(self.tree.depth)]
         # A decoding request catches up on at most the tokens its last step emitted: its accepted drafts
         # plus one. The catch-up graph pads every request to that many rows.
         self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
-        self.draft_graphs = self.verify_graphs = self.catchup_graphs = None
-        if use_graphs(config, runner):
-            capture = self.device.type == "cuda"
-            shape = dict(max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_blocks_per_seq=runner.max_blocks_per_seq,
-                         max_seq_len=max_model_len + self.lookahead, dtype=runner.dtype, device=self.device,
-                         capture=capture)
-            if self.shape.kind == "chain" and self.gamma > 1:
-                self.draft_graphs = FixedRowsGraphs("draft step", self._draft_step, 1, hidden_size=dcfg.hidden_size,
-                                                    **shape)
-            # A dynamic tree's mask changes every step: the graph takes it as an input (this is its initial value).
-            mask = (self.tree_mask if self.tree is not None else
-                    torch.ones(self.verify_width, self.verify_width, dtype=torch.bool).tril() if self.dynamic else None)
-            self.verify_graphs = FixedRowsGraphs("verify", self._verify_forward, self.verify_width, hidden_size=None,
-                                                 tree_mask=mask, **shape)
-            self.catchup_graphs = FixedRowsGraphs("catch-up", self._catchup_forward, self.catchup_rows,
-                                                  hidden_size=dcfg.hidden_size, out_rows=1, **shape)
+        self.verify_offsets = torch.arange(max(self.verify_width, self.catchup_rows), device=self.device)
+        self.graphs = self._capture_graphs() if runner.use_graphs else {}
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
                  list(self.aux_layer_ids), self.shape.describe(), config.speculative_accept_mode)
 
+    @staticmethod
+    def kv_bytes_per_block(draft, runner) -> int:
+        """What one block of the draft's one-layer KV pool costs, so the runner sizes the pools together."""
+        cfg = draft.cfg
+        return 2 * runner.block_size * cfg.num_key_value_heads * cfg.head_dim * runner.dtype.itemsize
+
+    def _capture_graphs(self) -> dict[str, StepGraphs]:
+        """Every fixed-shape forward of a drafting step, keyed by name: the catch-up, the chain's draft
+        steps, each tree level's draft forward, the verify. On the CPU (tests) they run eagerly through
+        the same buffers and padding."""
+        dcfg, runner = self.draft.cfg, self.runner
+        common = dict(max_batch=min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
+                      max_blocks_per_seq=runner.max_blocks_per_seq, max_seq_len=self.max_model_len + self.lookahead,
+                      device=self.device, dtype=runner.dtype, capture=self.device.type == "cuda")
+        draft_rows = dict(hidden_size=dcfg.hidden_size, **common)
+        graphs = {"catch-up": StepGraphs("catch-up", self._catchup_forward, self.catchup_rows, **draft_rows)}
+        if self.shape.kind == "chain" and self.gamma > 1:
+            graphs["draft step"] = StepGraphs("draft step", self._draft_step, 1, **draft_rows)
+        if self.tree is not None:
+            for d in range(1, self.tree.depth):
+                m = max(self.tree.level(d)) + 1                        # nodes 1..m-1: levels 1..d
+                graphs[f"tree level {d}"] = StepGraphs(f"tree level {d}", self._tree_level_forward(d), m - 1,
+                                                       tree_mask=self.tree_mask[1:m, 1:m], **draft_rows)
+        if self.dynamic is not None:
+            k = self.dynamic.topk
+            for level in range(1, self.dynamic.num_steps):
+                m = k * level                                          # the frontiers of levels 1..level
+                graphs[f"dynamic level {level}"] = StepGraphs(
+                    f"dynamic level {level}", self._dynamic_level_forward(m), m,
+                    tree_mask=torch.ones(m, m, dtype=torch.bool).tril(), **draft_rows)
+        # A dynamic tree's mask changes every step: the graph takes it as an input (this is its initial value).
+        mask = (self.tree_mask if self.tree is not None else
+                torch.ones(self.verify_width, self.verify_width, dtype=torch.bool).tril() if self.dynamic else None)
+        graphs["verify"] = StepGraphs("verify", self._verify_forward, self.verify_width, tree_mask=mask, **common)
+        return graphs
+
+    def _forward(self, name: str, fn, ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch):
+        """Through the named graph where the batch has its shape, else eagerly."""
+        graphs = self.graphs.get(name)
+        if graphs is not None and graphs.fits(batch):
+            return graphs.run(ids, hidden, batch)
+        return fn(ids, hidden, batch)
+
     # ---- the step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: ScheduledBatch, gamma: int | None = None) -> SpecStepOutput:
+    def execute(self, sched: ScheduledBatch, gamma: int | None = None) -> StepHandle:
         """One step; `gamma` (chain only) drafts fewer tokens than configured this step."""
         self.step_gamma = self.gamma if gamma is None or self.shape.kind != "chain" else min(gamma, self.gamma)
+        self.staging.new_step()
         for req in sched.requests:
             req.spec_state.sync(req.num_computed_tokens)
         # A decoding request has pending rows (its last step's tokens) unless plain steps ran since: then
@@ -235,7 +224,9 @@ class EagleExecutor:
         with phase("verify"):
             hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
         with phase("accept"):
-            sampled, sampled_reqs = self._sample_plain(hidden, layout.sample_rows, layout.sample_requests)
+            sampled = None
+            if layout.sample_requests:
+                sampled = self.runner.sample(hidden[layout.sample_rows], layout.sample_requests).to_host(self.pin)
             verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
         with phase("kv_update"):
             self._commit(sched, drafting, verified, aux, layout)
@@ -250,10 +241,8 @@ class EagleExecutor:
                     log.debug("spec %s at %d: drafts %s accepted %d emitted %s%s", req.request_id, req.num_tokens,
                               d, res.num_accepted, res.token_ids,
                               f" path {res.accepted_nodes}" if res.accepted_nodes else "")
-        emitted = [Emitted(req, [tok], i) for i, (req, tok) in
-                   enumerate(zip(sampled_reqs, sampled.token_ids.tolist() if sampled is not None else []))]
-        emitted += [Emitted(req, tokens, -1, len(tokens) - 1) for req, tokens in zip(drafting, verified.tokens)]
-        return SpecStepOutput(emitted, sampled, sampled_reqs, [r.num_accepted for r in results])
+        ready = [RequestResult(req, tokens, extra_computed=len(tokens) - 1) for req, tokens in zip(drafting, verified.tokens)]
+        return StepHandle(sched, sampled, layout.sample_requests, ready, [r.num_accepted for r in results])
 
     def policy_widths(self) -> dict[int, int]:
         """Draft depths the policy may pick, with the verify rows each costs a request: a chain may draft
@@ -269,12 +258,13 @@ class EagleExecutor:
         none = _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
         if not pending:
             return none
-        if (self.catchup_graphs is not None and [r.request_id for r in pending] == [r.request_id for r in drafting]
-                and self.catchup_graphs.bucket_for(len(drafting))
+        catchup = self.graphs.get("catch-up")
+        if (catchup is not None and catchup.bucket_for(len(drafting))
+                and len(pending) == len(drafting) and all(p is r for p, r in zip(pending, drafting))
                 and all(r.num_computed_tokens - r.spec_state.draft_pos <= self.catchup_rows for r in drafting)):
             logits, h = self._catchup_padded(drafting)
         else:
-            logits, h = self._catchup_eager(pending, drafting)
+            logits, h = self._catchup_ragged(pending, drafting)
         if not drafting:
             return none
         if self.dynamic is not None:
@@ -282,16 +272,14 @@ class EagleExecutor:
         if self.tree is not None:
             return self._draft_tree(drafting, logits, h)
         st = self._sampling(drafting) if self.sample_drafts else None
+        b = self.builder
         tokens, qs = [], []
         for j in range(self.step_gamma):
             if j:
-                seqs = [_span(r.num_tokens - 2 + j, r.num_tokens - 1 + j, r.num_tokens - 1 + j, r.block_ids)
-                        for r in drafting]
-                batch = self._pack(seqs)
-                if self.draft_graphs is not None and self.draft_graphs.bucket_for(len(drafting)):
-                    logits, h = self.draft_graphs.run(tokens[-1], h, batch)
-                else:
-                    logits, h = self._draft_step(tokens[-1], h, batch)
+                for r in drafting:
+                    b.add(r.block_ids, r.num_tokens - 2 + j, 1)
+                logits, h = self._forward("draft step", self._draft_step, tokens[-1], h,
+                                          b.finish(uniform_rows=True).batch)
             if st is not None:
                 d, q = sample_propose(logits, st, self.draft.d2t, self.draft.cfg.vocab_size)
                 qs.append(q)
@@ -301,140 +289,143 @@ class EagleExecutor:
         q = torch.stack(qs, 1).flatten(0, 1) if qs else None       # [B * gamma, V], request-major as verify packs
         return _Proposal(torch.stack(tokens, 1), q)
 
-    def _catchup_eager(self, pending: list[Request], drafting: list[Request]):
+    def _catchup_ragged(self, pending: list[Request], drafting: list[Request]):
         """One draft forward over every pending row; (logits, pre-norm) of each drafting request's last row
         (its first proposal), or (None, None) when nothing drafts."""
-        seqs, ids, hidden, last_rows = [], [], [], {}
-        rows = 0
+        b = self.builder
+        hidden, last_rows = [], {}
         for req in pending:
             st = req.spec_state
             start, end = st.draft_pos, req.num_computed_tokens
-            seqs.append(_span(start, end, end, req.block_ids))
-            ids.extend(req.token_ids[start + 1:end + 1])
+            row = b.add(req.block_ids, start, end - start, req.token_ids[start + 1:end + 1])
             hidden.append(st.pending)
-            rows += end - start
-            last_rows[req.request_id] = rows - 1
+            last_rows[req.request_id] = row + end - start - 1
             st.draft_pos, st.pending = end, None
-        normed, prenorm = self.draft(self._h2d(ids, torch.long), torch.cat(hidden), self._pack(seqs), self.kv)
+        built = b.finish(([last_rows[r.request_id] for r in drafting],), uniform_rows=True)
+        normed, prenorm = self.draft(built.input_ids, torch.cat(hidden), built.batch, self.kv)
         if not drafting:
             return None, None
-        last = self._h2d([last_rows[r.request_id] for r in drafting], torch.long)
+        last = built.extras[0]
         return self.draft.compute_logits(normed[last]), prenorm[last]
 
     def _catchup_padded(self, drafting: list[Request]):
-        """The same through the catch-up graph: each request's span padded in front to catchup_rows rows,
-        so its real rows are the last ones and its last row is the proposal. A padding row sits at an
-        already computed position (clamped at 0), writes no KV (slot -1), and its outputs are dropped;
+        """The same with each request's span padded in front to catchup_rows rows (the catch-up graph's
+        shape), so its real rows are the last ones and its last row is the proposal. A padding row sits at
+        an already computed position (clamped at 0), writes no KV (slot -1), and its outputs are dropped;
         the span never reaches past the request's own KV."""
-        width, b = self.catchup_rows, len(drafting)
-        seqs, ids, dest = [], [], []
+        width, b = self.catchup_rows, self.builder
+        dest, hidden = [], []
         for i, req in enumerate(drafting):
             st = req.spec_state
             start, end = st.draft_pos, req.num_computed_tokens
             pad = width - (end - start)
-            seqs.append(_Seq(req.block_ids, np.maximum(np.arange(start - pad, end), 0),
-                             np.concatenate([np.full(pad, -1), np.arange(start, end)]), end))
-            ids.extend([0] * pad + req.token_ids[start + 1:end + 1])
+            b.add_rows(req.block_ids, np.maximum(np.arange(start - pad, end), 0),
+                       np.concatenate([np.full(pad, -1), np.arange(start, end)]), end,
+                       [0] * pad + req.token_ids[start + 1:end + 1])
             dest.extend(range(i * width + pad, (i + 1) * width))
-        hidden = torch.cat([r.spec_state.pending for r in drafting])
-        for req in drafting:
-            req.spec_state.draft_pos, req.spec_state.pending = req.num_computed_tokens, None
-        padded = hidden.new_zeros(b * width, hidden.shape[1]).index_copy_(0, self._h2d(dest, torch.long), hidden)
-        return self.catchup_graphs.run(self._h2d(ids, torch.long), padded, self._pack(seqs))
+            hidden.append(st.pending)
+            st.draft_pos, st.pending = end, None
+        built = b.finish((dest,), uniform_rows=True)
+        hidden = torch.cat(hidden)
+        padded = hidden.new_zeros(len(drafting) * width, hidden.shape[1]).index_copy_(0, built.extras[0], hidden)
+        return self._forward("catch-up", self._catchup_forward, built.input_ids, padded, built.batch)
 
     def _draft_tree(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
         """Expand the tree level by level. Level d's forward re-runs every node above it as well (a few
         rows): each node then sees exactly its ancestors, through the tree mask, and nothing else."""
-        tree, b = self.tree, len(drafting)
-        nodes = torch.zeros(b, tree.num_nodes, dtype=torch.long, device=self.device)
-        nodes[:, 0] = self._h2d([r.token_ids[-1] for r in drafting], torch.long)
-        prenorm = h.new_zeros(b, tree.num_nodes, h.shape[-1])
+        tree, n, b = self.tree, len(drafting), self.builder
+        nodes = torch.zeros(n, tree.num_nodes, dtype=torch.long, device=self.device)
+        nodes[:, 0] = self.staging.ints([r.token_ids[-1] for r in drafting])
+        prenorm = h.new_zeros(n, tree.num_nodes, h.shape[-1])
         prenorm[:, 0] = h
         parents = self.tree_parents
         for d in range(tree.depth):
             if d:
                 m = max(tree.level(d)) + 1                            # nodes 1..m-1 are levels 1..d
-                seqs = [_Seq(r.block_ids, r.num_tokens - 2 + self.tree_depths[1:m], np.arange(r.num_tokens - 1,
-                             r.num_tokens - 2 + m), r.num_tokens - 2 + m, self.tree_mask[1:m, 1:m]) for r in drafting]
-                normed, pre = self.draft(nodes[:, 1:m].flatten(), prenorm[:, parents[1:m]].flatten(0, 1),
-                                         self._pack(seqs), self.kv)
-                prenorm[:, 1:m] = pre.view(b, m - 1, -1)
-                level = self.tree_levels[d]
-                logits = self.draft.compute_logits(normed.view(b, m - 1, -1)[:, level].flatten(0, 1))
+                mask = self.tree_mask[1:m, 1:m]
+                for r in drafting:
+                    b.add_rows(r.block_ids, r.num_tokens - 2 + self.tree_depths[1:m],
+                               np.arange(r.num_tokens - 1, r.num_tokens - 2 + m), r.num_tokens - 2 + m, mask=mask)
+                logits, pre = self._forward(f"tree level {d}", self._tree_level_forward(d), nodes[:, 1:m].flatten(),
+                                            prenorm[:, parents[1:m]].flatten(0, 1), b.finish(uniform_rows=True).batch)
+                prenorm[:, 1:m] = pre.view(n, m - 1, -1)
             k = tree.max_children(d)
             if k:
-                top = topk_propose(logits, k, self.draft.d2t).view(b, len(tree.level(d)), k)
+                top = topk_propose(logits, k, self.draft.d2t).view(n, len(tree.level(d)), k)
                 fill_level(tree, d, top, nodes)
-        return _Proposal(nodes, trees=tree.batch(b, self.device), depths=np.tile(self.tree_depths, (b, 1)),
-                         masks=self.tree_mask.expand(b, -1, -1))
+        return _Proposal(nodes, trees=tree.batch(n, self.device), depths=np.tile(self.tree_depths, (n, 1)),
+                         masks=self.tree_mask.expand(n, -1, -1))
 
     def _draft_dynamic(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
         """Grow each request's tree (speculative/dynamic_tree.py): level d's draft forward runs the
-        frontiers of levels 1..d (fixed rows across levels, KV from position num_tokens - 1 on), each
-        node reading its parent's draft state and seeing its ancestors through the growth's mask."""
-        shape, b = self.dynamic, len(drafting)
+        frontiers of levels 1..d (fixed rows per level, KV from position num_tokens - 1 on), each node
+        reading its parent's draft state and seeing its ancestors through the growth's mask."""
+        shape, n, b = self.dynamic, len(drafting), self.builder
         growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.draft.d2t)
-        prenorm = h.new_zeros(b, 1 + shape.num_expanded, h.shape[-1])     # 0: the root; e + 1: expanded node e
+        prenorm = h.new_zeros(n, 1 + shape.num_expanded, h.shape[-1])     # 0: the root; e + 1: expanded node e
         prenorm[:, 0] = h
         depths = shape.row_depths(shape.num_expanded).numpy()
         while not growth.done:
             tokens, source, mask = growth.draft_rows()
             m = tokens.shape[1]
-            seqs = [_Seq(r.block_ids, r.num_tokens - 2 + depths[:m], np.arange(r.num_tokens - 1, r.num_tokens - 1 + m),
-                         r.num_tokens - 1 + m, mask[i]) for i, r in enumerate(drafting)]
+            for i, r in enumerate(drafting):
+                b.add_rows(r.block_ids, r.num_tokens - 2 + depths[:m], np.arange(r.num_tokens - 1, r.num_tokens - 1 + m),
+                           r.num_tokens - 1 + m, mask=mask[i])
             hidden = prenorm.gather(1, source[:, :, None].expand(-1, -1, prenorm.shape[-1]))
-            normed, pre = self.draft(tokens.flatten(), hidden.flatten(0, 1), self._pack(seqs), self.kv)
-            prenorm[:, 1:m + 1] = pre.view(b, m, -1)
-            frontier = normed.view(b, m, -1)[:, m - shape.topk:].flatten(0, 1)
-            growth.grow(torch.log_softmax(self.draft.compute_logits(frontier).float(), -1))
-        roots = self._h2d([r.token_ids[-1] for r in drafting], torch.long)
-        trees, nodes = growth.finish(roots)
-        # Rotary positions are host-side in the packed batch: the depths cross over once per step.
-        return _Proposal(nodes, trees=trees, depths=trees.depths().cpu().numpy(), masks=trees.attention_masks())
+            frontier_logits, pre = self._forward(f"dynamic level {m // shape.topk}", self._dynamic_level_forward(m),
+                                                 tokens.flatten(), hidden.flatten(0, 1), b.finish(uniform_rows=True).batch)
+            prenorm[:, 1:m + 1] = pre.view(n, m, -1)
+            growth.grow(torch.log_softmax(frontier_logits.float(), -1))
+        trees, nodes = growth.finish(self.staging.ints([r.token_ids[-1] for r in drafting]))
+        # Node depths stay on the device: the verify batch adds them to its rotary positions there.
+        return _Proposal(nodes, trees=trees, depths=trees.depths(), masks=trees.attention_masks())
 
     # ---- 3: the target forward ---------------------------------------------------------------------
     def _target_forward(self, sched: ScheduledBatch, drafting: list[Request], proposal: "_Proposal"):
         drafting_ids = {r.request_id for r in drafting}
         width = proposal.width
-        seqs, id_parts = [], []
+        b = self.builder
         layout = _Layout()
-        row = 0
+        verify_rows, sample_rows = [], []
+        device_depths = isinstance(proposal.depths, torch.Tensor)
         for req, n in zip(sched.requests, sched.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             if req.request_id in drafting_ids:
                 # The last token (n == 1) then the drafts; their ids are filled in on the device below.
-                i = len(layout.verify_rows)
+                ids = [req.token_ids[start]] + [0] * (width - 1)
                 if proposal.trees is None:
-                    seqs.append(_span(start, start + width, start + width, req.block_ids))
+                    row = b.add(req.block_ids, start, width, ids)
                 else:
-                    seqs.append(_Seq(req.block_ids, start + proposal.depths[i], np.arange(start, start + width),
-                                     start + width, proposal.masks[i]))
-                id_parts.append(np.asarray([req.token_ids[start]] + [0] * (width - 1)))
-                layout.verify_rows.append(row)
-                row += width
+                    i = len(verify_rows)
+                    rope = start if device_depths else start + proposal.depths[i]
+                    row = b.add_rows(req.block_ids, rope, np.arange(start, start + width), start + width, ids,
+                                     mask=proposal.masks[i])
+                verify_rows.append(row)
             else:
-                seqs.append(_span(start, end, end, req.block_ids))
-                id_parts.append(np.asarray(req.token_ids[start:end]))
-                row += n
+                row = b.add(req.block_ids, start, n, req.token_ids[start:end])
                 if end == req.num_tokens:
-                    layout.sample_rows.append(row - 1)
+                    sample_rows.append(row + n - 1)
                     layout.sample_requests.append(req)
-            layout.starts.append(row - len(id_parts[-1]))
-        ids = self._h2d(np.concatenate(id_parts), torch.long)
+            layout.starts.append(row)
+        built = b.finish((verify_rows, sample_rows), uniform_rows=True)
+        batch, ids = built.batch, built.input_ids
+        layout.verify_rows, layout.sample_rows = built.extras
         if drafting:
-            base = self._h2d(layout.verify_rows, torch.long)[:, None]
+            rows = (layout.verify_rows[:, None] + self.verify_offsets[:width]).flatten()
             drafts = proposal.tokens if proposal.trees is None else proposal.tokens[:, 1:]   # a tree's node 0 is the root
-            ids[(base + torch.arange(1, width, device=self.device)).flatten()] = drafts.flatten()
-        batch = self._pack(seqs)
-        if (self.verify_graphs is not None and len(drafting) == len(sched.requests) and width == self.verify_width
-                and self.verify_graphs.bucket_for(len(drafting))):
+            ids[rows.view(len(drafting), width)[:, 1:].flatten()] = drafts.flatten()
+            if device_depths:
+                batch.positions.index_add_(0, rows, proposal.depths.flatten())
+                batch.positions.clamp_(max=self.max_model_len - 1)
+        if len(drafting) == len(sched.requests) and width == self.verify_width and "verify" in self.graphs \
+                and self.graphs["verify"].fits(batch):
             # A pure verify batch (the steady state of decoding): logits come out of the graph.
-            logits, *aux = self.verify_graphs.run(ids, None, batch)
+            logits, *aux = self.graphs["verify"].run(ids, None, batch)
             return None, aux, layout, logits
         hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
         return hidden, aux, layout, None
 
-    # The two fixed-shape forwards, as CUDA graphs capture them (eager otherwise).
+    # The fixed-shape forwards, as CUDA graphs capture them (eager otherwise).
     def _draft_step(self, ids, hidden, batch):
         normed, prenorm = self.draft(ids, hidden, batch, self.kv)
         return self.draft.compute_logits(normed), prenorm
@@ -446,6 +437,24 @@ class EagleExecutor:
         last = slice(width - 1, None, width)
         return self.draft.compute_logits(normed[last]), prenorm[last]
 
+    def _tree_level_forward(self, d: int):
+        """Static tree level d: rows are nodes 1..m-1 -> (logits of level d's nodes, every row's pre-norm)."""
+        rows, level = max(self.tree.level(d)), self.tree_levels[d]
+
+        def forward(ids, hidden, batch):
+            normed, prenorm = self.draft(ids, hidden, batch, self.kv)
+            return self.draft.compute_logits(normed.view(-1, rows, normed.shape[-1])[:, level].flatten(0, 1)), prenorm
+        return forward
+
+    def _dynamic_level_forward(self, rows: int):
+        """Dynamic tree: `rows` expanded nodes per request -> (logits of the newest frontier, pre-norms)."""
+        k = self.dynamic.topk
+
+        def forward(ids, hidden, batch):
+            normed, prenorm = self.draft(ids, hidden, batch, self.kv)
+            return self.draft.compute_logits(normed.view(-1, rows, normed.shape[-1])[:, rows - k:].flatten(0, 1)), prenorm
+        return forward
+
     def _verify_forward(self, ids, _hidden, batch):
         hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
         return (self.runner.model.compute_logits(hidden), *aux)
@@ -455,19 +464,12 @@ class EagleExecutor:
         return SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
                                            pin=self.pin)
 
-    def _sample_plain(self, hidden, rows: list[int], reqs: list[Request]):
-        if not reqs:
-            return None, []
-        logits = self.runner.model.compute_logits(hidden[self._h2d(rows, torch.long)])
-        processors = build_logits_processors(reqs, self.runner.model_config.vocab_size, self.device, self.runner.masks)
-        return sample(logits, self._sampling(reqs), processors).to_host(False), reqs
-
-    def _verify(self, hidden, logits, rows: list[int], drafting: list[Request], proposal: "_Proposal") -> "_Verified":
+    def _verify(self, hidden, logits, rows: torch.Tensor, drafting: list[Request], proposal: "_Proposal") -> "_Verified":
         if not drafting:
             return _Verified([], [])
         width = proposal.width
         if logits is None:
-            idx = (self._h2d(rows, torch.long)[:, None] + torch.arange(width, device=self.device)).flatten()
+            idx = (rows[:, None] + self.verify_offsets[:width]).flatten()
             logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
         greedy = all(r.params.greedy for r in drafting)
         generators = [r.generator for r in drafting]
@@ -495,7 +497,8 @@ class EagleExecutor:
                 for a, b in tree_kv_moves(path):
                     src.append(self._slot(table, base + a))
                     dst.append(self._slot(table, base + b))
-            compact_kv(self.runner.kv_caches, self._h2d(src, torch.long), self._h2d(dst, torch.long))
+            compact_kv(self.runner.kv_caches, *self.staging.copy([np.asarray(src, dtype=np.int64),
+                                                                  np.asarray(dst, dtype=np.int64)]))
         rows, owners = [], []
         for req, n, start in zip(sched.requests, sched.num_new_tokens, layout.starts):
             i = positions.get(req.request_id)
@@ -508,7 +511,7 @@ class EagleExecutor:
             owners.append((req, len(keep)))
         if not rows:
             return
-        index = self._h2d(rows, torch.long)
+        index = self.staging.ints(rows)
         fused = self.draft.combine_aux([a[index] for a in aux])
         for (req, k), part in zip(owners, fused.split([k for _, k in owners])):
             req.spec_state.draft_pos = req.num_computed_tokens
@@ -517,60 +520,6 @@ class EagleExecutor:
     # ---- helpers -----------------------------------------------------------------------------------
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _h2d(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """Host values to the device without stalling the host: through pinned memory from torch's caching
-        host allocator (which keeps a block until its copy is done) and an asynchronous copy. A pageable
-        copy would first wait for every queued kernel, so the host could never run ahead of the GPU."""
-        t = torch.as_tensor(values, dtype=dtype)
-        if not self.pin:
-            return t.clone()
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _h2d_many(self, arrays: list, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Several host arrays of one dtype in a single copy; returns device views, reshaped as given."""
-        flat = [np.asarray(a).reshape(-1) for a in arrays]
-        dev = self._h2d(np.concatenate(flat), dtype)
-        views, at = [], 0
-        for a, f in zip(arrays, flat):
-            views.append(dev[at:at + f.size].view(np.shape(a)))
-            at += f.size
-        return views
-
-    def _pack(self, seqs: list[_Seq]) -> ForwardBatch:
-        bs = self.block_size
-        # Rows past max_model_len (drafts of a request about to hit the limit) only feed tokens that
-        # will be cut off, so clamping their rotary position just keeps the tables in range.
-        rope = np.minimum(np.concatenate([s.rope for s in seqs]), self.max_model_len - 1)
-        # KV position -1 marks a padding row: it writes nothing (slot -1).
-        slots = np.concatenate([np.where(s.kv >= 0, np.asarray(s.block_ids)[np.maximum(s.kv, 0) // bs] * bs + s.kv % bs, -1)
-                                for s in seqs])
-        query_lens = [len(s.rope) for s in seqs]
-        seq_lens = [int(s.seq_len) for s in seqs]
-        width = max(len(s.block_ids) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_ids)] = s.block_ids
-        dev = self.device
-        mask = None
-        if any(s.mask is not None for s in seqs):
-            mask = batch_tree_mask(query_lens, [s.mask for s in seqs], max(query_lens), dev)
-        positions, slot_mapping = self._h2d_many([rope, slots], torch.long)
-        query_start_loc, seq_lens_dev, block_tables = self._h2d_many(
-            [np.cumsum([0] + query_lens), seq_lens, tables], torch.int32)
-        return ForwardBatch(
-            positions=positions,
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_dev,
-            block_tables=block_tables,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            tree_mask=mask,
-            uniform_query_len=query_lens[0] if len(set(query_lens)) == 1 else 0,
-        )
 
     # ---- reporting ---------------------------------------------------------------------------------
     def reset_metrics(self) -> None:
@@ -627,7 +576,7 @@ class _Proposal:
     tokens: torch.Tensor                # chain: [B, gamma] draft ids; tree: [B, nodes] node tokens (node 0: root)
     q: torch.Tensor | None = None       # chain, sampled drafts: [B * gamma, V] what each was drawn from
     trees: TreeBatch | None = None      # trees: each request's parents
-    depths: np.ndarray | None = None    # trees: [B, nodes] node depths (host: they set rotary positions)
+    depths: np.ndarray | torch.Tensor | None = None   # trees: [B, nodes] node depths (host for a static tree)
     masks: torch.Tensor | None = None   # trees: [B, nodes, nodes] ancestor masks
 
     @property
@@ -647,6 +596,6 @@ class _Layout:
 
     def __init__(self):
         self.starts: list[int] = []             # first row of each scheduled request
-        self.sample_rows: list[int] = []        # plain rows to sample
+        self.sample_rows: torch.Tensor | None = None     # [S] plain rows to sample (device)
         self.sample_requests: list[Request] = []
-        self.verify_rows: list[int] = []        # first verify row of each drafting request
+        self.verify_rows: torch.Tensor | None = None     # [D] first verify row of each drafting request (device)

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.grammar import GrammarService
-from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, draft_kv_bytes_per_block, lookahead_tokens
+from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, load_draft, lookahead_tokens
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler
+from llmserve_core.engine.step_result import StepHandle, TokenLogprobs
 from llmserve_core.engine.warmup import warm_up
 from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
@@ -32,12 +33,6 @@ class QueueFull(ValidationError):
     def __init__(self, cap: int):
         super().__init__("", f"queue full: this client already has {cap} requests waiting "
                              "(max_queued_requests_per_client); retry when some have started")
-
-
-@dataclass
-class TokenLogprobs:
-    logprob: float                                                   # of the sampled token
-    top: list[tuple[int, float]] = field(default_factory=list)       # (token id, logprob), most likely first
 
 
 @dataclass
@@ -85,10 +80,12 @@ class Engine:
                 "or enable chunked prefill")
         # Drafting requests write their drafts' KV past their next token: block tables and the pool make room.
         self.lookahead = lookahead_tokens(config)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, lookahead_tokens=self.lookahead,
-                                  extra_kv_bytes_per_block=draft_kv_bytes_per_block(
-                                      config, config.block_size, config.resolved_dtype()))
-        self.spec = EagleExecutor(config, self.runner, self.max_model_len) if config.speculative_model else None
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, lookahead_tokens=self.lookahead)
+        # The draft loads before the KV pool is sized, so its weights count against gpu_memory_utilization;
+        # its KV pool shares the target's block ids, so each block's cost includes the draft's rows.
+        draft = load_draft(config, self.runner, self.max_model_len + self.lookahead) if config.speculative_model else None
+        self.runner.allocate_kv_cache(EagleExecutor.kv_bytes_per_block(draft, self.runner) if draft else 0)
+        self.spec = EagleExecutor(config, self.runner, draft, self.max_model_len) if draft else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           recompute_last_hit_block=self.spec is not None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -237,7 +234,8 @@ class Engine:
         # back before scheduling the next (the launched step still overlaps the host's mask filling). A
         # drafting step needs the previous step's tokens too.
         sync = self.async_scheduling and any(r.needs_sync for r in self.requests.values())
-        if (sync or (decision is not None and decision.gamma)) and self._in_flight is not None:
+        drafting = decision is not None and decision.gamma > 0
+        if (sync or drafting) and self._in_flight is not None:
             done, self._in_flight = self._in_flight, None
             outputs.extend(self._complete(done))
         sched = self.scheduler.schedule()
@@ -247,21 +245,20 @@ class Engine:
         launched = None
         if self.spec is not None:
             self._start_spec_states(sched)
-        if sched.requests and decision is not None and decision.gamma:
-            self.num_steps += 1
-            outputs.extend(self._speculative_step(sched, decision))
-            self._record_step_cost(sched, decision, started)
-            return outputs
         if sched.requests:
             self.num_steps += 1
-            launched = self.runner.launch(sched)
+            if drafting:     # synchronous: the executor's result is known when it returns
+                launched = self.spec.execute(sched, decision.gamma)
+                self.policy.observe(decision, launched.num_accepted)
+            else:
+                launched = self.runner.launch(sched)
             for req, n in zip(sched.requests, sched.num_new_tokens):
                 if req.num_computed_tokens < req.num_prompt_tokens:
                     self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
                 req.num_computed_tokens += n
-            for req in launched.sample_requests:
+            for req in launched.sampled_requests:
                 req.append_placeholder()
-        if self.async_scheduling and not sync:
+        if self.async_scheduling and not sync and not drafting:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
@@ -315,26 +312,32 @@ class Engine:
             log.error("request %s: grammar compilation failed: %r", req.request_id, req.grammar.failed)
             self.abort(req.request_id)
 
-    def _complete(self, handle) -> list[StepOutput]:
-        sampled = handle.result()
+    def _complete(self, handle: StepHandle) -> list[StepOutput]:
+        """Append a finished step's results (a plain or a drafting step: one path for both)."""
         outputs: list[StepOutput] = []
         finished: list[Request] = []
-        if sampled is not None:
-            tokens = sampled.token_ids.tolist()
-            logprobs = self._logprobs_lists(sampled, handle.sample_requests)
-            now = time.monotonic()
-            for i, (req, tok) in enumerate(zip(handle.sample_requests, tokens)):
-                if req.is_finished:          # aborted, or ended by the previous step while this one ran
-                    continue
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                finish = req.resolve_token(tok)
-                self.total_generated_tokens += 1
-                outputs.append(StepOutput(req.request_id, [tok], finish, logprobs[i] if logprobs else None,
-                                          req.num_prompt_tokens, req.num_cached_tokens))
+        now = time.monotonic()
+        for res in handle.results():
+            req = res.request
+            if req.is_finished:          # aborted, or ended by the previous step while this one ran
+                continue
+            req.num_computed_tokens += res.extra_computed
+            if req.first_token_time is None:
+                req.first_token_time = now
+            new: list[int] = []
+            finish = None
+            for tok in res.token_ids:    # stop at the first token that ends the request
+                new.append(tok)
+                # A sampled row fills the placeholder its launch appended; verified drafts are new tokens.
+                finish = req.resolve_token(tok) if req.num_pending else req.append_token(tok)
                 if finish is not None:
-                    req.finish_reason = finish
-                    finished.append(req)
+                    break
+            self.total_generated_tokens += len(new)
+            outputs.append(StepOutput(req.request_id, new, finish, res.logprobs, req.num_prompt_tokens,
+                                      req.num_cached_tokens))
+            if finish is not None:
+                req.finish_reason = finish
+                finished.append(req)
         self._retire(handle.sched.requests, finished)
         return outputs
 
@@ -356,57 +359,6 @@ class Engine:
         for req in finished:
             self.scheduler.finish(req)
             del self.requests[req.request_id]
-
-    def _speculative_step(self, sched, decision: Decision) -> list[StepOutput]:
-        """One synchronous step through the EAGLE executor: a request may gain several tokens, and its KV
-        may become valid beyond the scheduled position (its accepted drafts)."""
-        result = self.spec.execute(sched, decision.gamma)
-        self.policy.observe(decision, result.num_accepted)
-        for req, n in zip(sched.requests, sched.num_new_tokens):
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
-        logprobs = self._logprobs_lists(result.sampled, result.sampled_requests) if result.sampled else None
-        outputs: list[StepOutput] = []
-        finished: list[Request] = []
-        now = time.monotonic()
-        for e in result.emitted:
-            req = e.request
-            req.num_computed_tokens += e.extra_computed
-            if req.first_token_time is None:
-                req.first_token_time = now
-            new: list[int] = []
-            finish = None
-            for tok in e.token_ids:      # stop at the first token that ends the request
-                new.append(tok)
-                finish = req.append_token(tok)
-                if finish is not None:
-                    break
-            self.total_generated_tokens += len(new)
-            lp = logprobs[e.logprobs_index] if logprobs and e.logprobs_index >= 0 else None
-            outputs.append(StepOutput(req.request_id, new, finish, lp, req.num_prompt_tokens, req.num_cached_tokens))
-            if finish is not None:
-                req.finish_reason = finish
-                finished.append(req)
-        self._retire(sched.requests, finished)
-        return outputs
-
-    @staticmethod
-    def _logprobs_lists(sampled, reqs) -> list[list[TokenLogprobs] | None] | None:
-        if sampled.logprobs is None:
-            return None
-        lp = sampled.logprobs.tolist()
-        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-        out = []
-        for i, req in enumerate(reqs):
-            n = req.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            top = list(zip(top_ids[i][:n], top_lp[i][:n])) if n and top_ids is not None else []
-            out.append([TokenLogprobs(lp[i], top)])
-        return out
 
     # ---- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

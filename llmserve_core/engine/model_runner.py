@@ -1,25 +1,25 @@
 """Model runner: owns the weights and the paged KV cache, turns a scheduled batch into one forward.
 
-Input preparation happens on the host in plain lists, then moves to the device in one pinned,
-non-blocking copy per tensor, so the GPU is never waiting on many tiny transfers.
+Input preparation happens on the host (engine/batch_builder.py), then moves to the device in one pinned,
+non-blocking copy, so the GPU is never waiting on many tiny transfers.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
-from llmserve_core.layers.batch import ForwardBatch
-from llmserve_core.engine.cuda_graphs import DecodeGraphs
+from llmserve_core.engine.batch_builder import BatchBuilder, HostToDevice
 from llmserve_core.engine.grammar import MaskBuilder
 from llmserve_core.engine.logits_inputs import build_logits_processors
 from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
+from llmserve_core.engine.step_graphs import StepGraphs
+from llmserve_core.engine.step_result import StepHandle
 from llmserve_core.layers.attention import get_backend
+from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.fast_path import use_cuda_graphs
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
 from llmserve_core.models.config import ModelConfig
@@ -38,8 +38,12 @@ class PreparedBatch:
 
 
 class ModelRunner:
+    """Built in two stages: the constructor loads the weights; allocate_kv_cache() then sizes the KV pool
+    from the memory left (after anything else loaded in between, e.g. a draft model) and captures the
+    decode graphs."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 lookahead_tokens: int = 0, extra_kv_bytes_per_block: int = 0):
+                 lookahead_tokens: int = 0):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -49,22 +53,36 @@ class ModelRunner:
         self.block_size = config.block_size
         self.pin = self.device.type == "cuda"
         self.attn_backend = get_backend(config.attention_backend, str(self.device))
+        # The one switch for CUDA graphs, the runner's and the speculative executor's.
+        self.use_graphs = use_cuda_graphs(self.device, self.attn_backend, config.enforce_eager)
         self.model = load_model(model_config, config.model, config.load_format, self.dtype, self.device,
                                 self.attn_backend, config.seed, quantization=config.quantization)
         # lookahead: KV slots past the last token that speculative verification writes.
         self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
-        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # the draft's KV pool shares the block ids
-        self.staging = [Staging(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.pin)
-                        for _ in range(2)]
-        self.num_launched = 0
+        self.staging = HostToDevice(self.device, self.pin)
+        self.builder = self.batch_builder(config.max_num_batched_tokens, config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled ids, on the device
-        self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
-        self.kv_caches = self._allocate_kv(self.num_blocks)
-        self.graphs = self._capture_graphs()
+        self.extra_kv_bytes_per_block = 0
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: StepGraphs | None = None
         # Grammar bitmasks: one pinned buffer is enough, since steps with grammar rows run synchronously.
         self.masks = MaskBuilder(config.max_num_seqs, model_config.vocab_size, self.device, self.pin)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         torch.manual_seed(config.seed)
+
+    def batch_builder(self, rows: int, seqs: int) -> BatchBuilder:
+        """A builder over this runner's staging (the executor keeps its own, so its batches never clobber
+        the scratch of one being built here)."""
+        return BatchBuilder(self.block_size, self.max_model_len, self.staging, rows, seqs, self.max_blocks_per_seq)
+
+    def allocate_kv_cache(self, extra_kv_bytes_per_block: int = 0) -> None:
+        """Size the KV pool (extra_kv_bytes_per_block: the draft's KV pool shares the block ids), allocate
+        it, and capture the decode graphs."""
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
+        self.num_blocks = self.config.num_kv_blocks or self._kv_blocks_that_fit()
+        self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.graphs = self._capture_graphs()
 
     # ---- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -122,11 +140,14 @@ class ModelRunner:
                  peak / 2**30, others / 2**30, budget / 2**30)
         return max(0, int(budget))
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        if not use_cuda_graphs(self.device, self.attn_backend, self.config.enforce_eager):
+    def _capture_graphs(self) -> StepGraphs | None:
+        if not self.use_graphs:
             return None
-        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq,
-                            self.max_model_len, self.device)
+        return StepGraphs("decode", self._decode_forward, 1, self.config.max_num_seqs, self.max_blocks_per_seq,
+                          self.max_model_len, self.device, capture=self.device.type == "cuda")
+
+    def _decode_forward(self, input_ids, _hidden, batch):
+        return (self.model(input_ids, batch, self.kv_caches),)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model_config
@@ -135,137 +156,63 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(m.num_hidden_layers)]
 
     # ---- one step --------------------------------------------------------------------------------
-    def _dev(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
-
     def prepare(self, sched: ScheduledBatch) -> PreparedBatch:
         """Pack the scheduled chunks into device tensors. A PLACEHOLDER input (a token the previous,
         still running step sampled) is filled on the device from that step's output tensor."""
-        stage = self.staging[self.num_launched % 2]
-        bs = self.block_size
-        ids, pos, slots = stage.input_ids, stage.positions, stage.slots
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
+        self.staging.new_step()
+        b = self.builder
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         fill_rows: list[int] = []
         fill_from: list[int] = []
-        t = 0
-        max_blocks = 0
-        stage.query_start[0] = 0
-        for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
+        for req, n in zip(sched.requests, sched.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            blocks = req.block_ids
-            if n == 1:                                   # decode: plain ints beat numpy for one token
-                ids[t] = req.token_ids[start]
-                pos[t] = start
-                slots[t] = blocks[start // bs] * bs + start % bs
-            else:
-                ids[t:t + n] = req.token_ids[start:end]
-                p = np.arange(start, end)
-                pos[t:t + n] = p
-                slots[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
+            row = b.add(req.block_ids, start, n, req.token_ids[start] if n == 1 else req.token_ids[start:end])
             if req.token_ids[end - 1] == PLACEHOLDER:    # only ever the last token of a chunk
-                fill_rows.append(t + n - 1)
+                fill_rows.append(row + n - 1)
                 fill_from.append(req.sample_index)
-            t += n
-            stage.query_start[i + 1] = t
-            stage.seq_lens[i] = end
-            stage.block_tables[i, :len(blocks)] = blocks
-            max_blocks = max(max_blocks, len(blocks))
-            query_lens.append(n)
-            seq_lens.append(end)
             if end == req.num_tokens:                    # the chunk reaches the last token: sample the next one
                 req.sample_index = len(sample_rows)
-                sample_rows.append(t - 1)
+                sample_rows.append(row + n - 1)
                 sample_requests.append(req)
-        b = len(sched.requests)
-        stage.sample_rows[:len(sample_rows)] = sample_rows
-        h = stage.tensors
-        batch = ForwardBatch(
-            positions=self._dev(h.positions[:t]),
-            slot_mapping=self._dev(h.slots[:t]),
-            query_start_loc=self._dev(h.query_start[:b + 1]),
-            seq_lens=self._dev(h.seq_lens[:b]),
-            block_tables=self._dev(h.block_tables[:b, :max_blocks]),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        input_ids = self._dev(h.input_ids[:t])
+        built = b.finish((sample_rows, fill_rows, fill_from))
+        rows, fill_at, fill_src = built.extras
+        input_ids = built.input_ids
         if fill_rows:
-            k = len(fill_rows)
-            stage.fill_rows[:k] = fill_rows
-            stage.fill_from[:k] = fill_from
-            src = self.last_sampled[self._dev(h.fill_from[:k])]
-            input_ids.index_copy_(0, self._dev(h.fill_rows[:k]), src)
-        return PreparedBatch(input_ids, batch, self._dev(h.sample_rows[:len(sample_rows)]), sample_requests)
+            input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])
+        return PreparedBatch(input_ids, built.batch, rows, sample_requests)
 
     def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
         batch = prepared.batch
-        if self.graphs is not None and batch.is_decode and self.graphs.bucket_for(batch.num_seqs) is not None:
-            return self.graphs.run(prepared.input_ids, batch)
+        if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
+            return self.graphs.run(prepared.input_ids, None, batch)[0]
         return self.model(prepared.input_ids, batch, self.kv_caches)
+
+    def sample(self, hidden: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """Sample one token per row of `hidden` (the rows of `reqs`, in order), with each request's
+        sampling parameters, generator and logits processors; device tensors."""
+        logits = self.model.compute_logits(hidden)
+        st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
+                                         pin=self.pin)
+        # Built after the forward is queued: on a GPU the host fills grammar masks while it runs.
+        processors = build_logits_processors(reqs, self.model_config.vocab_size, self.device, self.masks)
+        return sample(logits, st, processors)
 
     @torch.inference_mode()
     def launch(self, sched: ScheduledBatch) -> StepHandle:
         """Queue one forward over the scheduled tokens and sampling for the requests whose chunk ends
         their sequence; the sampled ids come back asynchronously through the returned handle."""
         prepared = self.prepare(sched)
-        self.num_launched += 1
         hidden = self._forward(prepared)
         reqs = prepared.sample_requests
         if not reqs:
-            return StepHandle(sched, [], None)
-        logits = self.model.compute_logits(hidden[prepared.sample_rows])
-        st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
-                                         pin=self.pin)
-        # Built after the forward is queued: on a GPU the host fills grammar masks while it runs.
-        processors = build_logits_processors(reqs, self.model_config.vocab_size, self.device, self.masks)
-        out = sample(logits, st, processors)
+            return StepHandle(sched)
+        out = self.sample(hidden[prepared.sample_rows], reqs)
         self.last_sampled = out.token_ids
-        return StepHandle(sched, reqs, out.to_host(self.pin))
+        return StepHandle(sched, out.to_host(self.pin), reqs)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
-
-
-@dataclass
-class StepHandle:
-    """A launched step. `result()` waits for its sampled tokens (a no-op on CPU)."""
-    sched: ScheduledBatch
-    sample_requests: list[Request]
-    sampled: SamplerOutput | None
-    event: torch.cuda.Event | None = None
-
-    def __post_init__(self):
-        if self.sampled is not None and self.sampled.token_ids.is_pinned():
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def result(self) -> SamplerOutput | None:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.sampled
-
-
-class Staging:
-    """Pinned host buffers the step inputs are written into. Two alternate, so a step's inputs are never
-    overwritten while the device may still be copying them (at most one step is in flight)."""
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
-        def buf(*shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        i32, i64 = torch.int32, torch.int64
-        self.tensors = SimpleNamespace(
-            input_ids=buf(max_tokens, dtype=i64), positions=buf(max_tokens, dtype=i64),
-            slots=buf(max_tokens, dtype=i64), query_start=buf(max_seqs + 1, dtype=i32),
-            seq_lens=buf(max_seqs, dtype=i32), block_tables=buf(max_seqs, max_blocks_per_seq, dtype=i32),
-            sample_rows=buf(max_seqs, dtype=i64), fill_rows=buf(max_seqs, dtype=i64),
-            fill_from=buf(max_seqs, dtype=i64))
-        for name, t in vars(self.tensors).items():   # numpy views: fast element writes from Python
-            setattr(self, name, t.numpy())
 
 
 # Sampling settings that exercise the most expensive sampler path during memory profiling.

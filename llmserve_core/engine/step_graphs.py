@@ -1,12 +1,13 @@
-"""CUDA graphs for the speculative steps whose shape is fixed: single-token draft steps (1 row per
-request), the draft catch-up padded to the most rows a step can emit, and the verify forward (1 + gamma
-rows, or the tree's nodes, per request), one per batch bucket.
+"""CUDA graphs for the forwards whose shape is fixed per sequence: plain decode (1 row), the draft's
+single-token steps (1 row), the padded draft catch-up, each tree level's draft forward and the verify
+forward (1 + gamma rows, or the tree's nodes), one graph per batch bucket.
 
-Like DecodeGraphs: each bucket's forward is captured once over static device buffers and replayed with
-fresh inputs copied in. Rows of padding sequences write no KV (slot -1) and attend to a few cached
-slots, so they never touch live state. Every length the kernels read comes from device tensors, and the
-tree mask is a buffer too, copied in each replay (a dynamic tree's differs per request and step; padding
-rows keep an earlier valid mask).
+A small model's step is dozens of short kernels; launching them one by one from Python costs more than
+running them. Each bucket's forward is captured once over static device buffers and replayed with fresh
+inputs copied in. Batches are padded up to the next bucket with sequences whose rows write no KV
+(slot -1) and attend to a few cached slots, so padding never touches live state. Every length the
+kernels read comes from device tensors, and a tree mask is a buffer too, copied in each replay (a
+dynamic tree's differs per request and step; padding rows keep an earlier valid mask).
 
 capture=False keeps the static buffers and padding but runs the forward eagerly on every call: the same
 bookkeeping without a GPU, which is how the CPU tests check it.
@@ -19,20 +20,24 @@ from typing import Callable
 import torch
 
 from llmserve_core.layers.batch import ForwardBatch
-from llmserve_core.engine.cuda_graphs import batch_buckets
 
-log = logging.getLogger("llmserve.spec_graphs")
+log = logging.getLogger("llmserve.step_graphs")
 
-# fn(input_ids [T], hidden [T, H] or None, batch) -> tuple of [T, ...] tensors
+# fn(input_ids [T], hidden [T, H] or None, batch) -> tuple of tensors, each with a fixed number of rows per
+# sequence (sequence-major): all T rows, or e.g. each sequence's last row only
 StepFn = Callable[[torch.Tensor, torch.Tensor | None, ForwardBatch], tuple[torch.Tensor, ...]]
 
 
-class FixedRowsGraphs:
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, 1025, 64))
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class StepGraphs:
     def __init__(self, name: str, fn: StepFn, rows: int, max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
-                 hidden_size: int | None, dtype, device, tree_mask: torch.Tensor | None = None, capture: bool = True,
-                 out_rows: int | None = None):
+                 device, hidden_size: int | None = None, dtype=None, tree_mask: torch.Tensor | None = None,
+                 capture: bool = True):
         self.name, self.fn, self.rows = name, fn, rows
-        self.out_rows = rows if out_rows is None else out_rows     # output rows per sequence
         self.buckets = batch_buckets(max_batch)
         self.max_seq_len = max_seq_len
         self.capture = capture
@@ -52,6 +57,7 @@ class FixedRowsGraphs:
             self._capture_all()
 
     def _batch(self, n: int) -> ForwardBatch:
+        # max_seq_len is the static worst case: a graph must not depend on this step's lengths.
         t = n * self.rows
         return ForwardBatch(self.positions[:t], self.slot_mapping[:t], self.query_start_loc[:n + 1], self.seq_lens[:n],
                             self.block_tables[:n], max_query_len=self.rows, max_seq_len=self.max_seq_len,
@@ -80,8 +86,13 @@ class FixedRowsGraphs:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` is this graph's shape: `rows` query rows per sequence, within the largest bucket."""
+        return batch.uniform_query_len == self.rows and self.bucket_for(batch.num_seqs) is not None
+
     def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """Replay for a batch of n sequences with `rows` query rows each; outputs cut to its n * out_rows rows."""
+        """Replay for a batch of n sequences with `rows` query rows each; outputs cut to the n live sequences'
+        rows (padding sequences come last)."""
         n, t = batch.num_seqs, batch.num_tokens
         bucket = self.bucket_for(n)
         padded = bucket * self.rows
@@ -99,9 +110,9 @@ class FixedRowsGraphs:
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)
         self.replays += 1
-        keep = n * self.out_rows
-        if not self.capture:
-            return tuple(o[:keep] for o in self._call(bucket))
-        graph, out = self.graphs[bucket]
-        graph.replay()
-        return tuple(o[:keep] for o in out)
+        if self.capture:
+            graph, out = self.graphs[bucket]
+            graph.replay()
+        else:
+            out = self._call(bucket)
+        return tuple(o[:o.shape[0] // bucket * n] for o in out)

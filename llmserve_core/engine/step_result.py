@@ -1,0 +1,77 @@
+"""What a step produced, one result per request, the same for plain and speculative steps.
+
+The model runner's plain steps and the EAGLE executor's drafting steps both return a StepHandle; the
+engine completes either through one path (Engine._complete): append each result's tokens up to the
+first that ends the request, count its extra computed positions (accepted drafts, whose KV the verify
+forward already wrote), report its logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve_core.engine.request import Request
+from llmserve_core.engine.scheduler import ScheduledBatch
+from llmserve_core.layers.sampler import SamplerOutput
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float                                                   # of the sampled token
+    top: list[tuple[int, float]] = field(default_factory=list)       # (token id, logprob), most likely first
+
+
+@dataclass
+class RequestResult:
+    request: Request
+    token_ids: list[int]                       # in order; the engine stops at the first that ends the request
+    logprobs: list[TokenLogprobs] | None = None
+    extra_computed: int = 0                    # positions past the scheduled ones whose KV is now valid
+
+
+class StepHandle:
+    """A launched step. results() waits for the sampled rows (a no-op on the CPU or once read back).
+
+    sampled: the sampler's output for `sampled_requests` (one token each), host tensors; on CUDA an event
+    recorded after their copies says when they are readable. ready: results known already (a drafting
+    step's verified requests). num_accepted: drafts accepted per verified request (the policy's input)."""
+
+    def __init__(self, sched: ScheduledBatch, sampled: SamplerOutput | None = None,
+                 sampled_requests: list[Request] | None = None, ready: list[RequestResult] | None = None,
+                 num_accepted: list[int] | None = None):
+        self.sched = sched
+        self.sampled = sampled
+        self.sampled_requests = sampled_requests or []
+        self.ready = ready or []
+        self.num_accepted = num_accepted or []
+        self.event = None
+        if sampled is not None and sampled.token_ids.is_pinned():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def results(self) -> list[RequestResult]:
+        if self.event is not None:
+            self.event.synchronize()
+        return sampled_results(self.sampled, self.sampled_requests) + self.ready
+
+
+def sampled_results(sampled: SamplerOutput | None, reqs: list[Request]) -> list[RequestResult]:
+    """One result per sampled row: its token, and its logprobs if the request asked for them."""
+    if sampled is None or not reqs:
+        return []
+    tokens = sampled.token_ids.tolist()
+    if sampled.logprobs is None:
+        return [RequestResult(req, [tok]) for req, tok in zip(reqs, tokens)]
+    lp = sampled.logprobs.tolist()
+    top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+    top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+    out = []
+    for i, (req, tok) in enumerate(zip(reqs, tokens)):
+        n = req.params.logprobs
+        if n is None:
+            out.append(RequestResult(req, [tok]))
+            continue
+        top = list(zip(top_ids[i][:n], top_lp[i][:n])) if n and top_ids is not None else []
+        out.append(RequestResult(req, [tok], [TokenLogprobs(lp[i], top)]))
+    return out
