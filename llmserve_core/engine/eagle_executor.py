@@ -30,6 +30,7 @@ same per-request results as a plain step (engine/step_result.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class EagleExecutor:
             self.tree_mask = self.tree.attention_mask(self.device)
             self.tree_depths = np.asarray(self.tree.depths)
             self.tree_parents = torch.tensor(self.tree.parents, device=self.device)
+            self.tree_batch = self.tree.batch(1, self.device)      # expanded per step: no host copy
             self.tree_levels = [torch.tensor(self.tree.level(d), device=self.device) - 1 for d in range(self.tree.depth)]
         # A decoding request catches up on at most the tokens its last step emitted: its accepted drafts
         # plus one. The catch-up graph pads every request to that many rows.
@@ -353,7 +355,8 @@ class EagleExecutor:
             if k:
                 top = topk_propose(logits, k, self.draft.d2t).view(n, len(tree.level(d)), k)
                 fill_level(tree, d, top, nodes)
-        return _Proposal(nodes, trees=tree.batch(n, self.device), depths=np.tile(self.tree_depths, (n, 1)),
+        trees = dataclasses.replace(self.tree_batch, parents=self.tree_batch.parents.expand(n, -1))
+        return _Proposal(nodes, trees=trees, depths=np.tile(self.tree_depths, (n, 1)),
                          masks=self.tree_mask.expand(n, -1, -1))
 
     def _draft_dynamic(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
@@ -479,7 +482,7 @@ class EagleExecutor:
         if proposal.trees is not None:
             out = (tree_greedy_verify(proposal.trees, logits, proposal.tokens) if greedy else
                    tree_rejection_verify(proposal.trees, probs, proposal.tokens, None, generators))
-            return _Verified(out.token_lists(), out.path_lists())
+            return _Verified(*out.lists())
         num_draft = torch.full((len(drafting),), self.step_gamma, dtype=torch.long, device=self.device)
         out = (greedy_verify(logits, proposal.tokens, num_draft) if greedy else
                rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q, generators))

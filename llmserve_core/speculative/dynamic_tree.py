@@ -150,4 +150,4 @@ class TreeGrowth:
                                   where.gather(1, kept_parent.clamp_min(0)))
         parents = torch.cat([torch.full((self.batch, 1), -1, dtype=torch.long, device=self.device), node_parent], 1)
         node_tokens = torch.cat([root_tokens.to(self.device, torch.long)[:, None], tokens.gather(1, kept)], 1)
-        return TreeBatch(parents, self.shape.num_steps, self.shape.topk), node_tokens
+        return TreeBatch(parents, self.shape.num_steps, self.shape.topk, bounded=True), node_tokens

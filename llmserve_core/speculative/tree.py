@@ -84,7 +84,7 @@ class CandidateTree:
     def batch(self, batch: int, device=None) -> "TreeBatch":
         """This tree for each of `batch` requests, as verification takes it."""
         parents = torch.tensor(self.parents, dtype=torch.long, device=device).expand(batch, -1)
-        return TreeBatch(parents, self.depth, max(1, max(len(c) for c in self.children)))
+        return TreeBatch(parents, self.depth, max(1, max(len(c) for c in self.children)), bounded=True)
 
 
 @dataclass
@@ -94,6 +94,9 @@ class TreeBatch:
     parents: torch.Tensor       # [B, N] int64: parent node of each node, -1 at node 0; parents[b, i] < i
     max_depth: int              # bound on every node's depth (how far a walk from the root can go)
     max_children: int           # bound on any node's number of children
+    # True where the builder guarantees max_children (a static tree, a dynamic tree's top-k growth): the
+    # check then costs no device-to-host read in the middle of a step.
+    bounded: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -106,12 +109,16 @@ class TreeBatch:
         idx = torch.arange(n, device=par.device)
         # A child's slot: how many earlier nodes share its parent.
         rank = ((par[:, :, None] == par[:, None, :]) & (idx[None, None, :] < idx[None, :, None])).sum(-1)
-        table = torch.full((batch, n, self.max_children), -1, dtype=torch.long, device=par.device)
-        b, i = (par >= 0).nonzero(as_tuple=True)
-        if bool((rank[b, i] >= self.max_children).any()):
+        live = par >= 0
+        if not self.bounded and bool((rank >= self.max_children)[live].any()):
             raise ValueError(f"tree: a node has more than max_children = {self.max_children} children")
-        table[b, par[b, i], rank[b, i]] = i
-        return table
+        # Node 0 (no parent) lands in a scratch row and column, so no index depends on a host read (as
+        # nonzero() would).
+        k = self.max_children
+        table = torch.full((batch, n + 1, k + 1), -1, dtype=torch.long, device=par.device)
+        b = torch.arange(batch, device=par.device)[:, None].expand(batch, n)
+        table[b, torch.where(live, par, n), torch.where(live, rank.clamp_max(k), k)] = idx.expand(batch, n)
+        return table[:, :n, :k]
 
     def depths(self) -> torch.Tensor:
         """[B, N] distance of each node from the root."""
@@ -198,11 +205,17 @@ class TreeVerifyOutput:
     num_accepted: torch.Tensor  # [B] accepted candidates (emitted = num_accepted + 1)
     path_nodes: torch.Tensor    # [B, depth + 1] accepted path, root first, padded with -1
 
+    def lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(emitted tokens, accepted path) per request, read back in one transfer."""
+        width = self.token_ids.shape[1]
+        rows = torch.cat([(self.num_accepted + 1)[:, None], self.token_ids, self.path_nodes], 1).tolist()
+        return ([r[1:1 + r[0]] for r in rows], [r[1 + width:1 + width + r[0]] for r in rows])
+
     def token_lists(self) -> list[list[int]]:
-        return [row[:c] for row, c in zip(self.token_ids.tolist(), (self.num_accepted + 1).tolist())]
+        return self.lists()[0]
 
     def path_lists(self) -> list[list[int]]:
-        return [row[:c] for row, c in zip(self.path_nodes.tolist(), (self.num_accepted + 1).tolist())]
+        return self.lists()[1]
 
 
 def _check_tree_inputs(tree: TreeBatch, rows: int, node_tokens: torch.Tensor) -> int:
