@@ -44,7 +44,7 @@ def category(name: str) -> str:
     n = name.lower()
     if "gemv" in n or "gemm" in n or "nvjet" in n or "cutlass" in n or "xmma" in n or "splitk" in n:
         return "gemm"
-    if "paged_decode" in n or "paged_prefill" in n or "flash" in n or "attn" in n or "fmha" in n:
+    if "_decode_kernel" in n or "_prefill_kernel" in n or "flash" in n or "attn" in n or "fmha" in n:
         return "attention"
     return "other"
 

@@ -6,8 +6,10 @@
 #            -> $OUT/kernels/results.{json,md}
 #   peers    benchmarks/peer_compare.py: nano-vllm and llmserve on the same prompts
 #            -> $OUT/peer/{peer_compare.json,peer_compare.md,peer.log}
+#   layer    benchmarks/decode_layer_bench.py: a decode layer's small kernels before and after their
+#            fusion, checked, then timed in CUDA graphs (about a minute; needs no FA4)  -> $OUT/decode_layer.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
-# README "GPU checks"): bash benchmarks/gpu_checks.sh [tests] [kernels] [peers]   (default: all three)
+# README "GPU checks"): bash benchmarks/gpu_checks.sh [tests] [kernels] [peers] [layer]   (default: the first three)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
 set -uo pipefail
 out=${OUT:?OUT must name the folder for results}
@@ -28,7 +30,10 @@ for stage in $stages; do
     peers)
       python3 benchmarks/peer_compare.py --peer .peer --out "$out/peer"
       status[$stage]=$? ;;
-    *) echo "unknown stage $stage (tests, kernels, peers)"; status[$stage]=2 ;;
+    layer)
+      python3 benchmarks/decode_layer_bench.py "$out/decode_layer.json" --budget-s 80
+      status[$stage]=$? ;;
+    *) echo "unknown stage $stage (tests, kernels, peers, layer)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done

@@ -109,7 +109,7 @@ def kernel_class(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "matmul", "splitk")):
         return "gemm"
-    if any(k in n for k in ("paged_decode", "decode_reduce", "paged_prefill", "attn", "flash", "fmha")):
+    if any(k in n for k in ("_decode_kernel", "_prefill_kernel", "attn", "flash", "fmha")):
         return "attention"
     return "rest"
 

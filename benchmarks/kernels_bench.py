@@ -31,9 +31,8 @@ from llmserve_core.kernels.attention_reference import paged_attention_reference 
 from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode  # noqa: E402
 from llmserve_core.kernels.paged_prefill import paged_prefill  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
-from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference  # noqa: E402
+from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_reference  # noqa: E402
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
-from llmserve_core.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
 
 ROTATE_BYTES = 256 << 20     # decode KV touched per graph replay, several times the 60 MB L2
 
@@ -249,9 +248,6 @@ class Bench:
         w = torch.randn(hidden, device=dev, dtype=dt)
         gu = torch.randn(tokens, 2 * inter, device=dev, dtype=dt)
         qkv = torch.randn(tokens, (self.H + 2 * self.KVH) * self.D, device=dev, dtype=dt)
-        q = qkv[:, :self.H * self.D].view(tokens, self.H, self.D)
-        k = qkv[:, self.H * self.D:(self.H + self.KVH) * self.D].view(tokens, self.KVH, self.D)
-        v = qkv[:, (self.H + self.KVH) * self.D:].view(tokens, self.KVH, self.D)
         pos = torch.randint(0, 4096, (tokens,), device=dev)
         freqs = torch.arange(4096, device=dev).float()[:, None] * (1e-4 ** (torch.arange(0, self.D, 2, device=dev)
                                                                           / self.D))[None]
@@ -259,22 +255,24 @@ class Bench:
         kc = torch.zeros(tokens // 16 + 2, 16, self.KVH, self.D, device=dev, dtype=dt)
         vc = torch.zeros_like(kc)
         slots = torch.randperm(kc.shape[0] * 16, device=dev)[:tokens]
+        qw, kw = torch.rand(self.D, device=dev, dtype=dt) + 0.5, torch.rand(self.D, device=dev, dtype=dt) + 0.5
+        heads = (self.H, self.KVH, self.D)
+
+        def qk_store(store=qk_norm_rope_store, caches=(kc, vc)):
+            return store(qkv, pos, slots, qw, kw, cos, sin, 1e-6, *heads, *caches)
         e = dt.itemsize
         ops = [
             ("rmsnorm+residual", lambda: rmsnorm(x, w, 1e-6, r), lambda: rmsnorm_reference(x, w, 1e-6, r),
              5 * tokens * hidden * e),
             ("silu_mul", lambda: silu_mul(gu), lambda: silu_mul_reference(gu), 3 * tokens * inter * e),
-            ("rotary q+k", lambda: rotary_inplace(q, k, pos, cos, sin), lambda: rotary_reference(q, k, pos, cos, sin),
-             4 * tokens * (self.H + self.KVH) * self.D * e),
-            ("store_kv", lambda: store_kv(k, v, kc, vc, slots), lambda: store_kv_reference(k, v, kc, vc, slots),
-             4 * tokens * self.KVH * self.D * e),
+            ("qk norm+rotary+store", qk_store, lambda: qk_store(qk_norm_rope_store_reference),
+             2 * tokens * (self.H + 2 * self.KVH) * self.D * e),
         ]
         checks = {
             "rmsnorm+residual": lambda: max(rel_err(a, b) for a, b in zip(rmsnorm(x, w, 1e-6, r),
                                                                           rmsnorm_reference(x, w, 1e-6, r))),
             "silu_mul": lambda: rel_err(silu_mul(gu), silu_mul_reference(gu)),
-            "rotary q+k": lambda: check_rotary(q, k, pos, cos, sin),
-            "store_kv": lambda: check_store(k, v, kc, vc, slots),
+            "qk norm+rotary+store": lambda: check_qk_store(qk_store, kc, vc),
         }
         for name, fast, ref, nbytes in ops:
             try:
@@ -364,19 +362,12 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
 
-def check_rotary(q, k, pos, cos, sin):
-    q2, k2 = q.clone(), k.clone()
-    qr, kr = rotary_reference(q2, k2, pos, cos, sin)
-    rotary_inplace(q2, k2, pos, cos, sin)
-    return max(rel_err(q2, qr), rel_err(k2, kr))
-
-
-def check_store(k, v, kc, vc, slots):
-    a, b = kc.clone(), vc.clone()
-    store_kv(k, v, a, b, slots)
-    ra, rb = kc.clone(), vc.clone()
-    store_kv_reference(k, v, ra, rb, slots)
-    return float(not (torch.equal(a, ra) and torch.equal(b, rb)))
+def check_qk_store(qk_store, kc, vc):
+    """Worst relative error of q and the stored K/V, fused kernel against the torch composition."""
+    a, b, ra, rb = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q = qk_store(caches=(a, b))
+    qr = qk_store(qk_norm_rope_store_reference, caches=(ra, rb))
+    return max(rel_err(q, qr), rel_err(a, ra), rel_err(b, rb))
 
 
 # ---------------------------------------------------------------- report

@@ -12,7 +12,6 @@ from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activa
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
 from llmserve_core.kernels.paged_decode import paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
-from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, dequantize_weight, quantize_per_block, \
     quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
@@ -133,23 +132,6 @@ def test_fp8_linear_matches_its_dequantized_twin():
 
 
 # ---------------------------------------------------------------- FP8 KV cache
-
-@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
-def test_store_kv_fp8(k_scale, v_scale):
-    gen = torch.Generator().manual_seed(int(k_scale * 100))
-    t, heads, dim, bs, blocks = 9, 2, 16, 4, 6
-    k = (torch.randn(t, heads, dim, generator=gen) * 300).to(DEVICE)        # some values saturate
-    v = torch.randn(t, heads, dim, generator=gen).to(DEVICE)
-    slots = torch.randperm(blocks * bs, generator=gen)[:t]
-    slots[2] = -1
-    slots = slots.to(DEVICE)
-    kc, vc = (torch.zeros(blocks, bs, heads, dim, dtype=FP8, device=DEVICE) for _ in range(2))
-    kr, vr = kc.clone(), vc.clone()
-    store_kv(k, v, kc, vc, slots, k_scale, v_scale)
-    store_kv_reference(k, v, kr, vr, slots, k_scale, v_scale)
-    assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
-    assert torch.isfinite(kc.float()).all() and kc.float().abs().max() == 448
-
 
 def fp8_cache(kc, vc, k_scale, v_scale):
     return to_cache_dtype(kc, FP8, k_scale), to_cache_dtype(vc, FP8, v_scale)

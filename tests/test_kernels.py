@@ -10,12 +10,12 @@ import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.attention_reference import paged_attention_reference
-from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
+from llmserve_core.kernels.fp8_format import FP8, to_cache_dtype
+from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from llmserve_core.kernels.rotary import rotary_inplace, rotary_reference
+from llmserve_core.kernels.rotary import rotary_reference
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
-from llmserve_core.kernels.store_kv import store_kv, store_kv_reference
 from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decode_config, prefill_config
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
@@ -45,27 +45,6 @@ def paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen
     return kc, vc, bt
 
 
-# ---------------------------------------------------------------- store_kv
-
-@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 16, 4), (3, 8, 16), (1, 32, 8)])
-def test_store_kv(num_kv_heads, head_dim, block_size):
-    gen = torch.Generator().manual_seed(num_kv_heads * 100 + head_dim)
-    num_blocks, t = 6, 9
-    # k and v as views into one packed qkv row, the way the model hands them over.
-    qkv = torch.randn(t, 4 * num_kv_heads * head_dim, generator=gen).to(DEVICE)
-    k = qkv[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(t, num_kv_heads, head_dim)
-    v = qkv[:, 3 * num_kv_heads * head_dim:].view(t, num_kv_heads, head_dim)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
-    slots[[1, 5]] = -1
-    slots = slots.to(DEVICE)
-    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
-    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    store_kv(k, v, kc, vc, slots)
-    store_kv_reference(k, v, kc_ref, vc_ref, slots)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
-
-
 # ---------------------------------------------------------------- decode
 
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size,num_splits", [
@@ -85,6 +64,62 @@ def test_paged_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, n
     paged_decode(q, kc, vc, bt, lens, 0.3, out=out, num_splits=num_splits)
     ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3)
     assert rel_err(out, ref) < 1e-5
+
+
+DTYPE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_paged_decode_dtypes_head_dims_and_fp8(dtype, head_dim, kv):
+    """One launch: the long sequence is merged from several pieces, the short ones run in one piece."""
+    gen = torch.Generator().manual_seed(head_dim + len(kv))
+    seq_lens = [70, 9, 0]
+    kc, vc, bt = paged_cache(seq_lens, 16, 2, head_dim, torch.float32, DEVICE, gen)
+    k_scale, v_scale = (0.02, 0.005) if kv == "fp8" else (1.0, 1.0)
+    if kv == "fp8":
+        kc, vc = to_cache_dtype(kc * 3, FP8, k_scale), to_cache_dtype(vc * 0.02, FP8, v_scale)
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    q = torch.randn(len(seq_lens), 4, head_dim, generator=gen).to(device=DEVICE, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scratch = DecodeScratch()
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, bt, lens, head_dim ** -0.5, out=out, num_splits=4, scratch=scratch,
+                 k_scale=k_scale, v_scale=v_scale)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    assert out.dtype == dtype and rel_err(out, ref) < DTYPE_TOL[dtype]
+    assert not scratch.counts.any(), "the merging piece re-arms its counter"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_decode_verify_rows_merge_pieces(dtype, tree):
+    """A verify's rows (causal or through a tree mask) split over pieces and merged in the same launch."""
+    q, kc, vc, bt, qsl, lens, mask = prefill_case([3] * 3, [60, 2, 30], 4, 2, 64, 8, dtype, DEVICE, seed=5,
+                                                  tree=tree)
+    scratch = DecodeScratch()
+    out = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=4, scratch=scratch, rows_per_seq=3, tree_mask=mask)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3, query_start_loc=qsl, tree_mask=mask)
+    assert rel_err(out, ref) < DTYPE_TOL[dtype]
+    assert not scratch.counts.any()
+
+
+def test_paged_decode_piece_length_only_changes_the_schedule():
+    """The same attention from 8 pieces, from pieces of at least 48 keys, and from one piece; a second
+    launch over the same scratch (as a replayed graph) finds the counters re-armed."""
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [130, 47, 1]
+    kc, vc, bt = paged_cache(seq_lens, 8, 2, 16, torch.float32, DEVICE, gen)
+    q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3)
+    scratch = DecodeScratch()
+    for min_split in (None, 48, 1000, None):
+        out = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=8, scratch=scratch, min_split=min_split)
+        assert rel_err(out, ref) < 1e-5, min_split
+        assert not scratch.counts.any()
 
 
 def test_num_splits_fill_the_gpu():
@@ -172,25 +207,20 @@ def test_rmsnorm(rows, cols, with_residual):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (3, 3, 8)])
-def test_rotary(num_heads, num_kv_heads, head_dim):
+def test_rotary_reference_matches_the_eager_layer(num_heads, num_kv_heads, head_dim):
+    """The float32 rotation the fused q/k kernel is checked against is the model's own rotary."""
     from llmserve_core.layers.rotary import RotaryEmbedding
     gen = torch.Generator().manual_seed(head_dim)
     rope = RotaryEmbedding(head_dim, 64, 10000.0, None, 64, torch.float32, DEVICE)
     t = 7
-    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
-    q = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(t, num_kv_heads, head_dim)
-    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    q = torch.randn(t, num_heads, head_dim, generator=gen).to(DEVICE)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(DEVICE)
     positions = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
     q_ref, k_ref = rotary_reference(q, k, positions, rope.cos, rope.sin)
     cos, sin = rope.cos_sin(positions)
-    q_eager, k_eager = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    rotary_inplace(q, k, positions, rope.cos, rope.sin)
-    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(q, q_eager, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k, k_eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)
+    torch.testing.assert_close(q_ref, rope.apply(q, cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_ref, rope.apply(k, cos, sin), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(q_ref[positions > 0], q[positions > 0])
 
 
 @pytest.mark.parametrize("rows,d", [(3, 40), (2, 2048 + 3)])
@@ -334,16 +364,15 @@ def test_gpu_triton_backend_bf16_and_decode_graph():
     gen = torch.Generator().manual_seed(1)
     kc, vc, bt = paged_cache([3000, 3000, 3000, 3000], 16, 8, 128, torch.bfloat16, "cuda", gen)
     q = torch.randn(4, 32, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
-    kv = torch.randn(4, 8, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
     lens = torch.tensor([100, 200, 300, 400], dtype=torch.int32, device="cuda")
     batch = ForwardBatch(positions=(lens - 1).long(), slot_mapping=torch.full((4,), -1, dtype=torch.int64,
                          device="cuda"), query_start_loc=torch.arange(5, dtype=torch.int32, device="cuda"),
                          seq_lens=lens, block_tables=bt, max_query_len=1, max_seq_len=3000)
-    backend.forward(q, kv, kv, kc, vc, batch, 128 ** -0.5)   # warm up: compile, size the scratch
+    backend.attend(q, kc, vc, batch, 128 ** -0.5)   # warm up: compile, size the scratch
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(q, kv, kv, kc, vc, batch, 128 ** -0.5)
+        out = backend.attend(q, kc, vc, batch, 128 ** -0.5)
     for new_lens in ([2999, 1, 1500, 64], [3000, 2048, 17, 2500]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn(4, 32, 128, generator=gen).to(torch.bfloat16))
@@ -438,8 +467,8 @@ def test_triton_fa4_backend_routes_by_the_predicate():
     calls = []
     backend = object.__new__(TritonFA4Backend)
     backend.fa4 = lambda q, *a, **kw: (calls.append(("fa4", kw["max_seqlen_q"])), torch.zeros_like(q))[1]
-    backend.triton = type("T", (), {"forward": lambda self, q, *a: (calls.append(("triton", a[4].max_query_len)),
-                                                                    torch.zeros_like(q))[1]})()
+    backend.triton = type("T", (), {"attend": lambda self, q, *a: (calls.append(("triton", a[2].max_query_len)),
+                                                                   torch.zeros_like(q))[1]})()
     tables, num_blocks = allocate_tables([80], 16)
     cache = torch.zeros(num_blocks, 16, 2, 16, dtype=torch.float16)
     for step in ([(0, 40)], [(40, 1)], [(41, 4)]):
@@ -448,7 +477,7 @@ def test_triton_fa4_backend_routes_by_the_predicate():
         q, kv = torch.randn(t, 4, 16).half(), torch.randn(t, 2, 16).half()
         backend.forward(q, kv, kv, cache, cache.clone(), batch, 0.25)
     assert calls == [("fa4", 40), ("triton", 1), ("triton", 4)]
-    assert cache.abs().sum() > 0, "the FA4 path stores this step's K/V itself"
+    assert cache.abs().sum() > 0, "forward stores this step's K/V before either side attends"
 
 
 @pytest.mark.gpu

@@ -531,6 +531,41 @@ def test_dummy_draft_from_config_alone(draft_dir):
     assert torch.isfinite(draft.fc.weight).all() and float(draft.fc.weight.std()) > 0
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@torch.no_grad()
+def test_fused_draft_matches_the_eager_draft(draft_dir, qk_norm):
+    """The draft's fast path (the fused rotary [+ q/k norm] + K/V store kernel, Triton attention) in the
+    interpreter against its eager path on the torch backend: a prefill, then a decode step over its K/V."""
+    from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
+    from llmserve_core.layers.norm import RMSNorm
+    eager = load_eagle3(draft_dir, TorchAttentionBackend(), load_format="dummy", seed=3)
+    fused = load_eagle3(draft_dir, TritonAttentionBackend(), load_format="dummy", seed=3)
+    cfg = eager.cfg
+    if qk_norm:       # a Qwen3-style draft layer: give both copies the same q/k norms
+        for model in (eager, fused):
+            attn = model.layers[0].self_attn
+            attn.q_norm, attn.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            attn.q_norm.weight.data.copy_(torch.linspace(0.5, 1.5, cfg.head_dim))
+            attn.k_norm.weight.data.copy_(torch.linspace(1.5, 0.5, cfg.head_dim))
+    fused.set_fused(True)
+    lens, block = [5, 9], 4
+    tables, num_blocks = allocate_tables([n + 1 for n in lens], block)
+    shape = (num_blocks, block, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(2)]
+    g = torch.Generator().manual_seed(4)
+    for seqs in ([(0, n) for n in lens], [(n, 1) for n in lens]):
+        batch = make_batch(seqs, tables, block)
+        ids = torch.randint(0, cfg.vocab_size, (batch.num_tokens,), generator=g)
+        hidden = torch.randn(batch.num_tokens, cfg.hidden_size, generator=g)
+        want = eager(ids, hidden, batch, caches[0])
+        got = fused(ids, hidden, batch, caches[1])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1][1], caches[0][1], atol=1e-5, rtol=1e-5)
+    assert caches[0][0].abs().sum() > 0
+
+
 # ---- proposal ------------------------------------------------------------------------------------------
 
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, to_target_space, topk_propose  # noqa: E402

@@ -2,7 +2,8 @@
 kernel compiles inside a served request (a Triton or FlashAttention-4 compile costs seconds).
 
 Kernels compile per dtype, per constexpr (tile configs, which follow the query length: decode, short
-and long prefill, tree verify; the decode split count, which follows the batch size) and per shape class
+and long prefill, tree verify; the decode kernel's key tile and whether it splits, which follow the
+split count and so the batch size; the fused q/k + K/V store kernel, per cache dtype) and per shape class
 that a kernel specializes on; the warm-up drives real requests through the real step (scheduler, batch
 builder, CUDA graphs, speculative draft and verify, sampler), so whatever a kernel specializes on, the
 shapes a served step can have are met here first:

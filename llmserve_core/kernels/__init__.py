@@ -33,11 +33,13 @@ def _fix_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch
 
 
-def _fix_interpreter_fp8_downcast() -> None:
-    """Round float -> float8_e4m3fn in interpreted kernels to nearest even, as the GPU's cvt.rn does.
+def _fix_interpreter_downcasts() -> None:
+    """Round float -> float8_e4m3fn and float32 -> bfloat16 in interpreted kernels to nearest even, as the
+    GPU's cvt.rn does.
 
-    Triton 3.6's interpreter drops the carry when rounding overflows the mantissa (31.8 becomes 16, not 32),
-    which would make every FP8 kernel disagree with its reference on the CPU. torch's cast rounds correctly.
+    Triton 3.6's interpreter drops the carry when rounding overflows the mantissa (31.8 becomes 16, not 32)
+    and truncates float32 to bfloat16, which would make every FP8 or bf16 kernel disagree with its
+    reference on the CPU (off by an ulp in half the elements). torch's casts round correctly.
     """
     import numpy as np
     from triton import language as tl
@@ -47,18 +49,53 @@ def _fix_interpreter_fp8_downcast() -> None:
     if original is None or getattr(original, "_llmserve_fixed", False):
         return
     sources = {"fp32": (np.float32, None), "fp16": (np.float16, None), "bf16": (np.int16, torch.bfloat16)}
+    targets = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, sources),
+               tl.bfloat16: (torch.bfloat16, torch.int16, {"fp32": sources["fp32"]})}
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
-        if output_dtype == tl.float8e4nv and input_dtype.name in sources:
-            np_dtype, torch_view = sources[input_dtype.name]
+        target = targets.get(output_dtype)
+        if target is not None and input_dtype.name in target[2]:
+            torch_dtype, bits, allowed = target
+            np_dtype, torch_view = allowed[input_dtype.name]
             src = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=np_dtype).copy())
             if torch_view is not None:
                 src = src.view(torch_view)
-            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+            return src.to(torch_dtype).view(bits).numpy().reshape(input.shape)
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     convert._llmserve_fixed = True
     interpreter._convert_float = convert
+
+
+def _fix_interpreter_bf16_dot() -> None:
+    """Multiply bfloat16 operands of tl.dot as the numbers they are.
+
+    Triton 3.6's interpreter keeps bfloat16 as raw uint16 bits and hands them to np.matmul unconverted,
+    so every bf16 dot is garbage on the CPU. Widening to float32 is exact; the GPU accumulates the exact
+    products in float32 too.
+    """
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "_llmserve_fixed", False):
+        return
+
+    def widen(handle):
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a = widen(a)
+        if b.dtype.scalar == tl.bfloat16:
+            b = widen(b)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._llmserve_fixed = True
+    builder.create_dot = create_dot
 
 
 def _triton_present() -> bool:
@@ -72,7 +109,8 @@ def _triton_present() -> bool:
 
 if os.environ.get("TRITON_INTERPRET") == "1" and _triton_present():
     _fix_interpreter_scalar_index()
-    _fix_interpreter_fp8_downcast()
+    _fix_interpreter_downcasts()
+    _fix_interpreter_bf16_dot()
 
 from llmserve_core.kernels import jit_count  # noqa: E402  (after the interpreter choice above)
 

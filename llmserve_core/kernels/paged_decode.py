@@ -1,17 +1,22 @@
-"""Decode attention over the paged KV cache: a few query rows per sequence, split-KV (flash-decoding).
+"""Decode attention over the paged KV cache: a few query rows per sequence, split-KV (flash-decoding),
+in one launch.
 
 A plain decode brings one query row per sequence; a speculative verify (or a padded draft catch-up)
 brings the same small number of rows for every sequence, its last positions, seen causally or through a
 tree mask. One program covers all of a sequence's rows for one KV head, so verifying 1 + gamma rows
 reads the KV once, as a decode does, instead of going through the prefill kernel's wide tiles.
 
-Stage 1 partitions each sequence's context into `num_splits` contiguous pieces, one program per
-(sequence, KV head, piece); the program holds every query head of its KV group, so each K/V tile is read
-from memory once for the whole group. Stage 2 merges the pieces by their log-sum-exp.
+The grid has `num_splits` programs per (sequence, KV head); the program holds every query head of its KV
+group, so each K/V tile is read from memory once for the whole group. Each sequence's context is cut into
+pieces of at least `min_split` keys, sized from its own length at run time, so a short context uses few
+pieces (one program per (sequence, KV head) below min_split keys) and the programs past the last piece
+do nothing. With one piece the program writes the output itself; with several, each parks its partial
+output and log-sum-exp, and the piece that arrives last (an atomic counter per (sequence, KV head),
+re-armed by that program, so a captured CUDA graph replays with the counters at zero) merges them.
+A separate reduction launch cost more than the merge at decode sizes: it is latency, not work.
 
 `num_splits` depends only on the batch size (never on the lengths on the device), so the launch shape is
-fixed for a CUDA-graph bucket and nothing here reads a tensor back to the host. Each program sizes its
-piece from the sequence's own length at run time; pieces past the end of a short sequence do nothing.
+fixed for a CUDA-graph bucket and nothing here reads a tensor back to the host.
 """
 from __future__ import annotations
 
@@ -23,107 +28,140 @@ from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
 MAX_SPLITS = 128
+# Elements of the partial outputs the merging program loads at once ([rows, pieces, head_dim] floats).
+MERGE_TILE = 8192
 
 
-# The split count, block-table width and tree width vary with the batch; none is worth a compiled variant
-# per value class (Triton specializes ints that are 1 or divisible by 16), so one variant serves them all.
-@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits"])
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                         sm_scale_log2, v_scale,
-                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
-                         stride_ob, stride_oh, num_splits,
-                         GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         SINGLE: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_TREE: tl.constexpr,
-                         PRECISION: tl.constexpr):
+# The split count, piece length, block-table width and tree width vary with the batch; none is worth a
+# compiled variant per value class (Triton specializes ints that are 1 or divisible by 16).
+@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits", "min_split"])
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+                   count_ptr, sm_scale_log2, v_scale,
+                   stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
+                   stride_ob, stride_oh, num_splits, min_split,
+                   GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
+                   PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
+    num_kv_heads = tl.num_programs(1)
+    num_heads = num_kv_heads * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_SPLIT)
+    split_len = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
     split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # Pieces that hold keys; an empty sequence (graph padding) still has one, which writes zeros.
+    active = tl.maximum(tl.cdiv(seq_len, split_len), 1)
+    if split < active:
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
 
-    # Tile row i is query row j = i // GROUP of this sequence (its last ROWS positions), head i % GROUP of
-    # the KV group: every query row of the sequence shares each K/V tile read.
-    i = tl.arange(0, BLOCK_G)
-    j = i // GROUP
-    heads = kvh * GROUP + i % GROUP
-    rows = b * ROWS + j
-    d = tl.arange(0, BLOCK_D)
-    g_mask = i < ROWS * GROUP
-    d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    prefix = seq_len - ROWS          # positions every query row sees
-    limit = prefix + j + 1           # causal: query row j sits at position prefix + j
+        # Tile row i is query row j = i // GROUP of this sequence (its last ROWS positions), head i % GROUP
+        # of the KV group: every query row of the sequence shares each K/V tile read.
+        i = tl.arange(0, BLOCK_G)
+        j = i // GROUP
+        heads = kvh * GROUP + i % GROUP
+        rows = b * ROWS + j
+        d = tl.arange(0, BLOCK_D)
+        g_mask = i < ROWS * GROUP
+        d_mask = d < HEAD_DIM
+        q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        prefix = seq_len - ROWS          # positions every query row sees
+        limit = prefix + j + 1           # causal: query row j sits at position prefix + j
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        if HAS_TREE:
-            # Among the last ROWS positions a row sees what its tree-mask row allows (its ancestors).
-            own = (n[None, :] >= prefix) & n_mask[None, :] & g_mask[:, None]
-            bit = tl.load(tree_ptr + rows[:, None] * stride_tree + (n[None, :] - prefix), mask=own, other=0)
-            visible = n_mask[None, :] & ((n[None, :] < prefix) | (bit != 0))
-        elif ROWS == 1:
-            visible = n_mask[None, :]
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+            if HAS_TREE:
+                # Among the last ROWS positions a row sees what its tree-mask row allows (its ancestors).
+                own = (n[None, :] >= prefix) & n_mask[None, :] & g_mask[:, None]
+                bit = tl.load(tree_ptr + rows[:, None] * stride_tree + (n[None, :] - prefix), mask=own, other=0)
+                visible = n_mask[None, :] & ((n[None, :] < prefix) | (bit != 0))
+            elif ROWS == 1:
+                visible = n_mask[None, :]
+            else:
+                visible = n_mask[None, :] & (n[None, :] < limit[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that sees nothing in this tile yet keeps m at -inf: shift by 0 there instead of NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        # A piece with nothing visible to a row (past the end of its view) leaves l_i == 0 there: zeros,
+        # and a -inf weight in the merge.
+        o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
+        out_ptrs = out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        if SPLIT:
+            if active == 1:
+                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                mid = (rows * num_heads + heads) * num_splits + split        # mid_o [T, H, S, D], mid_lse [T, H, S]
+                tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+                lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+                tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
+                # Every thread's partial stores come before the counter's release (acq_rel) increment.
+                tl.debug_barrier()
+                counter = count_ptr + b * num_kv_heads + kvh
+                if tl.atomic_add(counter, 1) == active - 1:
+                    _merge_pieces(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_heads, num_splits, active,
+                                  stride_ob, stride_oh, GROUP, ROWS, HEAD_DIM, BLOCK_D, BLOCK_R, CHUNK_S)
+                    tl.atomic_xchg(counter, 0)
         else:
-            visible = n_mask[None, :] & (n[None, :] < limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that sees nothing in this tile yet keeps m at -inf: shift by 0 there instead of NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    out_mask = g_mask[:, None] & d_mask[None, :]
-    # An empty piece (past the end of its sequence, or of a row's view) leaves l_i == 0: write zeros and
-    # a -inf weight.
-    o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
-    if SINGLE:
-        tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        mid = (rows * num_heads + heads) * num_splits + split        # mid_o [T, H, S, D], mid_lse [T, H, S]
-        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
-        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = b * tl.num_programs(1) + h
-    s = tl.arange(0, BLOCK_S)
+@triton.jit
+def _merge_pieces(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_heads, num_splits, active, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr):
+    """The last piece of (sequence b, KV head kvh): merge every piece's partial rows by their log-sum-exp
+    (online, CHUNK_S pieces at a time) and write the output rows. Partials are read from L2 (.cg): other
+    programs wrote them."""
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < ROWS * GROUP
+    rows = b * ROWS + r // GROUP
+    heads = kvh * GROUP + r % GROUP
+    base = (rows * num_heads + heads) * num_splits
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    lse = tl.load(mid_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)      # an empty sequence (graph padding) yields zeros, not NaN
-    w = tl.math.exp2(lse - m)
-    o = tl.load(mid_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    d_mask = d < HEAD_DIM
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for c in range(0, active, CHUNK_S):
+        s = c + tl.arange(0, CHUNK_S)
+        rs_mask = r_mask[:, None] & (s[None, :] < active)
+        piece = base[:, None] + s[None, :]                                       # [R, C]
+        lse = tl.load(mid_lse_ptr + piece, mask=rs_mask, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        w = tl.math.exp2(lse - m_safe[:, None])
+        o = tl.load(mid_o_ptr + piece[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=rs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        total = total * alpha + tl.sum(w, 1)
+        m = m_new
+    o = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS) -> int:
@@ -145,22 +183,29 @@ def choose_block_n(num_splits: int) -> int:
 
 
 class DecodeScratch:
-    """Partial outputs of stage 1, allocated once and only grown, so CUDA graphs keep valid pointers."""
+    """Partial outputs and arrival counters of split decodes, allocated once and only grown, so CUDA graphs
+    keep valid pointers. The counters start at zero and the merging program re-arms its own."""
 
     def __init__(self):
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []   # old buffers a captured graph may still point at
 
-    def get(self, rows: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mid_o is None or self.mid_o.shape[0] < rows or self.mid_o.shape[1] != head_dim \
-                or self.mid_o.device != torch.device(device):
+    def get(self, pieces: int, head_dim: int, counters: int, device) -> tuple[torch.Tensor, ...]:
+        device = torch.device(device)
+        if self.mid_o is None or self.mid_o.shape[0] < pieces or self.mid_o.shape[1] != head_dim \
+                or self.mid_o.device != device:
             if self.mid_o is not None:
                 self._retired += [self.mid_o, self.mid_lse]
-            rows = max(rows, 4096)
-            self.mid_o = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
-            self.mid_lse = torch.empty(rows, dtype=torch.float32, device=device)
-        return self.mid_o, self.mid_lse
+            pieces = max(pieces, 4096)
+            self.mid_o = torch.empty(pieces, head_dim, dtype=torch.float32, device=device)
+            self.mid_lse = torch.empty(pieces, dtype=torch.float32, device=device)
+        if self.counts is None or self.counts.shape[0] < counters or self.counts.device != device:
+            if self.counts is not None:
+                self._retired.append(self.counts)
+            self.counts = torch.zeros(max(counters, 4096), dtype=torch.int32, device=device)
+        return self.mid_o, self.mid_lse, self.counts
 
 
 _default_scratch = DecodeScratch()
@@ -175,12 +220,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                 k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None) -> torch.Tensor:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
     [B * rows, >= rows] the rows its mask row allows.
 
+    num_splits: programs per (sequence, KV head), by default from the batch size; min_split: the fewest
+    keys a piece takes (default one K/V tile), so shorter contexts run in fewer pieces.
     An FP8 cache is widened to q's dtype as it is read; its per-tensor k_scale folds into the softmax scale
     and v_scale into the output. Other caches ignore both."""
     tokens, num_heads, head_dim = q.shape
@@ -211,24 +258,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                             smem_limit_for(q), num_warps, num_stages)
         block_n, num_warps, num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
     scratch = scratch or _default_scratch
-    mid_o, mid_lse = scratch.get(tokens * num_heads * num_splits, head_dim, q.device)
+    mid_o, mid_lse, counts = scratch.get(tokens * num_heads * num_splits, head_dim, batch * num_kv_heads, q.device)
     if k_cache.dtype != torch.float8_e4m3fn:
         k_scale = v_scale = 1.0
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse,
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = triton.next_power_of_2(rows_per_seq * group)      # the merge's rows: no padding to 16
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts,
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
-        num_splits, GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SINGLE=num_splits == 1, MIN_SPLIT=block_n, HAS_TREE=tree_mask is not None,
+        num_splits, max(block_n, min_split or 0), GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
+        CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(tokens, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-        )
     return out

@@ -156,7 +156,7 @@ class Eagle3Config:
 
 
 class Eagle3Attention(nn.Module):
-    fused = False   # set by the draft model on the fast path: rotary as one in-place Triton kernel
+    fused = False   # set by the draft model on the fast path: q/k norm, rotary and the K/V store in one kernel
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -168,20 +168,25 @@ class Eagle3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def qkv(self, x: torch.Tensor, cos, sin, positions: torch.Tensor | None = None):
-        """x [..., 2H] -> q [..., heads, d], k, v [..., kv_heads, d], rotary applied. Fused (packed rows
-        [T, 2H] only): cos/sin are the whole cache tables and `positions` picks each row's."""
+    def qkv(self, x: torch.Tensor, cos, sin):
+        """x [..., 2H] -> q [..., heads, d], k, v [..., kv_heads, d], rotary applied (eager)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused:
-            from llmserve_core.kernels.rotary import rotary_inplace
-            rotary_inplace(q, k, positions, cos, sin)
-            return q, k, v
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
+
+    def q_storing_kv(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Fused (packed rows [T, 2H]; cos/sin the whole tables): q [T, heads, d], with k and v already
+        written into the cache at batch.slot_mapping, by one kernel."""
+        from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
+        norm = self.q_norm is not None
+        return qk_norm_rope_store(self.qkv_proj(x), batch.positions, batch.slot_mapping,
+                                  self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                  cos, sin, self.q_norm.eps if norm else 0.0, self.num_heads, self.num_kv_heads,
+                                  self.head_dim, kv_cache[0], kv_cache[1])
 
 
 class Eagle3MLP(nn.Module):
@@ -250,10 +255,14 @@ class Eagle3DraftModel(nn.Module):
         self._shared_lm_head: torch.Tensor | None = None
         # The target's switch: on the fast path norms, rotary, SiLU-and-mul and the head run as Triton
         # kernels; the dense training/test forward keeps the eager modules.
-        self.fused = fast_path(device, attn_backend)
+        self.set_fused(fast_path(device, attn_backend))
+
+    def set_fused(self, fused: bool) -> None:
+        """Switch every module between its Triton kernels and its eager torch ops (as the target does)."""
+        self.fused = fused
         for m in self.modules():
             if isinstance(m, (RMSNorm, Eagle3Attention, Eagle3MLP)):
-                m.fused = self.fused
+                m.fused = fused
 
     # -- weights shared with the target ------------------------------------------------------------
     def share_target_weights(self, embed_weight: torch.Tensor | None, lm_head_weight: torch.Tensor | None) -> None:
@@ -297,11 +306,13 @@ class Eagle3DraftModel(nn.Module):
         (normed [T, H] for logits, pre-norm [T, H] to feed the next draft step)."""
         layer = self.layers[0]
         x, residual = layer.attn_input(F.embedding(input_ids, self.embed_weight), hidden)
+        attn = layer.self_attn
         if self.fused:
-            q, k, v = layer.self_attn.qkv(x, self.rotary.cos, self.rotary.sin, batch.positions)
+            q = attn.q_storing_kv(x, self.rotary.cos, self.rotary.sin, batch, kv_cache)
+            out = self.attn_backend.attend(q, kv_cache[0], kv_cache[1], batch, attn.scale)
         else:
-            q, k, v = layer.self_attn.qkv(x, *self.rotary.cos_sin(batch.positions))
-        out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, layer.self_attn.scale)
+            q, k, v = attn.qkv(x, *self.rotary.cos_sin(batch.positions))
+            out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)
         h, residual = layer.finish(layer.self_attn.o_proj(out.flatten(-2)), residual)
         return self.norm(h, residual)
 

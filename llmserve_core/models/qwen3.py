@@ -24,7 +24,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Qwen3Attention(nn.Module):
-    fused = False   # set by Qwen3ForCausalLM on CUDA: q/k norm and rotary in one Triton kernel
+    fused = False   # set by Qwen3ForCausalLM on CUDA: q/k norm, rotary and the K/V store in one Triton kernel
     # Per-tensor scales of an FP8 KV cache (real = stored * scale); the loader sets them from the checkpoint.
     k_scale = 1.0
     v_scale = 1.0
@@ -44,17 +44,21 @@ class Qwen3Attention(nn.Module):
         """cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        k_cache, v_cache = kv_cache
         if self.fused:
-            from llmserve_core.kernels.qk_norm_rope import qk_norm_rope
-            q, k = qk_norm_rope(qkv, batch.positions, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+            # One kernel norms and rotates q and k and stores k and v in the cache; attention reads it there.
+            from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
+            q = qk_norm_rope_store(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+                                   cos, sin, self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   k_cache, v_cache, self.k_scale, self.v_scale)
+            out = attn_backend.attend(q, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
+                                      v_scale=self.v_scale)
         else:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
             k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        out = attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale,
-                                   k_scale=self.k_scale, v_scale=self.v_scale)
+            out = attn_backend.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), k_cache, v_cache, batch,
+                                       self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -119,15 +123,20 @@ class Qwen3ForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, cfg.max_position_embeddings, dtype, device)
-        # On CUDA with a fast attention backend, norms, q/k-norm+rotary and SiLU-and-mul run as Triton
+        # On CUDA with a fast attention backend, norms, q/k-norm+rotary+K/V store and SiLU-and-mul run as Triton
         # kernels: at decode sizes launch latency, not arithmetic, is what the eager versions cost.
         # The torch backend keeps the whole model eager, as the reference.
-        self.fused = fast_path(device, attn_backend)
+        self.set_fused(fast_path(device, attn_backend))
+
+    def set_fused(self, fused: bool) -> None:
+        """Switch every module between its Triton kernels and its eager torch ops (tests run the fused
+        path on the CPU, in Triton's interpreter, against the eager one)."""
+        self.fused = fused
         for m in self.modules():
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Fp8Linear)):
-                m.fused = self.fused
+                m.fused = fused
         if self.lm_head is not None:
-            self.lm_head.fast = self.fused   # the one projection where kernels.gemv beats cuBLAS
+            self.lm_head.fast = fused   # the one projection where kernels.gemv beats cuBLAS
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

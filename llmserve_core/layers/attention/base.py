@@ -3,29 +3,38 @@
 KV cache layout, shared by every backend and the block manager's slot arithmetic:
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 (the layout of FlashAttention's paged API), one pair per layer.
+
+On the fast path the model writes K/V into the cache itself, in the kernel that norms and rotates q and k
+(kernels/qk_norm_rope.py), and calls `attend`; `forward` is the unfused path (CPU, the torch reference):
+the torch store, then `attend`.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from llmserve_core.kernels.attention_reference import store_kv_reference
 from llmserve_core.layers.batch import ForwardBatch
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend:
     name: str
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,        # [T, num_heads, head_dim]
-        k: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V stored
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
         k_scale: float = 1.0,   # an FP8 cache holds k / k_scale and v / v_scale; other caches ignore both
         v_scale: float = 1.0,
     ) -> torch.Tensor:          # [T, num_heads, head_dim]
-        ...
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        """k, v: [T, num_kv_heads, head_dim], stored at batch.slot_mapping before attending. The store
+        indexes with a mask (a host sync): the unfused path is not for CUDA graphs."""
+        store_kv_reference(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale)

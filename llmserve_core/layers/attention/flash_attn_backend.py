@@ -1,5 +1,5 @@
 """FlashAttention over the paged KV cache: FlashAttention-4 (flash_attn.cute) when present, else the
-flash_attn 2/3 paged interface. K/V are stored by our own kernel; a speculative tree mask, which
+flash_attn 2/3 paged interface. K/V are already in the cache (see base.py); a speculative tree mask, which
 FlashAttention cannot express, goes through the Triton prefill kernel.
 
 FlashAttention reads whole pages: cache rows past a sequence's length must hold finite values (allocate the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.kernels.paged_prefill import paged_prefill
-from llmserve_core.kernels.store_kv import store_kv
 
 
 def load_fa4():
@@ -43,19 +43,17 @@ def _load_flash_attn():
             ) from fa2_error
 
 
-class FlashAttentionBackend:
+class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
 
     def __init__(self):
         self.flavor, self._fn = _load_flash_attn()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         if k_cache.dtype == torch.float8_e4m3fn:
             raise ValueError("kv_cache_dtype: fp8_e4m3 is read by the triton and torch attention backends, "
                              "not flash-attn")
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.tree_mask is not None:
             return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                  batch.max_query_len, scale, tree_mask=batch.tree_mask)

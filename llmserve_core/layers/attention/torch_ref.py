@@ -1,18 +1,16 @@
 """The portable torch backend: the paged-attention reference, run as a backend (CPU and CUDA)."""
 from __future__ import annotations
 
-import torch
-
-from llmserve_core.kernels.attention_reference import paged_attention_reference, store_kv_reference
+from llmserve_core.kernels.attention_reference import paged_attention_reference
+from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        store_kv_reference(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float,
+               k_scale: float = 1.0, v_scale: float = 1.0):
         # Host copies of the lengths, when the runner made them, spare a device sync per layer.
         seq_lens = batch.seq_lens_cpu or batch.seq_lens
         qsl = batch.query_start_loc

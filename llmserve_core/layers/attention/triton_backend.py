@@ -1,4 +1,4 @@
-"""Triton attention over the paged KV cache: store K/V, then split-KV decode or varlen prefill/extend.
+"""Triton attention over the paged KV cache: split-KV decode or varlen prefill/extend.
 
 The decode path is CUDA-graph safe: its launch shape depends only on the batch size and the cache shape,
 it reads every length from device tensors, and its split-KV scratch is allocated once and only grown.
@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import torch
 
+from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.kernels.paged_decode import MAX_TILE_ROWS, DecodeScratch, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
-from llmserve_core.kernels.store_kv import store_kv
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self):
         self.scratch = DecodeScratch()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         if batch.is_decode:
             # One query row per sequence, in sequence order, so row b of q belongs to sequence b.
             return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve_core.kernels.store_kv import store_kv
+from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.attention.flash_attn_backend import fa4_paged, load_fa4
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
@@ -40,7 +40,7 @@ def use_fa4(dtype: torch.dtype, head_dim: int, batch: ForwardBatch, capturing: b
             and not batch.uniform_query_len and batch.max_query_len >= FA4_MIN_QUERY_LEN and not capturing)
 
 
-class TritonFA4Backend:
+class TritonFA4Backend(AttentionBackend):
     name = "triton-fa4"
 
     def __init__(self):
@@ -50,12 +50,10 @@ class TritonFA4Backend:
         self.fa4 = load_fa4()
         self.triton = TritonAttentionBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         # FA4 reads caches of the model's dtype; an FP8 cache stays on the Triton kernels.
         if k_cache.dtype != q.dtype or not use_fa4(q.dtype, q.shape[-1], batch, capturing):
-            return self.triton.forward(q, k, v, k_cache, v_cache, batch, scale, k_scale, v_scale)
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            return self.triton.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale)
         return fa4_paged(self.fa4, q, k_cache, v_cache, batch, scale)
