@@ -1,7 +1,8 @@
 """llmserve_client: thin clients of llmserve-core (tokenize, send token ids, detokenize streamed outputs).
 
     from llmserve_client import Client
-    with Client() as c:                               # default endpoint; or Client("ipc:///path")
+    with Client() as c:                               # default endpoint; or Client("ipc:///path"), or a list
+                                                      # of endpoints to serve over several cores
         print(c.generate("Hello", max_tokens=32, temperature=0).text)
         for chunk in c.stream([{"role": "user", "content": "Hi"}], max_tokens=64):
             print(chunk.text, end="", flush=True)
@@ -12,7 +13,7 @@ from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.client import Client, Stream
 from llmserve_client.detokenizer import IncrementalDetokenizer
 from llmserve_client.errors import (EngineDeadError, HandshakeTimeoutError, LLMServeError, ModelChangedError,
-                                    ProtocolError, RequestError)
+                                    ModelMismatchError, ProtocolError, RequestError)
 from llmserve_client.types import Completion, Logprobs, ModelInfo, StreamChunk, Timings, Usage
 
 
@@ -29,5 +30,5 @@ def run(main):
 __all__ = [
     "Client", "Stream", "AsyncClient", "AsyncStream", "Completion", "StreamChunk", "Usage", "Timings",
     "Logprobs", "ModelInfo", "IncrementalDetokenizer", "LLMServeError", "EngineDeadError",
-    "HandshakeTimeoutError", "ModelChangedError", "ProtocolError", "RequestError", "run",
+    "HandshakeTimeoutError", "ModelChangedError", "ModelMismatchError", "ProtocolError", "RequestError", "run",
 ]

@@ -10,7 +10,8 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 
-from llmserve_proto import Abort, Generate, ModelInfo, default_endpoint
+from llmserve_proto import Abort, ModelInfo
+from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_state import RequestState
@@ -68,14 +69,14 @@ class AsyncClient:
     """Async twin of Client. Use `async with AsyncClient(endpoint) as c:` or `await c.connect()`; every method
     also connects on first use. Same arguments as Client."""
 
-    def __init__(self, endpoint: str | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
+    def __init__(self, endpoint: str | list[str] | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
                  heartbeat_timeout: float = 5.0, client_name: str = "", reconnect: bool = True):
-        self.endpoint = endpoint or default_endpoint()
+        self.endpoints = endpoint_list(endpoint)
+        self.endpoint = self.endpoints[0]
         self.connect_timeout = connect_timeout
         self.heartbeat_timeout = heartbeat_timeout
-        self._transport = Transport(self.endpoint, connect_timeout=connect_timeout,
-                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name,
-                                    reconnect=reconnect)
+        self._cores = Cores(self.endpoints, connect_timeout=connect_timeout, heartbeat_timeout=heartbeat_timeout,
+                            client_name=client_name, reconnect=reconnect)
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()
         self.model_info: ModelInfo | None = None
@@ -88,7 +89,7 @@ class AsyncClient:
         """Wait for the handshake (and load the tokenizer unless it was passed as an object)."""
         if self.model_info is None:
             loop = asyncio.get_running_loop()
-            welcome = await loop.run_in_executor(None, self._transport.wait_ready, self.connect_timeout + 1.0)
+            welcome = await loop.run_in_executor(None, self._cores.wait_ready, self.connect_timeout + 1.0)
             self.model_info = welcome.model_info
         return self
 
@@ -106,14 +107,19 @@ class AsyncClient:
 
     @property
     def max_request_tokens(self) -> int:
-        """Prompt + max_tokens the core can hold for one request (0 before the handshake)."""
-        welcome = self._transport.welcome
-        return 0 if welcome is None else (welcome.max_request_tokens or welcome.model_info.max_model_len)
+        """Prompt + max_tokens every core can hold for one request (0 before the handshake)."""
+        return self._cores.max_request_tokens
 
     @property
     def gone_for_good(self) -> LLMServeError | None:
-        """Why this client will never serve again (closed, another model came back, ...), else None."""
-        return self._transport.final
+        """Why this client will never serve again (closed, another model came back on every endpoint, ...),
+        else None."""
+        return self._cores.final
+
+    @property
+    def cores_gone_for_good(self) -> list[tuple[str, LLMServeError]]:
+        """(endpoint, why) of each core that will never serve this client again."""
+        return [(ep, t.final) for ep, t in zip(self.endpoints, self._cores.transports) if t.final is not None]
 
     async def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
                      skip_special_tokens: bool = True, **sampling) -> "AsyncStream":
@@ -125,7 +131,7 @@ class AsyncClient:
             raise RequestError("stop", "stop strings need detokenize=True")
         tok = await self.get_tokenizer() if (detokenize or not _is_ids(prompt)) else None
         ids = to_token_ids(prompt, lambda: tok)
-        return AsyncStream(self._transport, self._sink(), request_id or new_request_id(), ids, params, tok,
+        return AsyncStream(self._cores, self._sink(), request_id or new_request_id(), ids, params, tok,
                            detokenize, skip_special_tokens)
 
     async def generate(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
@@ -138,22 +144,38 @@ class AsyncClient:
         return s.completion
 
     async def abort(self, request_id: str) -> None:
-        self._transport.send(Abort(request_ids=[request_id]))
+        transport = self._cores.transport_of(request_id) or (self._cores.transports[0] if self._cores.single else None)
+        if transport is not None:
+            transport.send(Abort(request_ids=[request_id]))
 
     async def stats(self, timeout: float | None = None) -> dict:
+        """As Client.stats: one core's counters, or over several cores their sums and per-core entries."""
         await self.connect()
+        timeout = timeout or self.heartbeat_timeout + 5.0
+        if self._cores.single:
+            return await self._core_stats(self._cores.transports[0], timeout)
+        if self._cores.dead is not None:
+            raise self._cores.dead
+        replies = await asyncio.gather(*(self._core_stats(t, timeout) for t in self._cores.transports),
+                                       return_exceptions=True)
+        for r in replies:
+            if isinstance(r, BaseException) and not isinstance(r, (LLMServeError, asyncio.TimeoutError)):
+                raise r
+        return aggregate_stats(self.endpoints, replies, self._cores.in_flight(), list(self._cores.routed))
+
+    async def _core_stats(self, transport: Transport, timeout: float) -> dict:
         sink = self._sink()
-        nonce = self._transport.request_stats(sink)
+        nonce = transport.request_stats(sink)
         try:
-            kind, value = await asyncio.wait_for(sink.queue.get(), timeout or self.heartbeat_timeout + 5.0)
+            kind, value = await asyncio.wait_for(sink.queue.get(), timeout)
         finally:
-            self._transport.drop_stats_waiter(nonce)
+            transport.drop_stats_waiter(nonce)
         if kind == "dead":
             raise value
         return value
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._transport.close)
+        await asyncio.get_running_loop().run_in_executor(None, self._cores.close)
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -163,29 +185,25 @@ class AsyncClient:
 
 
 class AsyncStream:
-    def __init__(self, transport: Transport, sink: _LoopSink, request_id: str, ids: list[int], params, tokenizer,
+    def __init__(self, cores: Cores, sink: _LoopSink, request_id: str, ids: list[int], params, tokenizer,
                  detokenize: bool, skip_special_tokens: bool):
         self.request_id = request_id
-        self._transport = transport
         self._state = RequestState(request_id, ids, params, tokenizer, detokenize=detokenize,
                                    skip_special_tokens=skip_special_tokens)
         self._sink = sink
-        self._done = False
-        try:
-            transport.register(request_id, self._sink)
-        except ValueError as e:
-            raise RequestError("request_id", str(e).split(": ", 1)[-1], request_id) from None
+        self._done = True      # until it is sent: a failed start leaves nothing to abort
         self._state.timings.sent = time.monotonic()
-        try:
-            transport.send(Generate(request_id=request_id, prompt_token_ids=ids, params=params))
-        except BaseException:
-            transport.unregister(request_id)
-            self._done = True
-            raise
+        self._transport = open_request(cores, request_id, ids, params, sink)
+        self._done = False
 
     @property
     def completion(self) -> Completion:
         return self._state.completion()
+
+    @property
+    def endpoint(self) -> str:
+        """The core serving this request (of the client's endpoints)."""
+        return self._transport.endpoint
 
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self

@@ -6,8 +6,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-from llmserve_proto import Abort, Generate, ModelInfo, default_endpoint
-from llmserve_client.errors import EngineDeadError, RequestError
+from llmserve_proto import Abort, ModelInfo
+from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
+from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_state import RequestState
 from llmserve_client.transport import Transport
@@ -15,29 +16,33 @@ from llmserve_client.types import Completion, StreamChunk
 
 
 class Client:
-    """Talks to one llmserve-core.
+    """Talks to one llmserve-core, or to several serving the same model (data parallelism).
 
-    endpoint: ipc://PATH or tcp://HOST:PORT (default: the core's default ipc socket).
+    endpoint: ipc://PATH or tcp://HOST:PORT (default: the core's default ipc socket), or a list of them:
+        each request then goes to the least loaded core, preferring the one that already holds its prompt's
+        first KV block (see router.py); a dead core is left out until it is back.
     tokenizer: a tokenizer object or a path; default: the model directory the core announces.
-    connect_timeout: how long to wait for a core that is not up yet (or still loading its model).
-    heartbeat_timeout: a core silent this long is declared dead; every waiting call raises EngineDeadError.
-    reconnect: after the core dies, keep saying hello on the endpoint and serve again once a core running
-        the same model answers (calls raise EngineDeadError meanwhile); False: the client stays dead.
+    connect_timeout: how long to wait for a core that is not up yet (or still loading its model); with
+        several endpoints, every core must answer within it.
+    heartbeat_timeout: a core silent this long is declared dead; every call waiting on it raises EngineDeadError.
+    reconnect: after a core dies, keep saying hello on its endpoint and serve again once a core running
+        the same model answers (meanwhile calls raise EngineDeadError when no other core is up); False: a
+        dead core stays dead.
     """
 
-    def __init__(self, endpoint: str | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
+    def __init__(self, endpoint: str | list[str] | None = None, *, tokenizer=None, connect_timeout: float = 60.0,
                  heartbeat_timeout: float = 5.0, client_name: str = "", reconnect: bool = True):
-        self.endpoint = endpoint or default_endpoint()
-        self._transport = Transport(self.endpoint, connect_timeout=connect_timeout,
-                                    heartbeat_timeout=heartbeat_timeout, client_name=client_name,
-                                    reconnect=reconnect)
+        self.endpoints = endpoint_list(endpoint)
+        self.endpoint = self.endpoints[0]
+        self._cores = Cores(self.endpoints, connect_timeout=connect_timeout, heartbeat_timeout=heartbeat_timeout,
+                            client_name=client_name, reconnect=reconnect)
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()
         self.heartbeat_timeout = heartbeat_timeout
         try:
-            welcome = self._transport.wait_ready(connect_timeout + 1.0)
+            welcome = self._cores.wait_ready(connect_timeout + 1.0)
         except BaseException:
-            self._transport.close()
+            self._cores.close()
             raise
         self.model_info: ModelInfo = welcome.model_info
 
@@ -70,23 +75,29 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        self._transport.send(Abort(request_ids=[request_id]))
+        transport = self._cores.transport_of(request_id) or (self._cores.transports[0] if self._cores.single else None)
+        if transport is not None:
+            transport.send(Abort(request_ids=[request_id]))
 
     def stats(self, timeout: float | None = None) -> dict:
-        """The engine's counters: running, waiting, free/total KV blocks, prefix hit rate, ..."""
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        nonce = self._transport.request_stats(q)
-        try:
-            kind, value = _get(q, timeout or self.heartbeat_timeout + 5.0, self._transport)
-        finally:
-            self._transport.drop_stats_waiter(nonce)
-        if kind == "dead":
-            raise value
-        return value
+        """The engine's counters: running, waiting, free/total KV blocks, prefix hit rate, ... Over several
+        cores: the sums (rates recomputed), and per core under "cores" (see cores.aggregate_stats)."""
+        timeout = timeout or self.heartbeat_timeout + 5.0
+        if self._cores.single:
+            return _core_stats(self._cores.transports[0], timeout)
+        if self._cores.dead is not None:
+            raise self._cores.dead
+        replies = []
+        for t in self._cores.transports:     # one after another: a dead core answers at once, a live one fast
+            try:
+                replies.append(_core_stats(t, timeout))
+            except (LLMServeError, TimeoutError) as e:
+                replies.append(e)
+        return aggregate_stats(self.endpoints, replies, self._cores.in_flight(), list(self._cores.routed))
 
     def close(self) -> None:
-        """Abort this client's live requests in the core and close the connection."""
-        self._transport.close()
+        """Abort this client's live requests in the cores and close the connections."""
+        self._cores.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -105,28 +116,24 @@ class Stream:
             raise RequestError("stop", "stop strings need detokenize=True")
         ids = to_token_ids(prompt, lambda: client.tokenizer)
         self.request_id = request_id or new_request_id()
-        self._transport = client._transport
         self._timeout = client.heartbeat_timeout
         tok = client.tokenizer if detokenize else None
         self._state = RequestState(self.request_id, ids, params, tok, detokenize=detokenize,
                                    skip_special_tokens=skip_special_tokens)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = False
-        try:
-            self._transport.register(self.request_id, self._queue)
-        except ValueError as e:
-            raise RequestError("request_id", str(e).split(": ", 1)[-1], self.request_id) from None
+        self._done = True      # until it is sent: a failed start leaves nothing to abort
         self._state.timings.sent = time.monotonic()
-        try:
-            self._transport.send(Generate(request_id=self.request_id, prompt_token_ids=ids, params=params))
-        except BaseException:
-            self._transport.unregister(self.request_id)
-            self._done = True
-            raise
+        self._transport = open_request(client._cores, self.request_id, ids, params, self._queue)
+        self._done = False
 
     @property
     def completion(self) -> Completion:
         return self._state.completion()
+
+    @property
+    def endpoint(self) -> str:
+        """The core serving this request (of the client's endpoints)."""
+        return self._transport.endpoint
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self
@@ -177,6 +184,18 @@ class Stream:
     def __del__(self):
         if not getattr(self, "_done", True):
             self.close()
+
+
+def _core_stats(transport: Transport, timeout: float) -> dict:
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    nonce = transport.request_stats(q)
+    try:
+        kind, value = _get(q, timeout, transport)
+    finally:
+        transport.drop_stats_waiter(nonce)
+    if kind == "dead":
+        raise value
+    return value
 
 
 def _get(q: queue.SimpleQueue, timeout: float | None, transport: Transport):

@@ -21,6 +21,10 @@ class ModelChangedError(EngineDeadError):
     The client stops trying: make a new one."""
 
 
+class ModelMismatchError(LLMServeError):
+    """A client or frontend over several cores found them serving different models at connect time."""
+
+
 class ProtocolError(LLMServeError):
     """The core speaks another protocol version, or sent something this client cannot read."""
 

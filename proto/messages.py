@@ -105,6 +105,7 @@ class Welcome(msgspec.Struct, **_msg("welcome")):
     client_timeout_s: float          # the core drops a client silent for this long (send Ping well within it)
     core_pid: int = 0
     max_request_tokens: int = 0      # prompt + max_tokens may not exceed this (max_model_len, or less on a small KV pool)
+    kv_block_size: int = 0           # tokens per KV block: prompts sharing their first block share cached KV
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

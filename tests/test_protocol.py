@@ -28,7 +28,7 @@ CLIENT_MESSAGES = [
 CORE_MESSAGES = [
     Welcome(protocol_version=1, model_info=ModelInfo(model="/m", name="m", vocab_size=10, max_model_len=64,
                                                      eos_token_ids=[2], speculative=True, speculative_model="/e"),
-            heartbeat_interval_s=0.5, client_timeout_s=15.0, core_pid=42, max_request_tokens=64),
+            heartbeat_interval_s=0.5, client_timeout_s=15.0, core_pid=42, max_request_tokens=64, kv_block_size=16),
     OutputBatch(outputs=[
         RequestOutput(request_id="a", token_ids=[1, 2]),
         RequestOutput(request_id="b", token_ids=[3], finish_reason="length",

@@ -135,7 +135,7 @@ def test_core_restart_and_pause_are_survived_by_long_lived_clients_and_frontend(
         _wait_health(base, 200)
         assert oai.completions.create(model="m", prompt=PROMPT, max_tokens=8,
                                       temperature=0).choices[0].text == http_ref
-        assert c._transport.sessions == 2 and side.client._transport.sessions == 2
+        assert c._cores.transports[0].sessions == 2 and side.client._cores.transports[0].sessions == 2
 
         # A paused core is dead to its clients after the heartbeat timeout, and alive again when resumed.
         core.send_signal(signal.SIGSTOP)

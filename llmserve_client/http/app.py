@@ -42,6 +42,9 @@ from llmserve_client.types import Completion, StreamChunk
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 2.0                 # /health and /metrics give up on a core this slow
+# What /health says about each core when there are several.
+HEALTH_CORE_KEYS = ("endpoint", "up", "error", "in_flight", "routed", "running", "waiting", "kv_usage",
+                    "prefix_hit_rate")
 RETRY_AFTER_S = 5                     # what a 503 asks clients to wait: a core restarts or drains meanwhile
 # Text may shrink a little under a tokenizer's normalizer (composed characters): the early length check
 # allows this factor before it trusts its lower bound on the token count.
@@ -96,12 +99,19 @@ class Frontend:
         return JSONResponse(self._model_card(name))
 
     async def health(self, request: Request) -> Response:
+        """200 "ok" while every core answers; over several cores, 200 "degraded" while some do, with each
+        core's state; 503 once none does."""
         try:
-            await self.client.stats(timeout=STATS_TIMEOUT_S)
+            stats = await self.client.stats(timeout=STATS_TIMEOUT_S)
         except (LLMServeError, asyncio.TimeoutError) as e:
             return JSONResponse({"status": "unavailable", "error": str(e) or "the core did not answer"}, 503,
                                 headers=_retry_after(503))
-        return JSONResponse({"status": "ok"})
+        if "cores" not in stats:
+            return JSONResponse({"status": "ok"})
+        cores = [{k: c[k] for k in HEALTH_CORE_KEYS if k in c} for c in stats["cores"]]
+        degraded = stats["num_cores_up"] < stats["num_cores"]
+        return JSONResponse({"status": "degraded" if degraded else "ok", "cores_up": stats["num_cores_up"],
+                             "cores": cores})
 
     async def prometheus(self, request: Request) -> Response:
         try:

@@ -1,17 +1,24 @@
 """`llmserve-serve`: the OpenAI-compatible HTTP frontend.
 
     llmserve-serve --endpoint ipc:///run/llmserve/core.sock          # a core that is already running
+    llmserve-serve --endpoint tcp://a:5555 --endpoint tcp://b:5555   # several cores of one model
     llmserve-serve --model DIR [core flags ...]                      # start (and later stop) its own core
+    llmserve-serve --model DIR --data-parallel-size 2 [core flags]   # ... or several, one per GPU
 
 With --model, every flag this parser does not know is handed to llmserve-core (e.g. --max-model-len 4096
 --enable-prefix-caching); the core checks them and a bad one ends both with exit status 2. The core
 listens on a socket in a fresh private directory unless a --listen is among those flags.
 
-When the core dies: with --endpoint the frontend answers 503 (with Retry-After) and reconnects as soon as a
-core serving the same model answers on the endpoint again (another model ends the frontend with status 1).
-With --model the core is the frontend's own, so the frontend exits with status 1 and leaves restarting
-both to its supervisor (systemd Restart=on-failure, a Kubernetes restart policy): restarting the core
-here would hide a crash loop from the one place that can see it.
+Over several cores each request goes to the least loaded one, preferring the core that already holds its
+prompt's first KV block (llmserve_client/router.py).
+
+When a core dies its in-flight requests fail (503, or an error event in a stream) and the others keep
+serving; /health says "degraded" while some are down and answers 503 once none is up. With --endpoint the
+frontend reconnects as soon as a core serving the same model answers on the endpoint again (a core back
+with another model is left out for good; when that has happened to all, the frontend exits with status 1).
+With --model the cores are the frontend's own: one that exits stays out, and the frontend exits with
+status 1 once all have, leaving restarts to its supervisor (systemd Restart=on-failure, a Kubernetes
+restart policy): restarting a core here would hide a crash loop from the one place that can see it.
 """
 from __future__ import annotations
 
@@ -21,17 +28,16 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 
+from llmserve_client.http.core_procs import CORE_STOP_TIMEOUT_S, OwnedCore, start_cores, stop_cores
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from llmserve_client.http.reasoning import PARSERS as REASONING_PARSERS
 from llmserve_client.http.tool_parsers import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("llmserve_client.http")
 
-CORE_STOP_TIMEOUT_S = 30.0     # how long the core may drain on SIGTERM before it is killed
+MAX_DATA_PARALLEL = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT of a running llmserve-core "
-                                        "(default, without --model: the core's default socket)")
+    src.add_argument("--endpoint", action="append",
+                     help="ipc://PATH or tcp://HOST:PORT of a running llmserve-core; repeat it to serve over "
+                          "several cores of one model (default, without --model: the core's default socket)")
     src.add_argument("--model", help="model directory: start llmserve-core on it as a child process")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
+                   help="with --model: start M cores (each its own process, on CUDA each on its own GPU(s) "
+                        "through CUDA_VISIBLE_DEVICES) and route requests over them (default: 1)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients may use in `model`, all listed by /v1/models; the first is the default "
                         "(default: the model dir's name)")
@@ -79,8 +89,15 @@ def parse_args(argv: list[str]):
         parser.error(f"unrecognized arguments: {' '.join(core_flags)} (engine flags need --model)")
     if args.model is not None and not os.path.isdir(args.model):
         parser.error(f"--model: {args.model!r} is not a directory")
-    if args.endpoint is not None and not args.endpoint.startswith(("ipc://", "tcp://")):
-        parser.error(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
+    for endpoint in args.endpoint or []:
+        if not endpoint.startswith(("ipc://", "tcp://")):
+            parser.error(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
+    if args.endpoint is not None and len(set(args.endpoint)) != len(args.endpoint):
+        parser.error("--endpoint: an endpoint is listed twice")
+    if not 1 <= args.data_parallel_size <= MAX_DATA_PARALLEL:
+        parser.error(f"--data-parallel-size: must be in [1, {MAX_DATA_PARALLEL}], got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.model is None:
+        parser.error("--data-parallel-size: needs --model (over running cores, repeat --endpoint instead)")
     if not 0 <= args.port < 65536:
         parser.error(f"--port: {args.port} is not a port number")
     if args.connect_timeout is not None and not args.connect_timeout > 0:
@@ -97,51 +114,7 @@ def parse_args(argv: list[str]):
     return args, core_flags
 
 
-def _listen_flag(core_flags: list[str]) -> str | None:
-    for i, flag in enumerate(core_flags):
-        if flag == "--listen" and i + 1 < len(core_flags):
-            return core_flags[i + 1]
-        if flag.startswith("--listen="):
-            return flag.split("=", 1)[1]
-    return None
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if this frontend dies without stopping it (Linux only)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def start_core(model: str, core_flags: list[str]) -> tuple[subprocess.Popen, str, str | None]:
-    """Start llmserve-core; returns (process, endpoint, private dir to remove afterwards)."""
-    endpoint, tmpdir = _listen_flag(core_flags), None
-    if endpoint is None:
-        tmpdir = tempfile.mkdtemp(prefix="llmserve-serve-")   # 0700
-        endpoint = f"ipc://{tmpdir}/core.sock"
-        core_flags = [*core_flags, "--listen", endpoint]
-    cmd = [sys.executable, "-m", "llmserve_core", "--model", model, *core_flags]
-    log.info("starting llmserve-core: %s", " ".join(cmd))
-    # Its own session: a terminal's Ctrl-C reaches only us, and we stop the core after the HTTP side.
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
-    return proc, endpoint, tmpdir
-
-
-def stop_core(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(CORE_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("llmserve-core did not stop within %.0f s; killing it", CORE_STOP_TIMEOUT_S)
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: list[int]) -> int:
+async def _serve(args, endpoints: list[str], cores: list[OwnedCore], stopping: list[int]) -> int:
     import uvicorn
 
     from llmserve_client.async_client import AsyncClient
@@ -149,8 +122,8 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
     from llmserve_client.http.app import build_app
     from llmserve_client.http.limits import head_timeout_protocol
 
-    timeout = args.connect_timeout or (900.0 if core is not None else 60.0)
-    client = AsyncClient(endpoint, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
+    timeout = args.connect_timeout or (900.0 if cores else 60.0)
+    client = AsyncClient(endpoints, tokenizer=args.tokenizer, connect_timeout=timeout, client_name="llmserve-serve")
     try:
         app = build_app(client, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout_s=args.body_timeout, reasoning_parser=args.reasoning_parser,
@@ -158,24 +131,26 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)
-            if core is not None and core.poll() is not None:
+            exited = next((c for c in cores if c.proc.poll() is not None), None)
+            if exited is not None:
                 starting.cancel()
-                log.error("llmserve-core exited with status %d before it was ready", core.returncode)
-                return core.returncode or 1
+                log.error("llmserve-core at %s exited with status %d before it was ready", exited.endpoint,
+                          exited.proc.returncode)
+                return exited.proc.returncode or 1
             if stopping:
                 starting.cancel()
                 return 0
         try:
             starting.result()
         except LLMServeError as e:
-            log.error("cannot reach llmserve-core at %s: %s", endpoint, e)
+            log.error("cannot reach llmserve-core at %s: %s", " ".join(endpoints), e)
             return 1
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=CORE_STOP_TIMEOUT_S,
                                 http=head_timeout_protocol(args.header_timeout))
         server = uvicorn.Server(config)
         failed: list[str] = []
-        watcher = asyncio.ensure_future(_watch_core(core, client, server, failed))
+        watcher = asyncio.ensure_future(_watch_cores(cores, client, server, failed))
         await server.serve()
         watcher.cancel()
         if not server.started:
@@ -185,12 +160,22 @@ async def _serve(args, endpoint: str, core: subprocess.Popen | None, stopping: l
         await client.close()
 
 
-async def _watch_core(core: subprocess.Popen | None, client, server, failed: list[str]) -> None:
-    """End the frontend when it can never serve again: its own core exited (a supervisor restarts us both),
-    or the core on the endpoint came back with another model."""
+async def _watch_cores(cores: list[OwnedCore], client, server, failed: list[str]) -> None:
+    """End the frontend when it can never serve again: all its own cores exited (a supervisor restarts it),
+    or every core on the endpoints came back with another model. A core lost while others serve is logged."""
+    told: set[str] = set()
     while True:
-        if core is not None and core.poll() is not None:
-            failed.append(f"llmserve-core exited with status {core.returncode}")
+        for c in cores:
+            if c.proc.poll() is not None and c.endpoint not in told:
+                told.add(c.endpoint)
+                log.error("llmserve-core at %s exited with status %d", c.endpoint, c.proc.returncode)
+        for endpoint, why in client.cores_gone_for_good:
+            if endpoint not in told:
+                told.add(endpoint)
+                log.error("left out for good: %s", why)
+        if cores and all(c.proc.poll() is not None for c in cores):
+            failed.append("every llmserve-core of this frontend exited" if len(cores) > 1
+                          else f"llmserve-core exited with status {cores[0].proc.returncode}")
             break
         if client.gone_for_good is not None:
             failed.append(str(client.gone_for_good))
@@ -211,16 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-    core, tmpdir = None, None
-    endpoint = args.endpoint or default_endpoint()
+    cores, tmpdir = [], None
+    endpoints = args.endpoint or [default_endpoint()]
     if args.model is not None:
-        core, endpoint, tmpdir = start_core(args.model, [*core_flags, "--log-level", args.log_level.upper()])
+        try:
+            cores, tmpdir = start_cores(args.model, [*core_flags, "--log-level", args.log_level.upper()],
+                                        args.data_parallel_size)
+        except ValueError as e:
+            build_parser().error(str(e))
+        endpoints = [c.endpoint for c in cores]
     try:
-        return run(_serve(args, endpoint, core, stopping))
+        return run(_serve(args, endpoints, cores, stopping))
     finally:
-        if core is not None:
-            code = stop_core(core)
-            log.info("llmserve-core exited with status %d", code)
+        for c, code in zip(cores, stop_cores(cores)):
+            log.info("llmserve-core at %s exited with status %d", c.endpoint, code)
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
 

@@ -95,13 +95,31 @@ class Metrics:
             lines.append(f'{name}_bucket{{{base},le="+Inf"}} {hist.count}')
             lines.append(f"{name}_sum{{{base}}} {hist.sum!r}")
             lines.append(f"{name}_count{{{base}}} {hist.count}")
-        head("llmserve_core_up", "gauge", "1 while the core answers, 0 once it is gone.")
+        # Over several cores the unlabelled series are the totals and each core adds its own, labelled
+        # core="ENDPOINT" (so sum only one kind).
+        per_core = (core_stats or {}).get("cores", [])
+        head("llmserve_core_up", "gauge", "1 while a core answers, 0 once it is gone.")
         lines.append(f"llmserve_core_up{{{base}}} {0 if core_stats is None else 1}")
+        for c in per_core:
+            lines.append(f'llmserve_core_up{{{base},core="{_escape(c["endpoint"])}"}} {int(c["up"])}')
+        if per_core:
+            head("llmserve_core_requests_in_flight", "gauge", "Requests this frontend has in flight on each core.")
+            for c in per_core:
+                lines.append(f'llmserve_core_requests_in_flight{{{base},core="{_escape(c["endpoint"])}"}} '
+                             f'{c["in_flight"]}')
+            head("llmserve_core_requests_routed_total", "counter", "Requests this frontend sent to each core.")
+            for c in per_core:
+                lines.append(f'llmserve_core_requests_routed_total{{{base},core="{_escape(c["endpoint"])}"}} '
+                             f'{c["routed"]}')
         for key, (name, help_) in CORE_GAUGES.items():
             value = (core_stats or {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 head(name, "gauge", help_)
                 lines.append(f"{name}{{{base}}} {float(value)!r}")
+                for c in per_core:
+                    v = c.get(key)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        lines.append(f'{name}{{{base},core="{_escape(c["endpoint"])}"}} {float(v)!r}')
         return "\n".join(lines) + "\n"
 
 

@@ -108,7 +108,8 @@ def serve(engine, cfg: DaemonConfig, endpoint: str, stop: threading.Event | None
     info = model_info_of(engine)
     welcome = Welcome(protocol_version=PROTOCOL_VERSION, model_info=info, heartbeat_interval_s=cfg.heartbeat_interval,
                       client_timeout_s=cfg.client_timeout, core_pid=os.getpid(),
-                      max_request_tokens=max_request_tokens(engine, info.max_model_len))
+                      max_request_tokens=max_request_tokens(engine, info.max_model_len),
+                      kv_block_size=engine.block_manager.block_size)
     ctx = zmq.Context()
     in_q: queue.SimpleQueue = queue.SimpleQueue()
     out_q: queue.SimpleQueue = queue.SimpleQueue()
