@@ -163,15 +163,18 @@ def main():
         timed = {lbl: r for lbl, r in case.items() if "us" in r}
         if timed:
             best = min(timed, key=lambda c: timed[c]["us"])
-            table[key] = dict(timed[best]["config"])
+            name, rows, scale = key.split("_m")[0], int(key.split("_m")[1].split("_")[0]), key.rsplit("_", 1)[1]
+            n, k = shapes[name]
+            table[repr((n, k, rows, scale))] = dict(timed[best]["config"])
     res["best"] = table
     res["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"copy bandwidth {bw:.2f} TB/s, {res['seconds']} s")
-    print("BEST_CONFIGS = {")
+    # paste into kernels/fp8_gemv.py as DEFAULT_CONFIGS (keys: N, K, rows class, scale kind)
+    print("DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {")
     for key, cfg in table.items():
-        print(f"    {key!r}: {cfg!r},")
+        print(f"    {key}: {cfg!r},")
     print("}")
 
 

@@ -108,9 +108,26 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
+# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows) or 16 (5-16 rows), scale
+# kind "channel" or "block" (128x128). Filled from benchmarks/results/fp8_gemv_sweep_h200.json, the "best"
+# table benchmarks/fp8_gemv_sweep.py prints; a shape or card it does not name gets gemv.py's rule below.
+DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {}
+TABLE_SMS = 132     # the table's K splits assume the H200's multiprocessor count
+
+
+def rows_class(m: int) -> int:
+    return 1 if m == 1 else 4 if m <= 4 else 16
+
+
 def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> dict:
-    """gemv.py's tiles and K split (the tensor-core kernel); a block-scaled weight caps BLOCK_K at the scale block's K side."""
+    """The measured table's entry for this shape on a card like the one measured; otherwise gemv.py's
+    tiles and K split (the tensor-core kernel), a block-scaled weight capping BLOCK_K at the scale
+    block's K side."""
+    scale_kind = "channel" if block is None else "block" if tuple(block) == (128, 128) else None
+    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), scale_kind)) if sms == TABLE_SMS else None
+    if measured is not None:
+        return dict(measured)
     if block is not None:
         block_k = min(block_k, block[1])
     return gemv_config(m, n, k, sms, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
