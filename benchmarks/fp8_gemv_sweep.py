@@ -38,7 +38,8 @@ ROTATE_BYTES = 320 << 20     # weight bytes per timed replay: several times the 
 # (each distinct config compiles once per K split, about a second: the list is what fits ~90 s)
 CANDIDATES = (("dot", 64, 256, 4, 4, 4), ("dot", 64, 256, 8, 4, 4), ("dot", 128, 256, 8, 3, 2),
               ("dot", 64, 128, 8, 3, 4),
-              ("fma", 32, 256, 4, 3, 4), ("fma", 16, 512, 4, 3, 4), ("fma", 32, 512, 8, 3, 4))
+              ("fma", 32, 256, 4, 3, 4), ("fma", 16, 512, 4, 3, 4), ("fma", 32, 512, 8, 3, 4),
+              ("fma_late", 16, 512, 4, 3, 4))
 FMA_MAX_ROWS = 4
 
 
@@ -111,7 +112,7 @@ def main():
            "cases": {}}
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    candidates = (CANDIDATES[3], CANDIDATES[4]) if args.smoke else CANDIDATES
+    candidates = (CANDIDATES[3], CANDIDATES[4], CANDIDATES[-1]) if args.smoke else CANDIDATES
     for name, (n, k) in shapes.items():
         copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
         w = [torch.randn(n, k, device=dev, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
@@ -127,8 +128,8 @@ def main():
                 for kernel, bn, bk, warps, stages, per_sm in candidates:
                     if kernel == "dot" and scale == "block" and BLOCK[1] % bk:
                         continue    # the tensor-core kernel's K tile must not straddle a scale block
-                    if kernel == "fma" and m > FMA_MAX_ROWS:
-                        continue
+                    if kernel != "dot" and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
+                        continue    # (late reduction holds BLOCK_M times the registers: one row only)
                     split = split_for(n, k, bn, bk, sms, per_sm)
                     configs[f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"] = dict(
                         KERNEL=kernel, BLOCK_M=16 if kernel == "dot" else 1 << (m - 1).bit_length(), BLOCK_N=bn,

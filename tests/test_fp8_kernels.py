@@ -114,6 +114,7 @@ def test_fp8_gemv_half_activations(dtype):
         assert out.dtype == dtype and rel_err(out, fp8_gemv_reference(x, w, s, block)) < OUT_TOL[dtype]
 
 
+@pytest.mark.parametrize("kernel", ["fma", "fma_late"])
 @pytest.mark.parametrize("m,n,k,block,dtype,block_m,block_n,block_k,split_k", [
     (1, 48, 96, None, torch.float32, 1, 16, 32, 1),
     (3, 40, 200, None, torch.bfloat16, 4, 16, 64, 3),        # ragged N and K; the last split runs past K
@@ -121,11 +122,11 @@ def test_fp8_gemv_half_activations(dtype):
     (4, 50, 160, (16, 32), torch.float32, 4, 16, 128, 1),    # ragged blocks at both edges
     (4, 64, 512, (32, 32), torch.bfloat16, 4, 32, 128, 4),   # split-K over block scales
 ])
-def test_fp8_gemv_fma(m, n, k, block, dtype, block_m, block_n, block_k, split_k):
+def test_fp8_gemv_fma(kernel, m, n, k, block, dtype, block_m, block_n, block_k, split_k):
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     w, s = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    config = dict(KERNEL="fma", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+    config = dict(KERNEL=kernel, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
                   num_stages=1)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
         out = fp8_gemv(x, w, s, block, config=config)
@@ -142,6 +143,8 @@ def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
         fp8_gemv(x, w, s, (32, 32), config=config)
     with pytest.raises(AssertionError, match="BLOCK_N must divide"):
         fp8_gemv(x[:2], w, s, (32, 32), config=dict(config, BLOCK_N=64))
+    with pytest.raises(AssertionError, match="unknown KERNEL"):
+        fp8_gemv(x[:2], w, s, (32, 32), config=dict(config, KERNEL="wmma"))
 
 
 def test_gemv_config_fills_the_gpu_at_qwen3_8b_shapes():

@@ -72,11 +72,13 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
                          stride_sn, stride_sk,
                          SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, REDUCE_LATE: tl.constexpr):
     """The same split of work on the CUDA cores, for 1-4 rows: no dot, so no layout conversion of the
     weight tile; each thread widens its contiguous fp8 bytes to float32, multiplies by the broadcast
     row(s) of x and reduces along K. A block scale multiplies x's K slice (BLOCK_N divides the block's N
-    side, so one program sees one scale row), which lets BLOCK_K span several scale blocks."""
+    side, so one program sees one scale row), which lets BLOCK_K span several scale blocks. REDUCE_LATE
+    keeps per-lane partial sums over the whole K slice and reduces across threads once at the end (no
+    shuffles in the loop, BLOCK_M times the registers)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -88,6 +90,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     s_row = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    lanes = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + rk
@@ -99,7 +102,12 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
         if BLOCK_SCALED:
             xv = xv * tl.load(s_row + (k // SCALE_K) * stride_sk, mask=k < K, other=0.0)[None, :]
-        acc += tl.sum(w.to(tl.float32)[:, None, :] * xv[None, :, :], axis=2)
+        if REDUCE_LATE:
+            lanes += w.to(tl.float32)[:, None, :] * xv[None, :, :]
+        else:
+            acc += tl.sum(w.to(tl.float32)[:, None, :] * xv[None, :, :], axis=2)
+    if REDUCE_LATE:
+        acc = tl.sum(lanes, axis=2)
     if not BLOCK_SCALED:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
@@ -142,7 +150,9 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
     cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device)))
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
-    fma = cfg.pop("KERNEL", "dot") == "fma"
+    kernel = cfg.pop("KERNEL", "dot")
+    assert kernel in ("dot", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
+    fma = kernel != "dot"
     assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
     if block is not None:
         if fma:
@@ -163,7 +173,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     common = dict(SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, BLOCK_SCALED=block is not None,
                   SPLIT_K=split, EVEN_K=k_per_split * split == k)
     if fma:
-        _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, **cfg)
+        _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
         _fp8_gemv_kernel[(n_blocks, split)](*args, **common, DOT_IEEE=x.dtype == torch.float32, **cfg)
     return y
