@@ -3,7 +3,7 @@
   1. copy bandwidth: the roofline the decode numbers are held against;
   2. kernels at the 8B linear shapes (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288):
      - 1 and 16 rows: bf16 F.linear vs the FP8 weight-only GEMV (per-channel and 128x128 block scales), in
-       weight GB/s; plus a small sweep of GEMV tile configs at 1 row (the defaults come from it);
+       weight GB/s (the GEMV's tile sweep, behind its defaults, is benchmarks/fp8_gemv_sweep.py);
      - 64-8192 rows: bf16 matmul vs W8A8 per channel (torch._scaled_mm and Triton, activation quantization
        included), W8A8 128x128 block (Triton) and dequantize-then-bf16-GEMM, in TFLOP/s;
      each kernel is checked against its torch reference first;
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_gemm_per_channel,  # noqa: E402
                                             w8a8_gemm_reference, w8a8_gemm_triton)
-from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
@@ -64,10 +64,12 @@ class Ctx:
         return self.deadline - time.time()
 
 
-def section(name, min_left_s: float = 0.0):
+def section(name, min_share: float = 0.0):
+    """A section starts only while min_share of --budget-s is left (shares, not seconds, so a short budget
+    still runs every section once the earlier ones are done with theirs)."""
     def wrap(fn):
         def run(ctx, *a):
-            if name in ctx.args.skip or ctx.time_left() < min_left_s:
+            if name in ctx.args.skip or ctx.time_left() < min_share * ctx.args.budget_s:
                 RESULTS["sections"][name] = {"skipped": "by --skip" if name in ctx.args.skip else "time budget"}
                 return None
             t0 = time.time()
@@ -168,14 +170,10 @@ def weight_copies(ctx, n, k, make):
     return [first] + [make() for _ in range(count - 1)]
 
 
-@section("gemv", min_left_s=200)
+@section("gemv", min_share=0.55)
 def gemv(ctx):
     out = {}
     gen = torch.Generator(device=ctx.device).manual_seed(0)
-    # (block_n, block_k, num_warps, num_stages); the K split follows from the tile, as in kernels/gemv.py
-    sweep_configs = ((64, 128, 4, 4), (64, 256, 4, 4), (32, 128, 4, 4), (64, 128, 8, 4), (64, 128, 4, 3),
-                     (64, 128, 4, 6), (32, 256, 4, 4), (64, 512, 4, 3), (64, 256, 8, 3))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if ctx.cuda else 8
     for name, (n, k) in timed_shapes(ctx).items():
         w_bf16 = weight_copies(ctx, n, k, lambda: torch.randn(n, k, device=ctx.device, generator=gen).to(ctx.dtype) * 0.02)
         per_channel = [quantize_per_channel(w) for w in w_bf16]
@@ -194,21 +192,13 @@ def gemv(ctx):
                 "fp8_block_gb_s": (n * k + 4 * (n // 128) * (k // 128)) / t_bl / 1e3,
                 "speedup_channel": t_bf16 / t_ch, "speedup_block": t_bf16 / t_bl,
             }
-        if name in ("qkv", "down"):     # the tile sweep behind choose_gemv_config, at one row
-            x = torch.randn(1, k, device=ctx.device, generator=gen).to(ctx.dtype)
-            sweep = {}
-            for bn, bk, warps, stages in sweep_configs[:2] if ctx.smoke else sweep_configs:
-                cfg = fp8_gemv_config(1, n, k, None, sms, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                t = time_us(ctx, [lambda q=q, s=s: fp8_gemv(x, q, s, config=cfg) for q, s in per_channel] * 2)
-                sweep[f"bn{bn}_bk{bk}_split{cfg['SPLIT_K']}_w{warps}_s{stages}"] = {"us": t, "gb_s": n * k / t / 1e3}
-            out[f"{name}_m1_sweep"] = sweep
         del w_bf16, per_channel, block
         if ctx.cuda:
             torch.cuda.empty_cache()
     return out
 
 
-@section("gemm", min_left_s=170)
+@section("gemm", min_share=0.45)
 def gemm(ctx):
     out = {"scaled_mm_rowwise": scaled_mm_supported(torch.device(ctx.device), 4096, 4096, torch.bfloat16)}
     gen = torch.Generator(device=ctx.device).manual_seed(1)
@@ -296,7 +286,7 @@ def decode_steps(engine, count: int) -> float:
     return times[len(times) // 2] * 1e3
 
 
-@section("engine", min_left_s=60)
+@section("engine", min_share=0.15)
 def engine_section(ctx, model_dir, bandwidth):
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
@@ -377,15 +367,11 @@ def table(ctx) -> str:
     if any(k.endswith(("_m1", "_m16")) for k in g):
         lines.append(f"{'GEMV':<13}{'bf16 us':>9}{'GB/s':>7}{'fp8ch us':>10}{'GB/s':>7}{'fp8blk us':>11}{'GB/s':>7}{'x':>6}")
         for key, r in g.items():
-            if key.endswith("sweep") or not isinstance(r, dict) or "bf16_us" not in r:
+            if not isinstance(r, dict) or "bf16_us" not in r:
                 continue
             lines.append(f"{key:<13}{r['bf16_us']:>9.1f}{r['bf16_gb_s']:>7.0f}{r['fp8_channel_us']:>10.1f}"
                          f"{r['fp8_channel_gb_s']:>7.0f}{r['fp8_block_us']:>11.1f}{r['fp8_block_gb_s']:>7.0f}"
                          f"{r['speedup_channel']:>6.2f}")
-        for key, sweep in g.items():
-            if key.endswith("sweep") and isinstance(sweep, dict) and sweep:
-                best = min(sweep, key=lambda c: sweep[c]["us"])
-                lines.append(f"{key}: best {best} {sweep[best]['us']:.1f} us ({sweep[best]['gb_s']:.0f} GB/s)")
     m = s.get("gemm", {})
     if any(isinstance(r, dict) and "bf16_tflops" in r for r in m.values()):
         lines.append(f"{'GEMM TFLOP/s':<14}{'bf16':>7}{'fp8ch':>7}{'ch-trit':>8}{'fp8blk':>8}{'deq+bf16':>9}")

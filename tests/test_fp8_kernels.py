@@ -7,6 +7,7 @@ import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
+from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
 from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
@@ -95,12 +96,82 @@ def test_fp8_gemv_default_config():
         assert rel_err(fp8_gemv(x, w, s, block), fp8_gemv_reference(x, w, s, block)) < 1e-5
 
 
+# bf16/fp16 outputs are rounded once from float32: relative error about 2^-9 / 2^-12 of each value
+OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+# Triton 3.6's interpreter multiplies bfloat16 dot operands as their raw 16-bit integers, so the
+# tensor-core kernel meets bf16 activations on a GPU only (the FMA kernel widens to float32 first).
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=gpu), torch.float16])
+def test_fp8_gemv_half_activations(dtype):
+    gen = torch.Generator().manual_seed(11)
+    for block in (None, (32, 32)):
+        w, s = random_fp8_weight(72, 224, block, gen)
+        x = torch.randn(6, 224, generator=gen).to(DEVICE, dtype)
+        config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
+        out = fp8_gemv(x, w, s, block, config=config)
+        assert out.dtype == dtype and rel_err(out, fp8_gemv_reference(x, w, s, block)) < OUT_TOL[dtype]
+
+
+@pytest.mark.parametrize("kernel", ["fma", "fma_late"])
+@pytest.mark.parametrize("m,n,k,block,dtype,block_m,block_n,block_k,split_k", [
+    (1, 48, 96, None, torch.float32, 1, 16, 32, 1),
+    (3, 40, 200, None, torch.bfloat16, 4, 16, 64, 3),        # ragged N and K; the last split runs past K
+    (2, 70, 256, (32, 32), torch.float16, 2, 32, 64, 2),     # one K tile spans two scale blocks
+    (4, 50, 160, (16, 32), torch.float32, 4, 16, 128, 1),    # ragged blocks at both edges
+    (4, 64, 512, (32, 32), torch.bfloat16, 4, 32, 128, 4),   # split-K over block scales
+])
+def test_fp8_gemv_fma(kernel, m, n, k, block, dtype, block_m, block_n, block_k, split_k):
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w, s = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    config = dict(KERNEL=kernel, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+                  num_stages=1)
+    for _ in range(2):                  # twice: the split-K counters must re-arm themselves
+        out = fp8_gemv(x, w, s, block, config=config)
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < OUT_TOL[dtype]
+
+
+def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
+    gen = torch.Generator().manual_seed(5)
+    w, s = random_fp8_weight(64, 128, (32, 32), gen)
+    x = torch.randn(3, 128, generator=gen).to(DEVICE)
+    config = dict(KERNEL="fma", BLOCK_M=2, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)
+    with pytest.raises(AssertionError, match="rows"):
+        fp8_gemv(x, w, s, (32, 32), config=config)
+    with pytest.raises(AssertionError, match="BLOCK_N must divide"):
+        fp8_gemv(x[:2], w, s, (32, 32), config=dict(config, BLOCK_N=64))
+    with pytest.raises(AssertionError, match="unknown KERNEL"):
+        fp8_gemv(x[:2], w, s, (32, 32), config=dict(config, KERNEL="wmma"))
+
+
 def test_gemv_config_fills_the_gpu_at_qwen3_8b_shapes():
     for n, k in QWEN3_8B_LINEARS:
         for block in (None, (128, 128)):
-            cfg = fp8_gemv_config(1, n, k, block)
-            assert -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 4 * 132
-            assert block is None or block[1] % cfg["BLOCK_K"] == 0
+            for m in (1, 4, 16):
+                cfg = fp8_gemv_config(m, n, k, block)
+                n_blocks = -(-n // cfg["BLOCK_N"])
+                assert n_blocks * cfg["SPLIT_K"] >= 2 * 132
+                # the split-K scratch bounds every split call (kernels/gemv.py)
+                assert cfg["SPLIT_K"] == 1 or (n_blocks * cfg["SPLIT_K"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]
+                                               <= 8 * 132 * 64 * 16 and n_blocks <= 8 * 132)
+                if cfg.get("KERNEL", "dot") == "dot":
+                    assert block is None or block[1] % cfg["BLOCK_K"] == 0
+                else:
+                    assert m <= cfg["BLOCK_M"] and (block is None or block[0] % cfg["BLOCK_N"] == 0)
+
+
+def test_gemv_config_reads_the_measured_table(monkeypatch):
+    entry = dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (4096, 4096, 4, "block"), entry)
+    for m in (2, 3, 4):
+        assert fp8_gemv_config(m, 4096, 4096, (128, 128)) == entry
+    assert fp8_gemv_config(1, 4096, 4096, (128, 128)) != entry               # another rows class
+    assert fp8_gemv_config(4, 4096, 4096, None) != entry                     # another scale kind
+    assert fp8_gemv_config(4, 4096, 4096, (128, 128), sms=78) != entry       # another card: the rule
+    fp8_gemv_config(4, 4096, 4096, (128, 128))["BLOCK_N"] = 1                # callers get a copy
+    assert entry["BLOCK_N"] == 32
 
 
 # ---------------------------------------------------------------- W8A8 GEMM
@@ -194,6 +265,9 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
     for m in (1, 4, 16):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
         assert rel_err(fp8_gemv(x, w, ws, block), fp8_gemv_reference(x, w, ws, block)) < 1e-2
+        if m <= 4:      # the CUDA-core kernel, K tiles spanning two scale blocks, split-K
+            fma = dict(KERNEL="fma", BLOCK_M=m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3)
+            assert rel_err(fp8_gemv(x, w, ws, block, config=fma), fp8_gemv_reference(x, w, ws, block)) < 1e-2
     for m in (17, 64, 256, 1000):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
         a, a_s = quantize_activation(x, None if block is None else block[1])

@@ -67,9 +67,75 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
+@triton.jit
+def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
+                         stride_sn, stride_sk,
+                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, REDUCE_LATE: tl.constexpr):
+    """The same split of work on the CUDA cores, for 1-4 rows: no dot, so no layout conversion of the
+    weight tile; each thread widens its contiguous fp8 bytes to float32, multiplies by the broadcast
+    row(s) of x and reduces along K. A block scale multiplies x's K slice (BLOCK_N divides the block's N
+    side, so one program sees one scale row), which lets BLOCK_K span several scale blocks. REDUCE_LATE
+    keeps per-lane partial sums over the whole K slice and reduces across threads once at the end (no
+    shuffles in the loop, BLOCK_M times the registers)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    s_row = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    lanes = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            xv = xv * tl.load(s_row + (k // SCALE_K) * stride_sk, mask=k < K, other=0.0)[None, :]
+        if REDUCE_LATE:
+            lanes += w.to(tl.float32)[:, None, :] * xv[None, :, :]
+        else:
+            acc += tl.sum(w.to(tl.float32)[:, None, :] * xv[None, :, :], axis=2)
+    if REDUCE_LATE:
+        acc = tl.sum(lanes, axis=2)
+    if not BLOCK_SCALED:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+                  BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows) or 16 (5-16 rows), scale
+# kind "channel" or "block" (128x128). Filled from benchmarks/results/fp8_gemv_sweep_h200.json, the "best"
+# table benchmarks/fp8_gemv_sweep.py prints; a shape or card it does not name gets gemv.py's rule below.
+DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {}
+TABLE_SMS = 132     # the table's K splits assume the H200's multiprocessor count
+
+
+def rows_class(m: int) -> int:
+    return 1 if m == 1 else 4 if m <= 4 else 16
+
+
 def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> dict:
-    """gemv.py's tiles and K split; a block-scaled weight caps BLOCK_K at the scale block's K side."""
+    """The measured table's entry for this shape on a card like the one measured; otherwise gemv.py's
+    tiles and K split (the tensor-core kernel), a block-scaled weight capping BLOCK_K at the scale
+    block's K side."""
+    scale_kind = "channel" if block is None else "block" if tuple(block) == (128, 128) else None
+    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), scale_kind)) if sms == TABLE_SMS else None
+    if measured is not None:
+        return dict(measured)
     if block is not None:
         block_k = min(block_k, block[1])
     return gemv_config(m, n, k, sms, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -84,8 +150,15 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
     cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device)))
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
+    kernel = cfg.pop("KERNEL", "dot")
+    assert kernel in ("dot", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
+    fma = kernel != "dot"
+    assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
     if block is not None:
-        assert block[1] % block_k == 0, "fp8_gemv: BLOCK_K must divide the scale block's K side"
+        if fma:
+            assert block[0] % block_n == 0, "fp8_gemv: BLOCK_N must divide the scale block's N side"
+        else:
+            assert block[1] % block_k == 0, "fp8_gemv: BLOCK_K must divide the scale block's K side"
         assert scale.dim() == 2, "fp8_gemv: block scales must be [ceil(N/bn), ceil(K/bk)]"
         stride_sn, stride_sk = scale.stride(0), scale.stride(1)
     else:
@@ -96,10 +169,13 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     parts, counts = SPLIT_K_SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
                                         n_blocks if split > 1 else 0)
-    _fp8_gemv_kernel[(n_blocks, split)](
-        x, w, scale, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, stride_sn, stride_sk,
-        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, BLOCK_SCALED=block is not None,
-        SPLIT_K=split, EVEN_K=k_per_split * split == k, DOT_IEEE=x.dtype == torch.float32, **cfg)
+    args = (x, w, scale, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, stride_sn, stride_sk)
+    common = dict(SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, BLOCK_SCALED=block is not None,
+                  SPLIT_K=split, EVEN_K=k_per_split * split == k)
+    if fma:
+        _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
+    else:
+        _fp8_gemv_kernel[(n_blocks, split)](*args, **common, DOT_IEEE=x.dtype == torch.float32, **cfg)
     return y
 
 

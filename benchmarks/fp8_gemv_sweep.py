@@ -1,0 +1,190 @@
+"""FP8 weight-only GEMV (1-16 rows) tile sweep at the Qwen3-8B linear shapes, in one short GPU run.
+
+For each shape (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288), rows (1, 4, 16) and
+scale kind (per channel, 128x128 blocks) it checks every candidate config against the torch reference,
+then times it inside a CUDA graph over weight copies larger than L2 and reports TB/s of FP8 weight bytes
+against the copy bandwidth. It ends with the best config per (shape, rows, scale) as a dict literal for
+kernels/fp8_gemv.py's default table.
+
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --out $OUT/fp8_gemv_sweep.json   # H200, ~90 s
+    python3 benchmarks/fp8_gemv_sweep.py --smoke --out /tmp/fp8_gemv_sweep.json          # CPU interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
+from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SMOKE_SHAPES = {"qkv": (192, 256), "down": (128, 384)}
+ROWS = (1, 4, 16)
+BLOCK = (128, 128)
+ROTATE_BYTES = 320 << 20     # weight bytes per timed replay: several times the H200's 60 MB L2
+# (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM the K split aims at); the tensor-core
+# ("dot") tiles run all row counts, the CUDA-core ("fma") ones 1-4 rows
+# (each distinct config compiles once per K split, about a second: the list is what fits ~90 s)
+CANDIDATES = (("dot", 64, 256, 4, 4, 4), ("dot", 64, 256, 8, 4, 4), ("dot", 128, 256, 8, 3, 2),
+              ("dot", 64, 128, 8, 3, 4),
+              ("fma", 32, 256, 4, 3, 4), ("fma", 16, 512, 4, 3, 4), ("fma", 32, 512, 8, 3, 4),
+              ("fma_late", 16, 512, 4, 3, 4))
+FMA_MAX_ROWS = 4
+
+
+def split_for(n, k, block_n, block_k, sms, per_sm):
+    """The largest power-of-two K split (<= 16) keeping n_blocks * split <= per_sm * sms that tiles K."""
+    n_blocks = -(-n // block_n)
+    split = 1
+    while n_blocks * split * 2 <= per_sm * sms and k % (2 * split * block_k) == 0 and split < 16:
+        split *= 2
+    return split
+
+
+def time_us(launches, reps=7):
+    """Median microseconds per launch of `launches` run back to back in one CUDA graph."""
+    for fn in launches:
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in launches:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in launches:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(launches))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def wall_us(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def copy_tb_s():
+    from floor import measure_copy_bandwidth
+    return measure_copy_bandwidth() / 1e12
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--budget-s", type=float, default=90.0, help="stop starting new timings after this many seconds")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes through the CPU interpreter")
+    args = p.parse_args()
+    t_start = time.time()
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 8
+    bw = copy_tb_s() if cuda else 1.0
+    res = {"meta": {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "copy_tb_s": bw, "sms": sms},
+           "cases": {}}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    candidates = (CANDIDATES[3], CANDIDATES[4], CANDIDATES[-1]) if args.smoke else CANDIDATES
+    for name, (n, k) in shapes.items():
+        copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
+        w = [torch.randn(n, k, device=dev, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
+        weights = {"channel": [quantize_per_channel(t) + (None,) for t in w],
+                   "block": [quantize_per_block(t, BLOCK) + (BLOCK,) for t in w]}
+        del w
+        for scale, ws in weights.items():
+            for m in ROWS:
+                x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+                ref = fp8_gemv_reference(x, *ws[0])
+                case = {}
+                configs = {"current": fp8_gemv_config(m, n, k, ws[0][2], sms)}
+                for kernel, bn, bk, warps, stages, per_sm in candidates:
+                    if kernel == "dot" and scale == "block" and BLOCK[1] % bk:
+                        continue    # the tensor-core kernel's K tile must not straddle a scale block
+                    if kernel != "dot" and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
+                        continue    # (late reduction holds BLOCK_M times the registers: one row only)
+                    split = split_for(n, k, bn, bk, sms, per_sm)
+                    configs[f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"] = dict(
+                        KERNEL=kernel, BLOCK_M=16 if kernel == "dot" else 1 << (m - 1).bit_length(), BLOCK_N=bn,
+                        BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                for label, cfg in configs.items():
+                    if time.time() - t_start > args.budget_s and label != "current":
+                        case[label] = {"skipped": "time budget"}
+                        continue
+                    try:
+                        err = rel_err(fp8_gemv(x, *ws[0], config=cfg), ref)
+                        row = {"config": cfg, "rel_err": err}
+                        if err > 2e-2:
+                            row["error"] = "mismatch against the reference"
+                        else:   # (on the CPU: one interpreted call's wall time, which only checks the report)
+                            launches = [lambda q=q, s=s, b=b: fp8_gemv(x, q, s, b, config=cfg) for q, s, b in ws]
+                            us = time_us(launches * 2) if cuda else wall_us(launches[0])
+                            tb = (n * k) / us / 1e6
+                            row.update(us=us, tb_s=tb, fraction_of_copy=tb / bw)
+                        case[label] = row
+                    except Exception as e:  # a config the scratch or the compiler refuses is reported, not fatal
+                        traceback.print_exc(limit=1)
+                        case[label] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]}
+                res["cases"][f"{name}_m{m}_{scale}"] = case
+                timed = {lbl: r for lbl, r in case.items() if "us" in r}
+                if timed:
+                    best = min(timed, key=lambda c: timed[c]["us"])
+                    cur = timed.get("current", {})
+                    print(f"{name:>8} m{m:<3}{scale:<8} current {cur.get('tb_s', float('nan')):5.2f} TB/s  "
+                          f"best {best} {timed[best]['tb_s']:5.2f} TB/s ({100 * timed[best]['fraction_of_copy']:.0f}% of copy)"
+                          f"  [{time.time() - t_start:.0f} s]", flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1)
+        del weights
+        if cuda:
+            torch.cuda.empty_cache()
+    # the default table: best timed config per (shape, rows, scale kind)
+    table = {}
+    for key, case in res["cases"].items():
+        timed = {lbl: r for lbl, r in case.items() if "us" in r}
+        if timed:
+            best = min(timed, key=lambda c: timed[c]["us"])
+            name, rows, scale = key.split("_m")[0], int(key.split("_m")[1].split("_")[0]), key.rsplit("_", 1)[1]
+            n, k = shapes[name]
+            table[repr((n, k, rows, scale))] = dict(timed[best]["config"])
+    res["best"] = table
+    res["seconds"] = round(time.time() - t_start, 1)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"copy bandwidth {bw:.2f} TB/s, {res['seconds']} s")
+    # paste into kernels/fp8_gemv.py as DEFAULT_CONFIGS (keys: N, K, rows class, scale kind)
+    print("DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {")
+    for key, cfg in table.items():
+        print(f"    {key}: {cfg!r},")
+    print("}")
+
+
+if __name__ == "__main__":
+    main()
