@@ -39,7 +39,8 @@ class PreparedBatch:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 lookahead_tokens: int = 0, extra_kv_bytes_per_block: int = 0):
+                 lookahead_tokens: int = 0, extra_kv_bytes_per_block: int = 0, tp=None):
+        """tp: a distributed.group.TPGroup: hold this rank's shard, and a KV pool of the size every rank fits."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -50,7 +51,10 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.attn_backend = get_backend(config.attention_backend, str(self.device))
         self.model = load_model(model_config, config.model, config.load_format, self.dtype, self.device,
-                                self.attn_backend, config.seed, quantization=config.quantization)
+                                self.attn_backend, config.seed, quantization=config.quantization, tp=tp)
+        if tp is not None:
+            self.model = tp.wrap(self.model)
+            self.model_config = tp.shard.local_config(model_config)   # this rank's KV heads
         # lookahead: KV slots past the last token that speculative verification writes.
         self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # the draft's KV pool shares the block ids
@@ -59,6 +63,8 @@ class ModelRunner:
         self.num_launched = 0
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled ids, on the device
         self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
+        if tp is not None:           # one block table serves every rank
+            self.num_blocks = tp.agree_min(self.num_blocks)
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.graphs = self._capture_graphs()
         # Grammar bitmasks: one pinned buffer is enough, since steps with grammar rows run synchronously.
