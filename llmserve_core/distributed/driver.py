@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from llmserve_core.distributed.step_channel import StepChannel
 
@@ -79,3 +80,5 @@ class Driver:
                 pass
         self.live = False
         self.workers.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()     # so a later engine in this process can form its own group
