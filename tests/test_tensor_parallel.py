@@ -106,7 +106,7 @@ def test_killed_worker_fails_clients_and_leaves_no_process(tiny_model_dir, tmp_p
         assert workers, "the core spawned no worker"
         with Client(endpoint) as c:
             assert c.generate([5, 6, 7], max_tokens=4, temperature=0).token_ids
-            stream = c.stream([5, 6, 7], max_tokens=1500, temperature=0, ignore_eos=True)
+            stream = c.stream([5, 6, 7], max_tokens=500, temperature=0, ignore_eos=True)
             next(iter(stream))
             for pid in workers:
                 os.kill(pid, signal.SIGKILL)
@@ -130,3 +130,32 @@ def _state(pid: int) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_serve_what_one_rank_does(tiny_model_dir, tmp_path):
+    from daemon_helpers import ENV, free_port, start_core, stop_core, wait_ready
+    from llmserve_client import Client
+    want = run(tiny_model_dir, 1)[0][1]                 # PROMPTS[1], greedy
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    node1 = subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", tiny_model_dir, "--device", "cpu",
+                              "--block-size", "4", "--num-kv-blocks", "24", "--max-num-batched-tokens", "9",
+                              "--max-num-seqs", "4", *flags, "--node-rank", "1"], env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "node1.log", "wb"))
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    log = str(tmp_path / "core.log")
+    core = start_core(tiny_model_dir, endpoint, log, *flags, "--node-rank", "0", "--block-size", "4",
+                      "--num-kv-blocks", "24", "--max-num-batched-tokens", "9", "--max-num-seqs", "4")
+    try:
+        wait_ready(endpoint, core, log)
+        with Client(endpoint) as c:
+            got = c.generate(PROMPTS[1], max_tokens=10, temperature=0, ignore_eos=True).token_ids
+        assert got == want
+        assert stop_core(core) == 0
+        assert node1.wait(timeout=60) == 0              # told to stop by the core, not killed
+    finally:
+        for p in (core, node1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -8,6 +8,7 @@ are not announced either (every rank is capturing the same graph).
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,24 @@ class Driver:
     def lost(self, error: Exception) -> WorkerLost:
         self.failure = self.failure or self.workers.failure() or f"tensor-parallel collective failed: {error}"
         return WorkerLost(self.failure)
+
+    def watch(self, on_lost) -> None:
+        """Call on_lost(reason) from a thread as soon as a worker on this host exits while serving: the
+        core may be blocked in a collective with it, so the caller must not wait for the main thread."""
+        from multiprocessing.connection import wait
+
+        def run():
+            sentinels = [p.sentinel for _, p in self.workers.procs]
+            while sentinels:
+                wait(sentinels)
+                if not self.live:
+                    return                   # stopped on purpose
+                reason = self.workers.failure()
+                if reason is not None:
+                    self.failure = reason
+                    on_lost(reason)
+                    return
+        threading.Thread(target=run, daemon=True, name="tp-watchdog").start()
 
     def shutdown(self) -> None:
         if self.failure is None and self.live:

@@ -78,7 +78,7 @@ class Workers:
     def stop(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         for _, p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            p.join(None if timeout == float("inf") else max(0.0, deadline - time.monotonic()))
         for _, p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -133,3 +133,18 @@ def worker_main(config: EngineConfig, rank: int, address: str, parent_pid: int) 
     model_config = ModelConfig.from_hf_dir(config.model)
     tp = join_group(config, model_config, rank, address)
     serve_worker(dataclasses.replace(config, warmup=False), tp)
+
+
+def serve_node(config: EngineConfig) -> int:
+    """`llmserve-core --node-rank K` (K > 0): run this host's ranks as workers of the core on node 0, until
+    it stops them; exits non-zero if any of them fails."""
+    model_config = ModelConfig.from_hf_dir(config.model)
+    check_tensor_parallel(config, model_config)
+    per_node = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * per_node
+    workers = spawn_workers(config, range(first, first + per_node), config.dist_init_addr)
+    log.info("node %d: ranks %d-%d started, rendezvous at %s", config.node_rank, first, first + per_node - 1,
+             config.dist_init_addr)
+    workers.stop(timeout=float("inf"))
+    codes = [p.exitcode for _, p in workers.procs]
+    return 0 if all(c == 0 for c in codes) else 1
