@@ -33,6 +33,9 @@ DAEMON_FLAGS = {
 }
 
 
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}     # the spelling vLLM and SGLang users type
+
+
 def _field_comments() -> dict[str, str]:
     """The trailing `# ...` comment of each EngineConfig field, used as its --help text."""
     try:
@@ -64,7 +67,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{help_} (default: {default})".strip())
         else:
-            group.add_argument(flag, type=typ, default=default, required=f.default is dataclasses.MISSING,
+            group.add_argument(flag, *SHORT_FLAGS.get(f.name, ()), type=typ, default=default,
+                               required=f.default is dataclasses.MISSING,
                                metavar=f.name.upper(), help=f"{help_} (default: {default})".strip()
                                + (" (optional)" if optional else ""))
 
