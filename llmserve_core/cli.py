@@ -33,6 +33,9 @@ DAEMON_FLAGS = {
 }
 
 
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}     # the spelling vLLM and SGLang users type
+
+
 def _field_comments() -> dict[str, str]:
     """The trailing `# ...` comment of each EngineConfig field, used as its --help text."""
     try:
@@ -64,7 +67,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{help_} (default: {default})".strip())
         else:
-            group.add_argument(flag, type=typ, default=default, required=f.default is dataclasses.MISSING,
+            group.add_argument(flag, *SHORT_FLAGS.get(f.name, ()), type=typ, default=default,
+                               required=f.default is dataclasses.MISSING,
                                metavar=f.name.upper(), help=f"{help_} (default: {default})".strip()
                                + (" (optional)" if optional else ""))
 
@@ -131,6 +135,8 @@ def parse_serve_args(argv: list[str]):
     if daemon_cfg.log_interval < 0:
         parser.error("--log-interval: must be >= 0")
     from llmserve_core.server import prepare_endpoint
+    if engine_cfg.node_rank > 0:
+        return engine_cfg, daemon_cfg, args["log_level"]      # serves no socket
     try:
         prepare_endpoint(daemon_cfg)
     except (ValueError, PermissionError) as e:
@@ -152,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         return make_tiny_model_main(argv[1:])
     engine_cfg, daemon_cfg, level = parse_serve_args(argv)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if engine_cfg.node_rank > 0:             # another host of a tensor-parallel group: workers only, no sockets
+        from llmserve_core.distributed.launch import serve_node
+        try:
+            return serve_node(engine_cfg)
+        except ValueError as e:
+            logging.getLogger("llmserve_core").error("%s", e)
+            return 2
     from llmserve_core.server import run_daemon
     try:
         return run_daemon(engine_cfg, daemon_cfg)

@@ -37,6 +37,12 @@ class EngineConfig:
     async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
     warmup: bool | None = None            # run every kind of step once before serving, so no kernel compiles
                                           # inside a request (default: on for cuda)
+    # Tensor parallelism (torch.distributed: NCCL on GPUs, gloo on CPUs).
+    tensor_parallel_size: int = 1         # ranks each layer is split over; rank 0 is this process
+    nnodes: int = 1                       # hosts the ranks span (tensor_parallel_size / nnodes ranks on each)
+    node_rank: int = 0                    # this host's index; 0 runs the core, the others only workers
+    dist_init_addr: str | None = None     # HOST:PORT of the TCP rendezvous (needed with nnodes > 1)
+    distributed_timeout: float = 60.0     # seconds a collective may wait for another rank before failing
     # EAGLE-3 speculative decoding.
     speculative_model: str | None = None
     speculative_gamma: int | None = None      # draft depth (chain: drafts per step); default 3
@@ -89,6 +95,19 @@ class EngineConfig:
              "fp8_e4m3 is read by the triton and torch attention backends, not flash-attn")
         need(self.speculative_accept_mode in ("greedy", "sample"), "speculative_accept_mode", "must be greedy or sample")
         need(self.speculative_policy in ("adaptive", "always"), "speculative_policy", "must be adaptive or always")
+        need(1 <= self.tensor_parallel_size <= 1024, "tensor_parallel_size", "must be in [1, 1024]")
+        need(1 <= self.nnodes <= self.tensor_parallel_size and self.tensor_parallel_size % self.nnodes == 0, "nnodes",
+             "must divide tensor_parallel_size")
+        need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
+        need(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr", "HOST:PORT is needed with nnodes > 1")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            need(bool(host) and port.isdigit() and 0 < int(port) < 65536, "dist_init_addr", "must be HOST:PORT")
+        need(0.0 < self.distributed_timeout <= 86400.0, "distributed_timeout", "must be in (0, 86400]")
+        if self.tensor_parallel_size > 1:
+            need(self.quantization is None, "quantization", "fp8 is not supported with tensor_parallel_size > 1")
+            need(self.speculative_model is None or self.draft_shape().kind == "chain", "speculative_tree",
+                 "trees are not supported with tensor_parallel_size > 1 (chains are)")
         self.draft_shape()                # raises naming the speculative_* field at fault
         self.resolved_dtype()
 

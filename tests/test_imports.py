@@ -20,13 +20,15 @@ CORE_ALLOWED = {
     "layers": {"kernels"},
     "models": {"kernels", "layers", "data"},
     "speculative": {"kernels", "layers"},
-    "engine": {"kernels", "layers", "models", "speculative", "config"},
+    "engine": {"kernels", "layers", "models", "speculative", "config", "distributed"},
+    # Tensor parallelism: the engine starts it, and a worker rank runs an engine of its own.
+    "distributed": {"layers", "models", "config", "engine"},
     "server": {"engine", "config", "__init__"},
     "config": {"speculative"},      # validates speculative_tree by building it
     "data": set(),
     "__init__": {"config", "engine"},
     "__main__": {"cli"},
-    "cli": {"config", "server", "models"},
+    "cli": {"config", "server", "models", "distributed"},
 }
 # Which top-level packages each top-level package may import.
 PACKAGE_ALLOWED = {

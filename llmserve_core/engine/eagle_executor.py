@@ -68,9 +68,9 @@ def lookahead_tokens(config: EngineConfig) -> int:
 
 def load_draft(config: EngineConfig, runner, max_positions: int):
     """The draft head, sharing the target's embedding (and head, if it has none of its own)."""
+    embed, lm_head = runner.model.vocab_weights()
     return load_eagle3(config.speculative_model, runner.attn_backend, runner.dtype, runner.device,
-                       target_embed=runner.model.model.embed_tokens.weight,
-                       target_lm_head=runner.model.lm_head_weight, load_format=config.load_format,
+                       target_embed=embed, target_lm_head=lm_head, load_format=config.load_format,
                        seed=config.seed, max_positions=max_positions)
 
 

@@ -5,6 +5,7 @@ The daemon drives the same object from its busy loop; tests and embedders call i
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -65,8 +66,12 @@ class ModelInfo:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp=None):
+        """tp: given to worker ranks of tensor parallelism; the core starts its own group here."""
         config.validate()
+        if config.tensor_parallel_size > 1:
+            # Graph replays are not announced to the workers: every forward runs eagerly.
+            config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
         self.model_config = ModelConfig.from_hf_dir(config.model)
         max_len = self.model_config.max_position_embeddings
@@ -80,12 +85,24 @@ class Engine:
                 "or enable chunked prefill")
         # Drafting requests write their drafts' KV past their next token: block tables and the pool make room.
         self.lookahead = lookahead_tokens(config)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, lookahead_tokens=self.lookahead)
-        # The draft loads before the KV pool is sized, so its weights count against gpu_memory_utilization;
-        # its KV pool shares the target's block ids, so each block's cost includes the draft's rows.
-        draft = load_draft(config, self.runner, self.max_model_len + self.lookahead) if config.speculative_model else None
-        self.runner.allocate_kv_cache(EagleExecutor.kv_bytes_per_block(draft, self.runner) if draft else 0)
-        self.spec = EagleExecutor(config, self.runner, draft, self.max_model_len) if draft else None
+        if tp is None and config.tensor_parallel_size > 1:
+            from llmserve_core.distributed.launch import start_rank0
+            tp = start_rank0(config, self.model_config)
+        self.tp = tp
+        try:
+            self.runner = ModelRunner(config, self.model_config, self.max_model_len, lookahead_tokens=self.lookahead,
+                                      tp=tp)
+            # The draft loads before the KV pool is sized, so its weights count against gpu_memory_utilization;
+            # its KV pool shares the target's block ids, so each block's cost includes the draft's rows.
+            draft = (load_draft(config, self.runner, self.max_model_len + self.lookahead)
+                     if config.speculative_model else None)
+            self.runner.allocate_kv_cache(EagleExecutor.kv_bytes_per_block(draft, self.runner) if draft else 0)
+            self.spec = EagleExecutor(config, self.runner, draft, self.max_model_len) if draft else None
+        except BaseException:
+            self.close()
+            raise
+        if tp is not None and tp.driver is not None:
+            tp.driver.live = True        # start-up ran in lockstep on every rank; from here rank 0 leads
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           recompute_last_hit_block=self.spec is not None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -106,6 +123,11 @@ class Engine:
         self.grammars: GrammarService | None = None     # started by the first guided request
         self.reset_counters()
         self.warmup_report = warm_up(self) if config.resolved_warmup() else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one device); the engine cannot step afterwards."""
+        if self.tp is not None and self.tp.driver is not None:
+            self.tp.driver.shutdown()
 
     def reset_counters(self) -> None:
         """Zero every counter stats() reports (after the warm-up, which must not show in them)."""

@@ -43,7 +43,8 @@ class ModelRunner:
     decode graphs."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 lookahead_tokens: int = 0):
+                 lookahead_tokens: int = 0, tp=None):
+        """tp: a distributed.group.TPGroup: hold this rank's shard, and a KV pool of the size every rank fits."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -56,12 +57,16 @@ class ModelRunner:
         # The one switch for CUDA graphs, the runner's and the speculative executor's.
         self.use_graphs = use_cuda_graphs(self.device, self.attn_backend, config.enforce_eager)
         self.model = load_model(model_config, config.model, config.load_format, self.dtype, self.device,
-                                self.attn_backend, config.seed, quantization=config.quantization)
+                                self.attn_backend, config.seed, quantization=config.quantization, tp=tp)
+        if tp is not None:
+            self.model = tp.wrap(self.model)
+            self.model_config = tp.shard.local_config(model_config)   # this rank's KV heads
         # lookahead: KV slots past the last token that speculative verification writes.
         self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
         self.staging = HostToDevice(self.device, self.pin)
         self.builder = self.batch_builder(config.max_num_batched_tokens, config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled ids, on the device
+        self.tp = tp
         self.extra_kv_bytes_per_block = 0
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -81,6 +86,8 @@ class ModelRunner:
         it, and capture the decode graphs."""
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         self.num_blocks = self.config.num_kv_blocks or self._kv_blocks_that_fit()
+        if self.tp is not None:      # one block table serves every rank
+            self.num_blocks = self.tp.agree_min(self.num_blocks)
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.graphs = self._capture_graphs()
 

@@ -36,18 +36,22 @@ PACKED_WEIGHTS = {
 
 def load_model(cfg: ModelConfig, path, load_format: str = "auto", dtype: torch.dtype = torch.float32,
                device="cpu", attn_backend=None, seed: int = 0, max_positions: int | None = None,
-               quantization: str | None = None) -> Qwen3ForCausalLM:
+               quantization: str | None = None, tp=None) -> Qwen3ForCausalLM:
     """quantization: None serves what the checkpoint holds (FP8 when its config.json says so); 'fp8'
-    also quantizes a bf16/fp16 checkpoint's linear layers at load."""
+    also quantizes a bf16/fp16 checkpoint's linear layers at load. tp (a distributed.group.TPGroup):
+    build and load only this rank's shard (cfg is the full model's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     device = torch.device(device)
     fp8 = resolve_quantization(cfg.quantization_config, quantization)
-    model = Qwen3ForCausalLM(cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8)
+    if fp8 is not None and tp is not None:
+        raise ValueError("quantization: FP8 weights are not supported with tensor_parallel_size > 1")
+    local_cfg = cfg if tp is None else tp.shard.local_config(cfg)
+    model = Qwen3ForCausalLM(local_cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_safetensors(model, path, fp8)
+        load_safetensors(model, path, fp8, full_cfg=cfg if tp is not None else None)
     return model.eval()
 
 
@@ -113,8 +117,11 @@ def _target(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, int]:
 
 
 @torch.no_grad()
-def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None) -> None:
+def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None,
+                     full_cfg: ModelConfig | None = None) -> None:
+    """full_cfg: the whole model's config when `model` is one tensor-parallel shard of it."""
     cfg = model.cfg
+    shard = model.tp.shard if model.tp is not None else None
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     owner = {name: modules[name.rpartition(".")[0]] for name in params}
@@ -144,7 +151,8 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                                      f"with this config.json")
                 param = params[name]
                 dest = param if offset is None else param[offset:offset + rows]
-                tensor = f.get_tensor(hf_name)
+                tensor = (f.get_tensor(hf_name) if shard is None else
+                          shard.slice_checkpoint(hf_name, f.get_slice(hf_name), full_cfg))
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(f"model: checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                      f"config.json implies {tuple(dest.shape)}")

@@ -15,6 +15,7 @@ from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
+from llmserve_core.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import ModelConfig
@@ -29,13 +30,14 @@ class Qwen3Attention(nn.Module):
     k_scale = 1.0
     v_scale = 1.0
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        # Under tensor parallelism cfg holds this rank's heads; o_proj sums their partial products.
+        self.o_proj = Linear(self.q_size, cfg.hidden_size) if tp is None else RowParallelLinear(self.q_size, cfg.hidden_size, tp)
         # Qwen3 normalizes each head of q and k before rotary.
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -65,10 +67,11 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     fused = False   # set by Qwen3ForCausalLM on CUDA: SiLU-and-mul as one Triton kernel
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = (Linear(cfg.intermediate_size, cfg.hidden_size) if tp is None else
+                          RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -79,10 +82,10 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg)
-        self.mlp = Qwen3MLP(cfg)
+        self.self_attn = Qwen3Attention(cfg, tp)
+        self.mlp = Qwen3MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -98,24 +101,28 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else
+                             VocabParallelEmbedding(tp.shard.vocab[1], cfg.hidden_size, tp.shard.vocab[0], tp))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_backend, dtype: torch.dtype, device, max_positions: int | None = None,
-                 fp8: Fp8Scheme | None = None):
+                 fp8: Fp8Scheme | None = None, tp=None):
+        """tp: a distributed.group.TPGroup; cfg is then this rank's shard (ShardSpec.local_config)."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.attn_backend = attn_backend
         # Build on the meta device and allocate uninitialized storage once: no throwaway random init,
         # which for an 8B model would cost more than loading the checkpoint.
         with torch.device("meta"):
-            self.model = Qwen3Model(cfg)
-            self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+            self.model = Qwen3Model(cfg, tp)
+            vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab[1]
+            self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_rows)
         self.to(dtype)
         if fp8 is not None:        # after the cast, which would widen FP8 weights to dtype
             apply_fp8(self, cfg, fp8)
@@ -172,5 +179,16 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows already selected) -> float32 logits [N, vocab]."""
         if self.lm_head is not None:
-            return self.lm_head(hidden, out_dtype=torch.float32)
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden, out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding, head) over the whole vocabulary, for the draft model to share. Under tensor
+        parallelism they are gathered from every rank's slice: a collective, so every rank calls it."""
+        embed, head = self.model.embed_tokens.weight, self.lm_head_weight
+        if self.tp is None:
+            return embed, head
+        full_embed = self.tp.gather_vocab_rows(embed)
+        return full_embed, (full_embed if head is embed else self.tp.gather_vocab_rows(head))

@@ -183,6 +183,8 @@ class BusyLoop:
                     self.consecutive_step_failures = 0
                 except Exception as e:
                     log.exception("engine step failed")
+                    if getattr(e, "fatal", False):       # e.g. a lost tensor-parallel worker
+                        return self._die(str(e))
                     self.consecutive_step_failures += 1
                     if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         return self._die(f"engine step failed {self.consecutive_step_failures} times in a row: {e!r}")

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from llmserve_proto import PROTOCOL_VERSION, ModelInfo, Welcome
+from llmserve_proto import PROTOCOL_VERSION, EngineError, ModelInfo, Welcome
 from llmserve_proto.endpoint import (check_listen_endpoint, default_endpoint, ensure_private_dir, ipc_path,
                                      runtime_dir)
 from llmserve_core.server.busy_loop import BusyLoop
+from llmserve_core.server.events import Broadcast
 from llmserve_core.server.output_thread import OutputThread
 from llmserve_core.server.socket_thread import SocketThread, bind_router
 
@@ -134,6 +135,17 @@ def serve(engine, cfg: DaemonConfig, endpoint: str, stop: threading.Event | None
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     sock_thread.start()
     out_thread.start()
+    driver = getattr(getattr(engine, "tp", None), "driver", None)
+    if driver is not None:
+        def on_worker_lost(reason: str) -> None:
+            # The busy loop may be stuck in a collective with the dead rank: tell the clients from here,
+            # give the output thread a moment to send it, and exit non-zero.
+            log.error("%s: the engine cannot continue", reason)
+            out_q.put(Broadcast(EngineError(message=reason, fatal=True), last=True))
+            out_thread.join(timeout=3.0)
+            driver.workers.stop(timeout=0)
+            os._exit(1)
+        driver.watch(on_worker_lost)
     log.info("ready: serving %s (vocab %d, max_model_len %d) at %s", info.model, info.vocab_size,
              info.max_model_len, endpoint)
     try:
@@ -148,6 +160,8 @@ def serve(engine, cfg: DaemonConfig, endpoint: str, stop: threading.Event | None
             os.unlink(path)
         for s, h in old_handlers.items():
             signal.signal(s, h)
+        if driver is not None:
+            engine.close()
     return code
 
 

@@ -1,0 +1,103 @@
+"""Rank 0's side of tensor parallelism: the model it steps wraps its own shard and announces each
+forward and logits call to the workers, which run the same call on theirs.
+
+Start-up (weight loading, the memory profile, CUDA-graph capture) runs the same code on every rank in
+lockstep, so nothing is announced until `live` is set; calls made while a CUDA graph is being captured
+are not announced either (every rank is capturing the same graph).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.distributed as dist
+
+from llmserve_core.distributed.step_channel import StepChannel
+
+log = logging.getLogger("llmserve.tp")
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel worker died or a collective with the workers failed: the engine cannot go on."""
+    fatal = True
+
+
+class DrivenModel:
+    """Rank 0's model: its shard, with every call mirrored on the workers."""
+
+    def __init__(self, model, driver: "Driver"):
+        self._model, self._driver = model, driver
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _announce(self) -> bool:
+        self._driver.check()
+        return self._driver.live and not (self._driver.tp.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def __call__(self, input_ids, batch, kv_caches, aux_layer_ids=()):
+        announce = self._announce()
+        try:
+            if announce:
+                self._driver.channel.send_forward(input_ids, batch, tuple(aux_layer_ids))
+            return self._model(input_ids, batch, kv_caches, aux_layer_ids=aux_layer_ids)
+        except RuntimeError as e:
+            raise self._driver.lost(e) from e
+
+    def compute_logits(self, hidden):
+        announce = self._announce()
+        try:
+            if announce:
+                self._driver.channel.send_logits(hidden)
+            return self._model.compute_logits(hidden)
+        except RuntimeError as e:
+            raise self._driver.lost(e) from e
+
+
+class Driver:
+    """Owns rank 0's group, the step channel and the worker processes (those on this host)."""
+
+    def __init__(self, tp, channel: StepChannel, workers):
+        self.tp, self.channel, self.workers = tp, channel, workers
+        self.live = False
+        self.failure: str | None = None
+
+    def check(self) -> None:
+        if self.failure is None:
+            self.failure = self.workers.failure()
+        if self.failure is not None:
+            raise WorkerLost(self.failure)
+
+    def lost(self, error: Exception) -> WorkerLost:
+        self.failure = self.failure or self.workers.failure() or f"tensor-parallel collective failed: {error}"
+        return WorkerLost(self.failure)
+
+    def watch(self, on_lost) -> None:
+        """Call on_lost(reason) from a thread as soon as a worker on this host exits while serving: the
+        core may be blocked in a collective with it, so the caller must not wait for the main thread."""
+        from multiprocessing.connection import wait
+
+        def run():
+            sentinels = [p.sentinel for _, p in self.workers.procs]
+            while sentinels:
+                wait(sentinels)
+                if not self.live:
+                    return                   # stopped on purpose
+                reason = self.workers.failure()
+                if reason is not None:
+                    self.failure = reason
+                    on_lost(reason)
+                    return
+        threading.Thread(target=run, daemon=True, name="tp-watchdog").start()
+
+    def shutdown(self) -> None:
+        if self.failure is None and self.live:
+            try:
+                self.channel.send_stop()
+            except RuntimeError:
+                pass
+        self.live = False
+        self.workers.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()     # so a later engine in this process can form its own group

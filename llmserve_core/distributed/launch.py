@@ -1,0 +1,150 @@
+"""Start tensor parallelism: check the request, spawn this host's worker ranks, join the process group.
+
+Rank 0 is the core process. Ranks 1 .. N-1 are spawned processes (on other hosts, `llmserve-core
+--node-rank K` spawns that host's ranks) that die with their parent (PR_SET_PDEATHSIG, and a watchdog on
+the parent pid where prctl is unavailable). Every collective has the group's timeout, so a hung rank
+fails the others instead of blocking them forever.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from llmserve_core.config import EngineConfig
+from llmserve_core.distributed.group import TPGroup
+from llmserve_core.distributed.sharding import ShardSpec, check_divisible
+from llmserve_core.models.config import ModelConfig
+
+log = logging.getLogger("llmserve.tp")
+
+
+def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
+    """One-line ValueErrors for a tensor-parallel size this model or machine cannot take."""
+    size = config.tensor_parallel_size
+    check_divisible(model_config, size)
+    per_node = size // config.nnodes
+    if config.resolved_device().type == "cuda" and per_node > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size: {size} ranks over {config.nnodes} node(s) need {per_node} GPUs "
+                         f"per node, {torch.cuda.device_count()} are visible")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_address(config: EngineConfig) -> str:
+    return config.dist_init_addr or f"127.0.0.1:{_free_port()}"
+
+
+def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, address: str) -> TPGroup:
+    size = config.tensor_parallel_size
+    device = config.resolved_device()
+    if device.type == "cuda":
+        local = rank % (size // config.nnodes)
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    timeout = datetime.timedelta(seconds=config.distributed_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}",
+                            rank=rank, world_size=size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else dist.group.WORLD
+    return TPGroup(ShardSpec.of(model_config, rank, size), dist.group.WORLD, cpu_group, device)
+
+
+class Workers:
+    """This host's spawned ranks."""
+
+    def __init__(self, procs: list):
+        self.procs = procs
+
+    def failure(self) -> str | None:
+        for rank, p in self.procs:
+            if p.exitcode is not None:
+                return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for _, p in self.procs:
+            p.join(None if timeout == float("inf") else max(0.0, deadline - time.monotonic()))
+        for _, p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+
+
+def spawn_workers(config: EngineConfig, ranks: range, address: str) -> Workers:
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        p = ctx.Process(target=worker_main, args=(config, rank, address, os.getpid()), daemon=True,
+                        name=f"llmserve-tp{rank}")
+        p.start()
+        procs.append((rank, p))
+    return Workers(procs)
+
+
+def start_rank0(config: EngineConfig, model_config: ModelConfig) -> TPGroup:
+    """In the core process: spawn this host's other ranks and join them as rank 0."""
+    from llmserve_core.distributed.driver import Driver
+    from llmserve_core.distributed.step_channel import StepChannel
+    check_tensor_parallel(config, model_config)
+    address = init_address(config)
+    workers = spawn_workers(config, range(1, config.tensor_parallel_size // config.nnodes), address)
+    try:
+        tp = join_group(config, model_config, 0, address)
+    except Exception:
+        workers.stop(timeout=0)
+        raise
+    tp.driver = Driver(tp, StepChannel(tp, config.max_num_seqs), workers)
+    return tp
+
+
+def die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)        # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():                             # also covers a parent that died before prctl took effect
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def worker_main(config: EngineConfig, rank: int, address: str, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    from llmserve_core.distributed.worker import serve_worker
+    model_config = ModelConfig.from_hf_dir(config.model)
+    tp = join_group(config, model_config, rank, address)
+    serve_worker(dataclasses.replace(config, warmup=False), tp)
+
+
+def serve_node(config: EngineConfig) -> int:
+    """`llmserve-core --node-rank K` (K > 0): run this host's ranks as workers of the core on node 0, until
+    it stops them; exits non-zero if any of them fails."""
+    model_config = ModelConfig.from_hf_dir(config.model)
+    check_tensor_parallel(config, model_config)
+    per_node = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * per_node
+    workers = spawn_workers(config, range(first, first + per_node), config.dist_init_addr)
+    log.info("node %d: ranks %d-%d started, rendezvous at %s", config.node_rank, first, first + per_node - 1,
+             config.dist_init_addr)
+    workers.stop(timeout=float("inf"))
+    codes = [p.exitcode for _, p in workers.procs]
+    return 0 if all(c == 0 for c in codes) else 1

@@ -1,0 +1,33 @@
+"""A worker rank: build the same engine as the core (start-up runs in lockstep with it), then run each
+forward and logits call the core announces on this rank's shard, until told to stop."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from llmserve_core.distributed.step_channel import FORWARD, LOGITS, STOP, StepChannel
+
+
+@torch.inference_mode()
+def serve_worker(config, tp) -> None:
+    from llmserve_core.engine.engine import Engine
+    engine = Engine(config, tp=tp)
+    runner = engine.runner
+    model = runner.model
+    channel = StepChannel(tp, config.max_num_seqs)
+    hidden_size = runner.model_config.hidden_size
+    try:
+        while True:
+            op, args = channel.recv(hidden_size, runner.dtype)
+            if op == FORWARD:
+                ids, batch, aux = args
+                model(ids, batch, runner.kv_caches, aux_layer_ids=aux)
+            elif op == LOGITS:
+                model.compute_logits(args[0])
+            elif op == STOP:
+                break
+    except RuntimeError:
+        os._exit(1)          # the core is gone or failed a collective: nothing left to serve
+    dist.destroy_process_group()

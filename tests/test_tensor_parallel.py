@@ -1,0 +1,161 @@
+"""Tensor parallelism on the CPU (gloo, 2 and 4 ranks): greedy outputs token-identical to one rank in
+float32, start-up errors, and a worker killed mid-run failing the core cleanly."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from llmserve_core import Engine, EngineConfig
+from llmserve_core.distributed.sharding import ShardSpec
+from llmserve_core.models.config import ModelConfig
+from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_proto import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SHARED = list(range(40, 75))
+PROMPTS = [SHARED + [5, 6], [7, 8, 9], SHARED + [11], list(range(100, 123))]
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(make_random_qwen3_dir):
+    """4 query heads over 2 KV heads: with 4 ranks each KV head is replicated on two."""
+    return make_random_qwen3_dir(seed=3, initializer_range=0.3, vocab_size=1030, tie_word_embeddings=False)
+
+
+def run(model, tp, **kwargs):
+    # 24 blocks of 4 tokens and a 9-token budget: chunked prefill, preemption and prefix hits in one run.
+    cfg = dict(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=4, num_kv_blocks=24,
+               max_num_batched_tokens=9, max_num_seqs=4, distributed_timeout=120.0)
+    engine = Engine(EngineConfig(**{**cfg, **kwargs}))
+    try:
+        outs = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        again = engine.generate([PROMPTS[0]], GREEDY)[0]          # the second pass hits the prefix cache
+        return outs + [again.token_ids], engine.stats()
+    finally:
+        engine.close()
+
+
+def test_shard_spec_covers_every_head_and_vocab_row():
+    cfg = ModelConfig(vocab_size=1030, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    specs = [ShardSpec.of(cfg, r, 4) for r in range(4)]
+    assert [s.q_heads for s in specs] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [s.kv_heads for s in specs] == [(0, 1), (0, 1), (1, 1), (1, 1)]    # query heads 0-3 read KV head 0
+    assert sum(s.vocab[1] for s in specs) >= 1030 and specs[3].vocab == (774, 258)
+    w = torch.arange(1030 * 2.0).view(1030, 2)
+    last = specs[3].slice_checkpoint("lm_head.weight", w, cfg)
+    assert last.shape == (258, 2) and torch.equal(last[:256], w[774:]) and not last[256:].any()
+    for bad, field in ((3, "3 does not divide the model's 8 attention heads"), (16, "attention heads")):
+        with pytest.raises(ValueError, match=field):
+            ShardSpec.of(cfg, 0, bad)
+
+
+@pytest.mark.slow
+def test_tp2_and_tp4_greedy_equal_one_rank(gqa_dir):
+    want, stats1 = run(gqa_dir, 1)
+    assert stats1["num_preemptions"] > 0 and stats1["prefix_hits"] > 0
+    for tp in (2, 4):
+        got, stats = run(gqa_dir, tp)
+        assert got == want, f"tensor_parallel_size {tp}"
+        assert stats["prefix_hits"] > 0
+
+
+@pytest.mark.slow
+def test_tp2_eagle3_greedy_equals_plain(tiny_model_dir, tmp_path):
+    draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
+    want, _ = run(tiny_model_dir, 1)
+    got, stats = run(tiny_model_dir, 2, speculative_model=draft, speculative_gamma=2, speculative_policy="always",
+                     num_kv_blocks=40)
+    assert got == want
+    assert stats["spec_num_drafted_steps"] > 0
+
+
+def test_start_up_errors_name_the_field(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=3))
+    for kwargs, field in (({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+                          ({"tensor_parallel_size": 2, "nnodes": 2}, "dist_init_addr"),
+                          ({"tensor_parallel_size": 2, "dist_init_addr": "nohost"}, "dist_init_addr"),
+                          ({"tensor_parallel_size": 2, "node_rank": 1}, "node_rank"),
+                          ({"distributed_timeout": float("nan")}, "distributed_timeout")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model=tiny_model_dir, **kwargs).validate()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_clients_and_leaves_no_process(tiny_model_dir, tmp_path):
+    from daemon_helpers import start_core, stop_core, wait_ready
+    from llmserve_client import Client, EngineDeadError
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    log = str(tmp_path / "core.log")
+    core = start_core(tiny_model_dir, endpoint, log, "--tensor-parallel-size", "2", "--distributed-timeout", "30")
+    try:
+        wait_ready(endpoint, core, log)
+        workers = _children(core.pid)
+        assert workers, "the core spawned no worker"
+        with Client(endpoint) as c:
+            assert c.generate([5, 6, 7], max_tokens=4, temperature=0).token_ids
+            stream = c.stream([5, 6, 7], max_tokens=500, temperature=0, ignore_eos=True)
+            next(iter(stream))
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                for _ in stream:
+                    pass
+            assert time.monotonic() - started < 60
+        assert core.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in workers)
+    finally:
+        if core.poll() is None:
+            stop_core(core)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_serve_what_one_rank_does(tiny_model_dir, tmp_path):
+    from daemon_helpers import ENV, free_port, start_core, stop_core, wait_ready
+    from llmserve_client import Client
+    want = run(tiny_model_dir, 1)[0][1]                 # PROMPTS[1], greedy
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    node1 = subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", tiny_model_dir, "--device", "cpu",
+                              "--block-size", "4", "--num-kv-blocks", "24", "--max-num-batched-tokens", "9",
+                              "--max-num-seqs", "4", *flags, "--node-rank", "1"], env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "node1.log", "wb"))
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    log = str(tmp_path / "core.log")
+    core = start_core(tiny_model_dir, endpoint, log, *flags, "--node-rank", "0", "--block-size", "4",
+                      "--num-kv-blocks", "24", "--max-num-batched-tokens", "9", "--max-num-seqs", "4")
+    try:
+        wait_ready(endpoint, core, log)
+        with Client(endpoint) as c:
+            got = c.generate(PROMPTS[1], max_tokens=10, temperature=0, ignore_eos=True).token_ids
+        assert got == want
+        assert stop_core(core) == 0
+        assert node1.wait(timeout=60) == 0              # told to stop by the core, not killed
+    finally:
+        for p in (core, node1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
