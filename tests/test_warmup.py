@@ -73,6 +73,14 @@ def test_warmed_engine_serves_and_reports_as_a_cold_one(tiny_model_dir, tiny_dra
     assert warm.stats()["prefix_hit_rate"] == cold.stats()["prefix_hit_rate"]
 
 
+def test_warm_up_fits_a_pool_smaller_than_max_model_len(tiny_model_dir):
+    # 4 blocks of 16 tokens hold 64 positions, half of max_model_len: no warm-up prompt may need more.
+    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                                 max_model_len=128, num_kv_blocks=4, block_size=16, warmup=True))
+    assert engine.warmup_report["rounds"] > 10 and not engine.requests
+    assert engine.generate([[5, 9, 2]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+
+
 def test_jit_counter_chains_the_hook_it_finds(monkeypatch):
     knobs = pytest.importorskip("triton").knobs
     seen = []

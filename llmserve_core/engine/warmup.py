@@ -142,7 +142,9 @@ def warm_up(engine) -> dict:
     jit_before = jit_compilations()
     runner, bm = engine.runner, engine.block_manager
     buckets = runner.graphs.buckets if runner.graphs is not None else []
-    plan = warmup_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens, engine.max_model_len,
+    # A prompt must also fit the KV pool, which a small --num-kv-blocks makes shorter than max_model_len.
+    longest = min(engine.max_model_len, bm.num_blocks * bm.block_size)
+    plan = warmup_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens, longest,
                        engine.config.enable_chunked_prefill, buckets, engine.model_config.num_key_value_heads,
                        engine.lookahead)
     if grammars_available(engine):
