@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.paged_decode import MAX_TILE_ROWS, DecodeScratch, choose_block_n, choose_num_splits
+from llmserve_core.kernels.paged_decode import MAX_SPLITS, MAX_TILE_ROWS, DecodeScratch, choose_block_n
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 _SCRATCH = DecodeScratch()
@@ -50,6 +50,14 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_p
         dst = k_ptr + (t * NUM_K_HEADS + (h - NUM_Q_HEADS)) * HEAD_DIM
     tl.store(dst + i, o1)
     tl.store(dst + HALF + i, o2)
+
+
+def baseline_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """The split count the two-launch kernel was tuned with: about four programs per SM."""
+    programs = batch_size * num_kv_heads
+    if programs >= 2 * num_sms:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, max(1, programs))))
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -240,7 +248,7 @@ def paged_decode_two_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads)
+        num_splits = baseline_num_splits(batch, num_kv_heads)
     if block_n is None:
         block_n = choose_block_n(num_splits) if q.is_cuda else 16
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows

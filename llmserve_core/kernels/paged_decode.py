@@ -28,6 +28,7 @@ from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
 MAX_SPLITS = 128
+SMALL_BATCH_SPLITS = 32   # the most pieces choose_num_splits picks (its docstring says why)
 # Elements of the partial outputs the merging program loads at once ([rows, pieces, head_dim] floats).
 MERGE_TILE = 8192
 
@@ -165,16 +166,20 @@ def _merge_pieces(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_heads, num_splits
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS) -> int:
-    """Split only while batch x kv_heads leaves SMs idle; then aim at about four programs per SM.
+    """Split only while batch x kv_heads leaves SMs idle; then aim at about four programs per SM, in at
+    most SMALL_BATCH_SPLITS pieces.
 
-    Measured on the H200 (benchmarks/results/kernels_h200_run1.md): at batch 64 (512 programs) one piece
-    beat two and four; at batch 1 / 4096 context 128 pieces of 32 tokens beat 16-64 larger ones, since the
-    time there is latency, not bandwidth.
+    Measured on the H200: at batch 64 (512 programs) one piece beat two and four
+    (benchmarks/results/kernels_h200_run1.md). The pieces merge inside the same launch, and that merge makes
+    many small pieces cost more than they did as a separate reduce: at batch 1, 32 pieces took 6.8 us at
+    512 context and 15.0 us at 4,096 against 7.2 and 22.2 us for 128 (benchmarks/decode_layer_bench.py,
+    benchmarks/results/decode_layer_h200.md); at batch 16, 8 pieces matched the two-launch kernel while 2
+    lost 13 us at 4,096 context.
     """
     programs = batch_size * num_kv_heads
     if programs >= 2 * num_sms:
         return 1
-    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, max(1, programs))))
+    return min(SMALL_BATCH_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, max(1, programs))))
 
 
 def choose_block_n(num_splits: int) -> int:
