@@ -13,6 +13,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -404,7 +405,7 @@ def test_spec_timing_smoke(tmp_path, monkeypatch):
     for row in result["rows"]:
         assert "error" not in row, row
         assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_catchup_graph", "t_draft", "t_verify", "t_draft_graph",
-                                        "t_verify_graph", "t_step", "speedup_al2.5"))
+                                        "t_verify_graph", "t_step", "t_step_unfused", "speedup_al2.5"))
     saved = json.loads((tmp_path / "spec_timing.json").read_text())
     assert saved["rows"] == result["rows"] and "| 4 |" in (tmp_path / "spec_timing.md").read_text()
 
@@ -421,14 +422,69 @@ def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
     engine = spec_engine(target, draft, max_num_seqs=5, **MODES[mode])
     graphs = engine.spec.graphs
     assert graphs["verify"].capture is False and engine.runner.graphs.capture is False
-    got = engine.generate(prompts, mixed_params(len(prompts), 10))
-    assert [c.token_ids for c in got] == [e[:10] for e in expected]
+    # Lengths that differ, so the sixth prompt's prefill joins requests that are decoding: a mixed batch
+    # catches up through the catch-up graph, where pure drafting batches of a chain take the fused step.
+    lengths = [6 + i % 5 for i in range(len(prompts))]
+    got = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    assert [c.token_ids for c in got] == [e[:n] for e, n in zip(expected, lengths)]
     # Every fixed-shape forward went through its graph's buffers: verify, catch-up (decoding steps catch
-    # up through the padded graph), the chain's draft steps or every tree level.
+    # up through the padded graph), the chain's draft steps and fused step, or every tree level.
     assert all(g.replays > 0 for g in graphs.values()), {name: g.replays for name, g in graphs.items()}
     levels = engine.spec.shape.depth - 1 if mode != "chain" else 0     # draft forwards after the catch-up
-    assert len(graphs) == (3 if mode == "chain" else 2 + levels)
+    assert len(graphs) == (4 if mode == "chain" else 2 + levels)
     assert_all_blocks_free(engine)
+
+
+def test_fused_chain_step_batches_match_the_builders(pair, monkeypatch):
+    """The fused chain step derives its draft-step and verify batches on the device from the padded
+    catch-up batch: field by field what the batch builder makes for the same spans, a graph-padding
+    sequence writing nothing."""
+    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
+    target, draft = pair
+    ex = spec_engine(target, draft, block_size=4, speculative_gamma=3).spec
+    width = ex.catchup_rows
+    b = ex.builder
+    tables = [[3, 1, 8, 2], [5, 6, 0, 9], [7, 4, 11, 10]]
+    ends = [9, 4, 12]                                    # num_computed_tokens: KV below is written
+    for table, end in zip(tables, ends):                 # the last step emitted 2 tokens: 2 real rows, 2 padding
+        b.add_rows(table, np.maximum(np.arange(end - width, end), 0),
+                   np.concatenate([[-1, -1], np.arange(end - 2, end)]), end, [0] * width)
+    b.add_rows([0], np.zeros(width, dtype=np.int64), np.full(width, -1), width, [0] * width)   # graph padding
+    catchup = b.finish(uniform_rows=True).batch
+    context = catchup.seq_lens.long()
+    live = catchup.slot_mapping.view(4, width)[:, -1] >= 0
+    assert live.tolist() == [True, True, True, False]
+    for first, rows, starts in ((context - 1 + 2, 1, [e + 1 for e in ends]), (context, width, ends)):
+        got = ex._continued_batch(catchup, first, rows, live)
+        for table, start in zip(tables, starts):         # draft step 2 (KV position end + 1), then the verify
+            b.add(table, start, rows)
+        want = b.finish(uniform_rows=True).batch
+        real = 3 * rows
+        assert got.positions[:real].tolist() == want.positions.tolist()
+        assert got.slot_mapping[:real].tolist() == want.slot_mapping.tolist()
+        assert got.slot_mapping[real:].tolist() == [-1] * rows
+        assert got.seq_lens[:3].tolist() == want.seq_lens.tolist()
+        assert got.query_start_loc[:4].tolist() == want.query_start_loc.tolist()
+        assert got.uniform_query_len == want.uniform_query_len == rows and got.tree_mask is None
+
+
+def test_fused_chain_step_drafts_what_the_step_by_step_path_drafts(monkeypatch):
+    """The trained pair with the graph path on (buffers and padding run eagerly here): pure drafting
+    steps take the fused graph and accept exactly as many drafts as the step by step path, so its
+    derived batches feed the draft the same positions and KV."""
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    prompts = held_out_prompts(4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    step_by_step = spec_engine(target, draft, **MODES["chain"])
+    want = step_by_step.generate(prompts, params)
+    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
+    fused = spec_engine(target, draft, **MODES["chain"])
+    got = fused.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert fused.spec.graphs["chain step"].replays > 0
+    a, b = fused.stats(), step_by_step.stats()
+    assert a["spec_num_accepted_tokens"] == b["spec_num_accepted_tokens"] > 0
+    assert a["spec_num_draft_tokens"] == b["spec_num_draft_tokens"]
 
 
 @pytest.mark.gpu
@@ -448,7 +504,7 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
         if not eager:
             graphs = engine.spec.graphs
             assert all(g.capture and g.graphs for g in graphs.values())
-            assert graphs["verify"].replays > 0 and graphs["catch-up"].replays > 0
+            assert graphs["verify"].replays > 0 and graphs["catch-up" if mode != "chain" else "chain step"].replays > 0
         st = engine.stats()      # phase times come from CUDA events, read once complete
         assert st["spec_time_draft_ms"] > 0 and st["spec_time_verify_ms"] > 0
         assert_all_blocks_free(engine)

@@ -160,6 +160,10 @@ class EagleExecutor:
         # A decoding request catches up on at most the tokens its last step emitted: its accepted drafts
         # plus one. The catch-up graph pads every request to that many rows.
         self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
+        # Greedy chain drafts need nothing from the host between the catch-up and the verify, so a whole
+        # steady step (catch-up, gamma - 1 draft steps, verify) can be one graph; sampled drafts draw from
+        # per-request generators and keep the step by step path.
+        self.fused_chain = self.shape.kind == "chain" and not self.sample_drafts
         self.verify_offsets = torch.arange(max(self.verify_width, self.catchup_rows), device=self.device)
         self.graphs = self._capture_graphs() if runner.use_graphs else {}
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
@@ -183,6 +187,9 @@ class EagleExecutor:
         graphs = {"catch-up": StepGraphs("catch-up", self._catchup_forward, self.catchup_rows, **draft_rows)}
         if self.shape.kind == "chain" and self.gamma > 1:
             graphs["draft step"] = StepGraphs("draft step", self._draft_step, 1, **draft_rows)
+        if self.fused_chain:
+            # The steady state of chain decoding in one graph (catch-up rows == verify rows == 1 + gamma).
+            graphs["chain step"] = StepGraphs("chain step", self._chain_step_forward, self.catchup_rows, **draft_rows)
         if self.tree is not None:
             for d in range(1, self.tree.depth):
                 m = max(self.tree.level(d)) + 1                        # nodes 1..m-1: levels 1..d
@@ -221,10 +228,15 @@ class EagleExecutor:
         drafting = [r for r in sched.requests if r.speculative and not r.is_prefilling and r.spec_state.pending is not None]
         phase = self.phases
         phase.collect()
-        with phase("draft"):
-            proposal = self._draft(sched, drafting)
-        with phase("verify"):
-            hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
+        if self._chain_step_fits(sched, drafting):
+            with phase("draft"):          # the draft and the verify in one graph: its time counts as drafting
+                proposal, verify_logits, aux, layout = self._chain_step(drafting)
+            hidden = None
+        else:
+            with phase("draft"):
+                proposal = self._draft(sched, drafting)
+            with phase("verify"):
+                hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
         with phase("accept"):
             sampled = None
             if layout.sample_requests:
@@ -260,11 +272,8 @@ class EagleExecutor:
         none = _Proposal(torch.zeros(0, 0, dtype=torch.long, device=self.device))
         if not pending:
             return none
-        catchup = self.graphs.get("catch-up")
-        if (catchup is not None and catchup.bucket_for(len(drafting))
-                and len(pending) == len(drafting) and all(p is r for p, r in zip(pending, drafting))
-                and all(r.num_computed_tokens - r.spec_state.draft_pos <= self.catchup_rows for r in drafting)):
-            logits, h = self._catchup_padded(drafting)
+        if self._catchup_pads(self.graphs.get("catch-up"), pending, drafting):
+            logits, h = self._forward("catch-up", self._catchup_forward, *self._catchup_padded(drafting))
         else:
             logits, h = self._catchup_ragged(pending, drafting)
         if not drafting:
@@ -310,11 +319,18 @@ class EagleExecutor:
         last = built.extras[0]
         return self.draft.compute_logits(normed[last]), prenorm[last]
 
-    def _catchup_padded(self, drafting: list[Request]):
-        """The same with each request's span padded in front to catchup_rows rows (the catch-up graph's
-        shape), so its real rows are the last ones and its last row is the proposal. A padding row sits at
-        an already computed position (clamped at 0), writes no KV (slot -1), and its outputs are dropped;
-        the span never reaches past the request's own KV."""
+    def _catchup_pads(self, graphs: StepGraphs | None, pending: list[Request], drafting: list[Request]) -> bool:
+        """Whether the catch-up can run padded through `graphs`: every pending request drafts, within the
+        graph's buckets, with at most catchup_rows rows to catch up on (its last step's tokens)."""
+        return (graphs is not None and graphs.bucket_for(len(drafting)) is not None
+                and len(pending) == len(drafting) and all(p is r for p, r in zip(pending, drafting))
+                and all(r.num_computed_tokens - r.spec_state.draft_pos <= self.catchup_rows for r in drafting))
+
+    def _catchup_padded(self, drafting: list[Request]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """(ids, hidden, batch) of the catch-up with each request's span padded in front to catchup_rows rows
+        (the catch-up graph's shape), so its real rows are the last ones and its last row is the proposal.
+        A padding row sits at an already computed position (clamped at 0), writes no KV (slot -1), and its
+        outputs are dropped; the span never reaches past the request's own KV."""
         width, b = self.catchup_rows, self.builder
         dest, hidden = [], []
         for i, req in enumerate(drafting):
@@ -330,7 +346,53 @@ class EagleExecutor:
         built = b.finish((dest,), uniform_rows=True)
         hidden = torch.cat(hidden)
         padded = hidden.new_zeros(len(drafting) * width, hidden.shape[1]).index_copy_(0, built.extras[0], hidden)
-        return self._forward("catch-up", self._catchup_forward, built.input_ids, padded, built.batch)
+        return built.input_ids, padded, built.batch
+
+    # ---- 1-3 in one graph: the steady chain step ---------------------------------------------------
+    def _chain_step_fits(self, sched: ScheduledBatch, drafting: list[Request]) -> bool:
+        """A pure drafting batch at full depth whose catch-up pads: the fused graph's shape."""
+        if not (self.fused_chain and drafting and len(drafting) == len(sched.requests) and self.step_gamma == self.gamma):
+            return False
+        pending = [r for r in sched.requests if r.spec_state.pending is not None]
+        return self._catchup_pads(self.graphs.get("chain step"), pending, drafting)
+
+    def _chain_step(self, drafting: list[Request]):
+        """Catch-up, draft steps and verify from one host-built batch and one replay."""
+        drafts, logits, *aux = self.graphs["chain step"].run(*self._catchup_padded(drafting))
+        layout = _Layout()
+        layout.starts = list(range(0, len(drafting) * self.verify_width, self.verify_width))
+        return _Proposal(drafts), logits, aux, layout
+
+    def _chain_step_forward(self, ids, hidden, batch):
+        """(drafts [B, gamma], verify logits, aux...) from the padded catch-up batch. The later forwards'
+        batches follow from it on the device: each request's catch-up ends at KV position seq_len - 1 (the
+        root token's), draft step j writes position seq_len - 1 + j, and the verify's rows (the root, then
+        the drafts) sit at seq_len .. seq_len + gamma, as the step by step path builds them."""
+        width, n = self.catchup_rows, batch.num_seqs
+        logits, h = self._catchup_forward(ids, hidden, batch)
+        tokens = [greedy_propose(logits, self.draft.d2t)]
+        context = batch.seq_lens.long()
+        live = batch.slot_mapping.view(n, width)[:, -1] >= 0          # graph padding writes no KV
+        for j in range(1, self.gamma):
+            logits, h = self._draft_step(tokens[-1], h, self._continued_batch(batch, context - 1 + j, 1, live))
+            tokens.append(greedy_propose(logits, self.draft.d2t))
+        drafts = torch.stack(tokens, 1)
+        verify_ids = torch.cat([ids.view(n, width)[:, -1:], drafts], 1).flatten()
+        return (drafts, *self._verify_forward(verify_ids, None, self._continued_batch(batch, context, width, live)))
+
+    def _continued_batch(self, batch: ForwardBatch, first: torch.Tensor, rows: int, live: torch.Tensor) -> ForwardBatch:
+        """`rows` causal rows per sequence at KV positions first .. first + rows - 1, in `batch`'s blocks;
+        sequences not `live` write nothing. Built on the device (no host copy), as BatchBuilder.add would."""
+        kv = first[:, None] + self.verify_offsets[:rows]                                   # [B, rows]
+        tables = batch.block_tables
+        blocks = tables.gather(1, (kv // self.block_size).clamp(max=tables.shape[1] - 1)).long()
+        slots = torch.where(live[:, None], blocks * self.block_size + kv % self.block_size, -1)
+        n = first.shape[0]
+        return ForwardBatch(
+            positions=kv.clamp(max=self.builder.max_position - 1).flatten(), slot_mapping=slots.flatten(),
+            query_start_loc=torch.arange(0, (n + 1) * rows, rows, dtype=torch.int32, device=first.device),
+            seq_lens=(first + rows).int(), block_tables=tables, max_query_len=rows, max_seq_len=batch.max_seq_len,
+            uniform_query_len=rows)
 
     def _draft_tree(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
         """Expand the tree level by level. Level d's forward re-runs every node above it as well (a few
