@@ -8,13 +8,21 @@
 #            -> $OUT/peer/{peer_compare.json,peer_compare.md,peer.log}
 #   layer    benchmarks/decode_layer_bench.py: a decode layer's small kernels before and after their
 #            fusion, checked, then timed in CUDA graphs (about a minute; needs no FA4)  -> $OUT/decode_layer.json
+#   spec     pytest -m gpu over the speculative engine and the graph class (graphs == eager, the fused chain
+#            step included), then benchmarks/spec_timing.py for the chain (batch 1, 4, 16, 64) and a dynamic
+#            tree (6 steps x top-4, 32 nodes; batch 1, 16)  -> $OUT/spec_tests.log, $OUT/spec_timing{,_dynamic}/
+#   serving  benchmarks/spec_serving.py --quick: closed loops over IPC with speculation on and off (8B shape
+#            + dummy draft at concurrency 1, 16, 64, 256; the trained tiny pair at 1 and 8)  -> $OUT/serving/
+#   profile  benchmarks/decode_profile.py: the decode step at batch 1, 64, 256 against its floor, kernels
+#            and idle time  -> $OUT/decode_profile.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
-# README "GPU checks"): bash benchmarks/gpu_checks.sh [tests] [kernels] [peers] [layer]   (default: the first three)
+# README "GPU checks"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
 set -uo pipefail
 out=${OUT:?OUT must name the folder for results}
 stages=${*:-tests kernels peers}
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# The device's copy of the tree has no .git: a .commit file written before the call names the commit.
+commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
 declare -A status
 for stage in $stages; do
   start=$SECONDS
@@ -33,7 +41,23 @@ for stage in $stages; do
     layer)
       python3 benchmarks/decode_layer_bench.py "$out/decode_layer.json" --budget-s 80
       status[$stage]=$? ;;
-    *) echo "unknown stage $stage (tests, kernels, peers, layer)"; status[$stage]=2 ;;
+    spec)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_speculative_engine.py tests/test_batch_builder.py \
+        > "$out/spec_tests.log" 2>&1
+      status[$stage]=$?; tail -3 "$out/spec_tests.log"
+      python3 benchmarks/spec_timing.py --out "$out/spec_timing" --commit "$commit" --iters 20 > "$out/spec_timing.log" 2>&1 \
+        && python3 benchmarks/spec_timing.py --out "$out/spec_timing_dynamic" --commit "$commit" --iters 20 \
+             --batch-sizes 1,16 --dynamic-tree 6,4,32 > "$out/spec_timing_dynamic.log" 2>&1
+      [ $? = 0 ] || status[$stage]=1
+      grep -h "^| " "$out/spec_timing/spec_timing.md" "$out/spec_timing_dynamic/spec_timing.md" ;;
+    serving)
+      python3 benchmarks/spec_serving.py --out "$out/serving" --quick --commit "$commit" > "$out/serving.log" 2>&1
+      status[$stage]=$?; grep "^| " "$out/serving/spec_serving.md" ;;
+    profile)
+      python3 benchmarks/decode_profile.py --label "$commit" --out "$out/decode_profile.json" --batches 1,64,256 \
+        --steps 40 > "$out/decode_profile.log" 2>&1
+      status[$stage]=$?; tail -8 "$out/decode_profile.log" ;;
+    *) echo "unknown stage $stage (tests, kernels, peers, layer, spec, serving, profile)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done
