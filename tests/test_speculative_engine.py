@@ -485,6 +485,14 @@ def test_fused_chain_step_drafts_what_the_step_by_step_path_drafts(monkeypatch):
     a, b = fused.stats(), step_by_step.stats()
     assert a["spec_num_accepted_tokens"] == b["spec_num_accepted_tokens"] > 0
     assert a["spec_num_draft_tokens"] == b["spec_num_draft_tokens"]
+    # Seeded sampled requests beside greedy ones: verified outside the graph from its logits, drawing from
+    # each request's generator exactly as the step by step path does.
+    sampled = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i, ignore_eos=True) if i % 2 else params
+               for i in range(len(prompts))]
+    replays = fused.spec.graphs["chain step"].replays
+    assert ([c.token_ids for c in fused.generate(prompts, sampled)] ==
+            [c.token_ids for c in step_by_step.generate(prompts, sampled)])
+    assert fused.spec.graphs["chain step"].replays > replays
 
 
 @pytest.mark.gpu

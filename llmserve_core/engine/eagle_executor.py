@@ -228,22 +228,29 @@ class EagleExecutor:
         drafting = [r for r in sched.requests if r.speculative and not r.is_prefilling and r.spec_state.pending is not None]
         phase = self.phases
         phase.collect()
+        sampled, sample_requests = None, []
         if self._chain_step_fits(sched, drafting):
             with phase("draft"):          # the draft and the verify in one graph: its time counts as drafting
-                proposal, verify_logits, aux, layout = self._chain_step(drafting)
-            hidden = None
+                proposal, verify_logits, fused_aux, emitted = self._chain_step(drafting)
+            with phase("accept"):
+                if all(r.params.greedy for r in drafting):      # verified inside the graph: one readback
+                    verified = _Verified([row[1:1 + row[0]] for row in emitted.tolist()], [None] * len(drafting))
+                else:
+                    verified = self._verify(None, verify_logits, None, drafting, proposal)
+            with phase("kv_update"):
+                self._keep_chain_pending(drafting, verified, fused_aux)
         else:
             with phase("draft"):
                 proposal = self._draft(sched, drafting)
             with phase("verify"):
                 hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
-        with phase("accept"):
-            sampled = None
-            if layout.sample_requests:
-                sampled = self.runner.sample(hidden[layout.sample_rows], layout.sample_requests).to_host(self.pin)
-            verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
-        with phase("kv_update"):
-            self._commit(sched, drafting, verified, aux, layout)
+            with phase("accept"):
+                sample_requests = layout.sample_requests
+                if sample_requests:
+                    sampled = self.runner.sample(hidden[layout.sample_rows], sample_requests).to_host(self.pin)
+                verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
+            with phase("kv_update"):
+                self._commit(sched, drafting, verified, aux, layout)
         results = [SpecStepResult(tokens, self.step_gamma, len(tokens) - 1, path)
                    for tokens, path in zip(verified.tokens, verified.paths)]
         if results:
@@ -256,7 +263,7 @@ class EagleExecutor:
                               d, res.num_accepted, res.token_ids,
                               f" path {res.accepted_nodes}" if res.accepted_nodes else "")
         ready = [RequestResult(req, tokens, extra_computed=len(tokens) - 1) for req, tokens in zip(drafting, verified.tokens)]
-        return StepHandle(sched, sampled, layout.sample_requests, ready, [r.num_accepted for r in results])
+        return StepHandle(sched, sampled, sample_requests, ready, [r.num_accepted for r in results])
 
     def policy_widths(self) -> dict[int, int]:
         """Draft depths the policy may pick, with the verify rows each costs a request: a chain may draft
@@ -357,17 +364,26 @@ class EagleExecutor:
         return self._catchup_pads(self.graphs.get("chain step"), pending, drafting)
 
     def _chain_step(self, drafting: list[Request]):
-        """Catch-up, draft steps and verify from one host-built batch and one replay."""
-        drafts, logits, *aux = self.graphs["chain step"].run(*self._catchup_padded(drafting))
-        layout = _Layout()
-        layout.starts = list(range(0, len(drafting) * self.verify_width, self.verify_width))
-        return _Proposal(drafts), logits, aux, layout
+        """Catch-up, draft steps and verify from one host-built batch and one replay: (proposal, verify
+        logits, fused aux of every verify row, greedy verification [B, 1 + width]: emitted count, tokens)."""
+        drafts, logits, fused_aux, emitted = self.graphs["chain step"].run(*self._catchup_padded(drafting))
+        return _Proposal(drafts), logits, fused_aux, emitted
+
+    def _keep_chain_pending(self, drafting: list[Request], verified: "_Verified", fused_aux: torch.Tensor) -> None:
+        """_commit for the fused step: a chain keeps each request's first len(tokens) verify rows, whose
+        aux the graph already fused; copied out, since the graph's next replay rewrites its outputs."""
+        fused_aux, width = fused_aux.clone(), self.verify_width
+        for i, (req, tokens) in enumerate(zip(drafting, verified.tokens)):
+            req.spec_state.draft_pos = req.num_computed_tokens
+            req.spec_state.pending = fused_aux[i * width:i * width + len(tokens)]
 
     def _chain_step_forward(self, ids, hidden, batch):
-        """(drafts [B, gamma], verify logits, aux...) from the padded catch-up batch. The later forwards'
-        batches follow from it on the device: each request's catch-up ends at KV position seq_len - 1 (the
-        root token's), draft step j writes position seq_len - 1 + j, and the verify's rows (the root, then
-        the drafts) sit at seq_len .. seq_len + gamma, as the step by step path builds them."""
+        """(drafts [B, gamma], verify logits, fused aux, greedy verification) from the padded catch-up
+        batch. The later forwards' batches follow from it on the device: each request's catch-up ends at
+        KV position seq_len - 1 (the root token's), draft step j writes position seq_len - 1 + j, and the
+        verify's rows (the root, then the drafts) sit at seq_len .. seq_len + gamma, as the step by step
+        path builds them. Greedy verification and the aux fusion run on every row here, so a greedy batch
+        leaves the graph with one small readback to do; sampled requests verify from the logits outside."""
         width, n = self.catchup_rows, batch.num_seqs
         logits, h = self._catchup_forward(ids, hidden, batch)
         tokens = [greedy_propose(logits, self.draft.d2t)]
@@ -378,7 +394,10 @@ class EagleExecutor:
             tokens.append(greedy_propose(logits, self.draft.d2t))
         drafts = torch.stack(tokens, 1)
         verify_ids = torch.cat([ids.view(n, width)[:, -1:], drafts], 1).flatten()
-        return (drafts, *self._verify_forward(verify_ids, None, self._continued_batch(batch, context, width, live)))
+        logits, *aux = self._verify_forward(verify_ids, None, self._continued_batch(batch, context, width, live))
+        out = greedy_verify(logits, drafts, torch.full((n,), self.gamma, dtype=torch.long, device=drafts.device))
+        emitted = torch.cat([(out.num_accepted + 1)[:, None], out.token_ids], 1)
+        return drafts, logits, self.draft.combine_aux(aux), emitted
 
     def _continued_batch(self, batch: ForwardBatch, first: torch.Tensor, rows: int, live: torch.Tensor) -> ForwardBatch:
         """`rows` causal rows per sequence at KV positions first .. first + rows - 1, in `batch`'s blocks;
