@@ -316,10 +316,17 @@ def test_tree_kv_compaction_commits_the_path():
     assert tree_kv_moves([0, 2, 6]) == [(2, 1), (6, 2)]
     assert tree_kv_moves([0, 1, 3]) == [(3, 2)]
     k_cache = torch.arange(2 * 4 * 1 * 1, dtype=torch.float32).view(2, 4, 1, 1)
-    v_cache = -k_cache.clone()
-    compact_kv([(k_cache, v_cache)], torch.tensor([6, 7]), torch.tensor([1, 2]))
-    assert k_cache.flatten().tolist() == [0, 6, 7, 3, 4, 5, 6, 7]
-    assert v_cache.flatten().tolist() == [0, -6, -7, -3, -4, -5, -6, -7]
+    pool = torch.stack([torch.stack([k_cache, -k_cache]), torch.stack([k_cache + 100, -k_cache - 100])])  # 2 layers
+    compact_kv(pool, torch.tensor([6, 7]), torch.tensor([1, 2]))
+    moved = [0, 6, 7, 3, 4, 5, 6, 7]
+    assert pool[0, 0].flatten().tolist() == moved
+    assert pool[0, 1].flatten().tolist() == [-v for v in moved]
+    assert pool[1, 0].flatten().tolist() == [v + 100 for v in moved]
+    assert pool[1, 1].flatten().tolist() == [-v - 100 for v in moved]
+    # Overlapping moves (a destination that is also a source) read every source before writing.
+    pool = torch.arange(8, dtype=torch.float32).view(1, 1, 2, 4, 1, 1).clone()
+    compact_kv(pool, torch.tensor([2, 3]), torch.tensor([1, 2]))
+    assert pool.flatten().tolist() == [0, 2, 3, 3, 4, 5, 6, 7]
 
 
 def test_tree_rejection_many_siblings_drawn_without_replacement():

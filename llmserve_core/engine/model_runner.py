@@ -69,7 +69,8 @@ class ModelRunner:
         self.tp = tp
         self.extra_kv_bytes_per_block = 0
         self.num_blocks = 0
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_pool: torch.Tensor | None = None          # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # per layer: views of kv_pool
         self.graphs: StepGraphs | None = None
         # Grammar bitmasks: one pinned buffer is enough, since steps with grammar rows run synchronously.
         self.masks = MaskBuilder(config.max_num_seqs, model_config.vocab_size, self.device, self.pin)
@@ -88,7 +89,8 @@ class ModelRunner:
         self.num_blocks = self.config.num_kv_blocks or self._kv_blocks_that_fit()
         if self.tp is not None:      # one block table serves every rank
             self.num_blocks = self.tp.agree_min(self.num_blocks)
-        self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.kv_pool = self._allocate_kv(self.num_blocks)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
         self.graphs = self._capture_graphs()
 
     # ---- KV cache --------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ class ModelRunner:
         seq_len = min(num_tokens, self.max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
         scratch_blocks = sum(-(-n // self.block_size) for n in lens) + 1
-        kv = self._allocate_kv(scratch_blocks)
+        kv = [(layer[0], layer[1]) for layer in self._allocate_kv(scratch_blocks)]
         reqs = []
         next_block = 0
         for n in lens:
@@ -156,11 +158,11 @@ class ModelRunner:
     def _decode_forward(self, input_ids, _hidden, batch):
         return (self.model(input_ids, batch, self.kv_caches),)
 
-    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv(self, num_blocks: int) -> torch.Tensor:
+        """One tensor for every layer's K and V, so a tree's KV compaction moves all of them in one op."""
         m = self.model_config
-        shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(m.num_hidden_layers)]
+        shape = (m.num_hidden_layers, 2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     # ---- one step --------------------------------------------------------------------------------
     def prepare(self, sched: ScheduledBatch) -> PreparedBatch:

@@ -205,11 +205,19 @@ class TreeVerifyOutput:
     num_accepted: torch.Tensor  # [B] accepted candidates (emitted = num_accepted + 1)
     path_nodes: torch.Tensor    # [B, depth + 1] accepted path, root first, padded with -1
 
+    def packed(self) -> torch.Tensor:
+        """[B, 1 + 2 * (depth + 1)]: emitted count, tokens, path, so the host reads it in one transfer."""
+        return torch.cat([(self.num_accepted + 1)[:, None], self.token_ids, self.path_nodes], 1)
+
+    @staticmethod
+    def unpack(rows: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """packed().tolist() -> (emitted tokens, accepted path) per request."""
+        width = (len(rows[0]) - 1) // 2 if rows else 0
+        return [r[1:1 + r[0]] for r in rows], [r[1 + width:1 + width + r[0]] for r in rows]
+
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """(emitted tokens, accepted path) per request, read back in one transfer."""
-        width = self.token_ids.shape[1]
-        rows = torch.cat([(self.num_accepted + 1)[:, None], self.token_ids, self.path_nodes], 1).tolist()
-        return ([r[1:1 + r[0]] for r in rows], [r[1 + width:1 + width + r[0]] for r in rows])
+        return self.unpack(self.packed().tolist())
 
     def token_lists(self) -> list[list[int]]:
         return self.lists()[0]
@@ -337,12 +345,11 @@ def tree_kv_moves(path_nodes: list[int]) -> list[tuple[int, int]]:
     return [(node, k) for k, node in enumerate(path_nodes) if node != k]
 
 
-def compact_kv(kv_caches, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy each layer's K/V from src slots to dst slots ([num_blocks, block_size, kv_heads, head_dim]
-    caches, slot = block * block_size + offset). Reads happen before writes, so any order is safe."""
+def compact_kv(kv_pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy every layer's K and V from src slots to dst slots in one gather and one scatter (kv_pool:
+    [layers, 2, num_blocks, block_size, kv_heads, head_dim], slot = block * block_size + offset). The
+    gather reads every source before the scatter writes, so overlapping moves are safe."""
     if src_slots.numel() == 0:
         return
-    for k_cache, v_cache in kv_caches:
-        for cache in (k_cache, v_cache):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[dst_slots] = flat[src_slots]
+    flat = kv_pool.view(-1, kv_pool.shape[2] * kv_pool.shape[3], *kv_pool.shape[4:])
+    flat[:, dst_slots] = flat[:, src_slots]
