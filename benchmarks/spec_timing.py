@@ -16,8 +16,8 @@ norm_before_residual, aux layers 2, 18, 33). Per batch size, with every request 
   t_catchup_graph, t_draft_graph, t_verify_graph  the same through the executor's CUDA graphs (when
              captured; the catch-up graph pads every request to 1 + gamma rows)
   t_step     a whole speculative engine step through EagleExecutor.execute (host work included): a
-             steady chain step is one graph (catch-up, draft steps, verify); t_step_unfused replays the
-             catch-up, draft-step and verify graphs one by one instead
+             steady greedy chain or dynamic-tree step is one graph (catch-up, draft forwards, verify);
+             t_step_unfused replays the catch-up, draft and verify graphs one by one instead
 
 and the implied speedup AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify) at acceptance
 lengths 2.0, 2.5, 3.0 (plus AL * t_decode / t_step). Times are CUDA-event medians after warmup.
@@ -207,14 +207,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
                 r.spec_state = SpecState(n - 2, torch.zeros(1, hidden_size, device=device, dtype=runner.dtype))
             ex.execute(sched)
         out["t_step"] = measure(spec_step)
-        if ex.fused_chain and "chain step" in graphs:
-            # The same step without the fused graph (catch-up, draft steps and verify replayed one by one),
-            # so the fused graph's gain is a ratio inside this run.
-            ex.fused_chain = False
-            try:
-                out["t_step_unfused"] = measure(spec_step)
-            finally:
-                ex.fused_chain = True
+        time_unfused(ex, spec_step, out, measure)
 
         # What the engine runs: graphs where it has them.
         t_draft, t_verify = out.get("t_draft_graph", out["t_draft"]), out.get("t_verify_graph", out["t_verify"])
@@ -230,6 +223,18 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
             engine.block_manager.release(r)
 
 
+def time_unfused(ex, spec_step, out: dict, measure) -> None:
+    """The same step without the fused graph (catch-up, draft forwards and verify replayed one by one),
+    so the fused graph's gain is a ratio inside this run."""
+    if not (ex.fused and "fused step" in ex.graphs):
+        return
+    ex.fused = False
+    try:
+        out["t_step_unfused"] = measure(spec_step)
+    finally:
+        ex.fused = True
+
+
 def whole_step_only(engine, reqs, sched, n, out, measure) -> dict:
     """A tree's step has no chain components to sum: its whole step against a decode."""
     ex, runner = engine.spec, engine.runner
@@ -240,6 +245,7 @@ def whole_step_only(engine, reqs, sched, n, out, measure) -> dict:
             r.spec_state = SpecState(n - 2, torch.zeros(1, hidden_size, device=runner.device, dtype=runner.dtype))
         ex.execute(sched)
     out["t_step"] = measure(spec_step)
+    time_unfused(ex, spec_step, out, measure)
     for al in ACCEPTANCE_LENGTHS + (3.5,):
         out[f"speedup_step_al{al}"] = al * out["t_decode"] / out["t_step"]
     return out
@@ -260,13 +266,13 @@ def markdown(result: dict) -> str:
     if result.get("dynamic_tree"):
         lines[2] = (f"dynamic tree (steps, top-k, nodes) {result['dynamic_tree']}, context {result['context']}, "
                     f"{result['dtype']}, attention {result['attention_backend']}; milliseconds (CUDA-event medians).")
-        lines[4:6] = ["| batch | decode | spec step | step / decode | x step @AL 2.5 | x step @AL 3.0 | x step @AL 3.5 |",
-                      "|---|---|---|---|---|---|---|"]
+        lines[4:6] = ["| batch | decode | spec step | step unfused | step / decode | x step @AL 2.5 | x step @AL 3.0 | "
+                      "x step @AL 3.5 |", "|---|---|---|---|---|---|---|---|"]
         for row in result["rows"]:
             if "error" in row:
                 lines.append(f"| {row['batch']} | failed: {row['error']} |")
                 continue
-            lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_step']:.2f} | "
+            lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_step']:.2f} | {ms(row, 't_step_unfused')} | "
                          f"{row['t_step'] / row['t_decode']:.2f} | {row['speedup_step_al2.5']:.2f} | "
                          f"{row['speedup_step_al3.0']:.2f} | {row['speedup_step_al3.5']:.2f} |")
         return "\n".join(lines) + "\n"

@@ -431,11 +431,12 @@ def test_graph_buffers_and_padding_match_eager(pair, plain, monkeypatch, mode):
     # up through the padded graph), the chain's draft steps and fused step, or every tree level.
     assert all(g.replays > 0 for g in graphs.values()), {name: g.replays for name, g in graphs.items()}
     levels = engine.spec.shape.depth - 1 if mode != "chain" else 0     # draft forwards after the catch-up
-    assert len(graphs) == (4 if mode == "chain" else 2 + levels)
+    # catch-up, verify, the chain's draft step or the levels, the fused step (a chain or a dynamic tree)
+    assert len(graphs) == {"chain": 4, "tree-eagle-small": 2 + levels, "tree-dynamic": 3 + levels}[mode]
     assert_all_blocks_free(engine)
 
 
-def test_fused_chain_step_batches_match_the_builders(pair, monkeypatch):
+def test_fused_step_batches_match_the_builders(pair, monkeypatch):
     """The fused chain step derives its draft-step and verify batches on the device from the padded
     catch-up batch: field by field what the batch builder makes for the same spans, a graph-padding
     sequence writing nothing."""
@@ -468,20 +469,22 @@ def test_fused_chain_step_batches_match_the_builders(pair, monkeypatch):
         assert got.uniform_query_len == want.uniform_query_len == rows and got.tree_mask is None
 
 
-def test_fused_chain_step_drafts_what_the_step_by_step_path_drafts(monkeypatch):
+@pytest.mark.parametrize("mode", ["chain", "tree-dynamic"])
+def test_fused_step_drafts_what_the_step_by_step_path_drafts(monkeypatch, mode):
     """The trained pair with the graph path on (buffers and padding run eagerly here): pure drafting
     steps take the fused graph and accept exactly as many drafts as the step by step path, so its
-    derived batches feed the draft the same positions and KV."""
+    derived batches feed the draft (and the verify) the same positions, masks and KV."""
     target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
     prompts = held_out_prompts(4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    step_by_step = spec_engine(target, draft, **MODES["chain"])
+    settings = TRAINED_DYNAMIC if mode == "tree-dynamic" else MODES[mode]
+    step_by_step = spec_engine(target, draft, **settings)
     want = step_by_step.generate(prompts, params)
     monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
-    fused = spec_engine(target, draft, **MODES["chain"])
+    fused = spec_engine(target, draft, **settings)
     got = fused.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert fused.spec.graphs["chain step"].replays > 0
+    assert fused.spec.graphs["fused step"].replays > 0
     a, b = fused.stats(), step_by_step.stats()
     assert a["spec_num_accepted_tokens"] == b["spec_num_accepted_tokens"] > 0
     assert a["spec_num_draft_tokens"] == b["spec_num_draft_tokens"]
@@ -489,10 +492,10 @@ def test_fused_chain_step_drafts_what_the_step_by_step_path_drafts(monkeypatch):
     # each request's generator exactly as the step by step path does.
     sampled = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i, ignore_eos=True) if i % 2 else params
                for i in range(len(prompts))]
-    replays = fused.spec.graphs["chain step"].replays
+    replays = fused.spec.graphs["fused step"].replays
     assert ([c.token_ids for c in fused.generate(prompts, sampled)] ==
             [c.token_ids for c in step_by_step.generate(prompts, sampled)])
-    assert fused.spec.graphs["chain step"].replays > replays
+    assert fused.spec.graphs["fused step"].replays > replays
 
 
 @pytest.mark.gpu
@@ -512,7 +515,9 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
         if not eager:
             graphs = engine.spec.graphs
             assert all(g.capture and g.graphs for g in graphs.values())
-            assert graphs["verify"].replays > 0 and graphs["catch-up" if mode != "chain" else "chain step"].replays > 0
+            assert graphs["verify"].replays > 0 and graphs["catch-up"].replays > 0
+            if mode != "tree-eagle-small":
+                assert graphs["fused step"].replays > 0
         st = engine.stats()      # phase times come from CUDA events, read once complete
         assert st["spec_time_draft_ms"] > 0 and st["spec_time_verify_ms"] > 0
         assert_all_blocks_free(engine)

@@ -48,10 +48,10 @@ from llmserve_core.layers.sampler import SamplingTensors
 from llmserve_core.models.eagle3 import load_eagle3
 from llmserve_core.speculative.dynamic_tree import TreeGrowth
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
-from llmserve_core.speculative.tree import TreeBatch, compact_kv, fill_level, tree_greedy_verify, tree_kv_moves, \
-    tree_rejection_verify
+from llmserve_core.speculative.tree import TreeBatch, TreeVerifyOutput, compact_kv, fill_level, tree_greedy_verify, \
+    tree_kv_moves, tree_rejection_verify
 from llmserve_core.speculative.types import TIMING_KEYS, SpecMetrics, SpecStepResult
-from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
+from llmserve_core.speculative.verify import VerifyOutput, greedy_verify, rejection_sample_verify, verify_probs
 
 log = logging.getLogger("llmserve.eagle")
 
@@ -160,11 +160,12 @@ class EagleExecutor:
         # A decoding request catches up on at most the tokens its last step emitted: its accepted drafts
         # plus one. The catch-up graph pads every request to that many rows.
         self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
-        # Greedy chain drafts need nothing from the host between the catch-up and the verify, so a whole
-        # steady step (catch-up, gamma - 1 draft steps, verify) can be one graph; sampled drafts draw from
-        # per-request generators and keep the step by step path.
-        self.fused_chain = self.shape.kind == "chain" and not self.sample_drafts
-        self.verify_offsets = torch.arange(max(self.verify_width, self.catchup_rows), device=self.device)
+        # Greedy chain drafts and dynamic trees need nothing from the host between the catch-up and the
+        # verify, so a whole steady step (catch-up, draft forwards, verify) can be one graph; sampled chain
+        # drafts draw from per-request generators, and a static tree's levels are built on the host, so
+        # those keep the step by step path.
+        self.fused = (self.shape.kind == "chain" and not self.sample_drafts) or self.dynamic is not None
+        self.verify_offsets = torch.arange(max(self.verify_width, self.catchup_rows, self.lookahead + 1), device=self.device)
         self.graphs = self._capture_graphs() if runner.use_graphs else {}
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
                  list(self.aux_layer_ids), self.shape.describe(), config.speculative_accept_mode)
@@ -187,9 +188,10 @@ class EagleExecutor:
         graphs = {"catch-up": StepGraphs("catch-up", self._catchup_forward, self.catchup_rows, **draft_rows)}
         if self.shape.kind == "chain" and self.gamma > 1:
             graphs["draft step"] = StepGraphs("draft step", self._draft_step, 1, **draft_rows)
-        if self.fused_chain:
-            # The steady state of chain decoding in one graph (catch-up rows == verify rows == 1 + gamma).
-            graphs["chain step"] = StepGraphs("chain step", self._chain_step_forward, self.catchup_rows, **draft_rows)
+        if self.fused:
+            # The steady state of decoding in one graph, fed the padded catch-up's inputs.
+            fused = self._dynamic_step_forward if self.dynamic is not None else self._chain_step_forward
+            graphs["fused step"] = StepGraphs("fused step", fused, self.catchup_rows, **draft_rows)
         if self.tree is not None:
             for d in range(1, self.tree.depth):
                 m = max(self.tree.level(d)) + 1                        # nodes 1..m-1: levels 1..d
@@ -229,16 +231,18 @@ class EagleExecutor:
         phase = self.phases
         phase.collect()
         sampled, sample_requests = None, []
-        if self._chain_step_fits(sched, drafting):
+        if self._fused_step_fits(sched, drafting):
             with phase("draft"):          # the draft and the verify in one graph: its time counts as drafting
-                proposal, verify_logits, fused_aux, emitted = self._chain_step(drafting)
+                proposal, verify_logits, fused_aux, emitted = self._fused_step(drafting)
             with phase("accept"):
                 if all(r.params.greedy for r in drafting):      # verified inside the graph: one readback
-                    verified = _Verified([row[1:1 + row[0]] for row in emitted.tolist()], [None] * len(drafting))
+                    rows = emitted.tolist()
+                    verified = (_Verified(*TreeVerifyOutput.unpack(rows)) if proposal.trees is not None else
+                                _Verified(VerifyOutput.unpack(rows), [None] * len(rows)))
                 else:
                     verified = self._verify(None, verify_logits, None, drafting, proposal)
             with phase("kv_update"):
-                self._keep_chain_pending(drafting, verified, fused_aux)
+                self._keep_fused(drafting, verified, fused_aux)
         else:
             with phase("draft"):
                 proposal = self._draft(sched, drafting)
@@ -355,27 +359,40 @@ class EagleExecutor:
         padded = hidden.new_zeros(len(drafting) * width, hidden.shape[1]).index_copy_(0, built.extras[0], hidden)
         return built.input_ids, padded, built.batch
 
-    # ---- 1-3 in one graph: the steady chain step ---------------------------------------------------
-    def _chain_step_fits(self, sched: ScheduledBatch, drafting: list[Request]) -> bool:
+    # ---- 1-3 in one graph: the steady step ----------------------------------------------------------
+    def _fused_step_fits(self, sched: ScheduledBatch, drafting: list[Request]) -> bool:
         """A pure drafting batch at full depth whose catch-up pads: the fused graph's shape."""
-        if not (self.fused_chain and drafting and len(drafting) == len(sched.requests) and self.step_gamma == self.gamma):
+        if not (self.fused and drafting and len(drafting) == len(sched.requests) and self.step_gamma == self.gamma):
             return False
         pending = [r for r in sched.requests if r.spec_state.pending is not None]
-        return self._catchup_pads(self.graphs.get("chain step"), pending, drafting)
+        return self._catchup_pads(self.graphs.get("fused step"), pending, drafting)
 
-    def _chain_step(self, drafting: list[Request]):
-        """Catch-up, draft steps and verify from one host-built batch and one replay: (proposal, verify
-        logits, fused aux of every verify row, greedy verification [B, 1 + width]: emitted count, tokens)."""
-        drafts, logits, fused_aux, emitted = self.graphs["chain step"].run(*self._catchup_padded(drafting))
-        return _Proposal(drafts), logits, fused_aux, emitted
+    def _fused_step(self, drafting: list[Request]):
+        """Catch-up, draft forwards and verify from one host-built batch and one replay: (proposal, verify
+        logits, fused aux of every verify row, greedy verification packed for one readback)."""
+        out = self.graphs["fused step"].run(*self._catchup_padded(drafting))
+        if self.dynamic is None:
+            drafts, logits, fused_aux, emitted = out
+            return _Proposal(drafts), logits, fused_aux, emitted
+        nodes, parents, logits, fused_aux, emitted = out
+        trees = TreeBatch(parents, self.dynamic.num_steps, self.dynamic.topk, bounded=True)
+        return _Proposal(nodes, trees=trees), logits, fused_aux, emitted
 
-    def _keep_chain_pending(self, drafting: list[Request], verified: "_Verified", fused_aux: torch.Tensor) -> None:
-        """_commit for the fused step: a chain keeps each request's first len(tokens) verify rows, whose
-        aux the graph already fused; copied out, since the graph's next replay rewrites its outputs."""
-        fused_aux, width = fused_aux.clone(), self.verify_width
-        for i, (req, tokens) in enumerate(zip(drafting, verified.tokens)):
+    def _keep_fused(self, drafting: list[Request], verified: "_Verified", fused_aux: torch.Tensor) -> None:
+        """_commit for the fused step, whose graph already fused the aux of every verify row: a chain keeps
+        each request's first len(tokens) rows (copied out: the graph's next replay rewrites its outputs),
+        a tree the rows of its accepted path, after moving that path's KV into place."""
+        width = self.verify_width
+        if verified.paths[0] is None:
+            fused_aux = fused_aux.clone()
+            parts = [fused_aux[i * width:i * width + len(tokens)] for i, tokens in enumerate(verified.tokens)]
+        else:
+            self._compact_paths(drafting, verified.paths)
+            rows = [i * width + node for i, path in enumerate(verified.paths) for node in path]
+            parts = fused_aux[self.staging.ints(rows)].split([len(path) for path in verified.paths])
+        for req, part in zip(drafting, parts):
             req.spec_state.draft_pos = req.num_computed_tokens
-            req.spec_state.pending = fused_aux[i * width:i * width + len(tokens)]
+            req.spec_state.pending = part
 
     def _chain_step_forward(self, ids, hidden, batch):
         """(drafts [B, gamma], verify logits, fused aux, greedy verification) from the padded catch-up
@@ -396,22 +413,55 @@ class EagleExecutor:
         verify_ids = torch.cat([ids.view(n, width)[:, -1:], drafts], 1).flatten()
         logits, *aux = self._verify_forward(verify_ids, None, self._continued_batch(batch, context, width, live))
         out = greedy_verify(logits, drafts, torch.full((n,), self.gamma, dtype=torch.long, device=drafts.device))
-        emitted = torch.cat([(out.num_accepted + 1)[:, None], out.token_ids], 1)
-        return drafts, logits, self.draft.combine_aux(aux), emitted
+        return drafts, logits, self.draft.combine_aux(aux), out.packed()
 
-    def _continued_batch(self, batch: ForwardBatch, first: torch.Tensor, rows: int, live: torch.Tensor) -> ForwardBatch:
-        """`rows` causal rows per sequence at KV positions first .. first + rows - 1, in `batch`'s blocks;
-        sequences not `live` write nothing. Built on the device (no host copy), as BatchBuilder.add would."""
+    def _dynamic_step_forward(self, ids, hidden, batch):
+        """(node tokens [B, N], parents [B, N], verify logits, fused aux, greedy verification) from the
+        padded catch-up batch: the tree grows level by level as _draft_dynamic grows it, each level's rows
+        at KV positions seq_len .. seq_len + m - 1 with rotary positions seq_len - 1 + depth, and the
+        verify's nodes at seq_len .. seq_len + N - 1 with rotary positions seq_len + depth."""
+        shape, width, n = self.dynamic, self.catchup_rows, batch.num_seqs
+        logits, h = self._catchup_forward(ids, hidden, batch)
+        context = batch.seq_lens.long()
+        live = batch.slot_mapping.view(n, width)[:, -1] >= 0          # graph padding writes no KV
+        growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.draft.d2t)
+        prenorm = h.new_zeros(n, 1 + shape.num_expanded, h.shape[-1])
+        prenorm[:, 0] = h
+        depths = shape.row_depths(shape.num_expanded).to(self.device)
+        while not growth.done:
+            tokens, source, mask = growth.draft_rows()
+            m = tokens.shape[1]
+            level = self._continued_batch(batch, context, m, live, rope=(context - 1)[:, None] + depths[:m],
+                                          tree_mask=mask.flatten(0, 1))
+            hidden_rows = prenorm.gather(1, source[:, :, None].expand(-1, -1, prenorm.shape[-1]))
+            frontier_logits, pre = self._dynamic_level_forward(m)(tokens.flatten(), hidden_rows.flatten(0, 1), level)
+            prenorm[:, 1:m + 1] = pre.view(n, m, -1)
+            growth.grow(torch.log_softmax(frontier_logits.float(), -1))
+        trees, nodes = growth.finish(ids.view(n, width)[:, -1])
+        nodes_n = nodes.shape[1]
+        verify = self._continued_batch(batch, context, nodes_n, live, rope=context[:, None] + trees.depths(),
+                                       tree_mask=trees.attention_masks().flatten(0, 1))
+        logits, *aux = self._verify_forward(nodes.flatten(), None, verify)
+        out = tree_greedy_verify(trees, logits, nodes)
+        return nodes, trees.parents, logits, self.draft.combine_aux(aux), out.packed()
+
+    def _continued_batch(self, batch: ForwardBatch, first: torch.Tensor, rows: int, live: torch.Tensor,
+                         rope: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> ForwardBatch:
+        """`rows` rows per sequence at KV positions first .. first + rows - 1, in `batch`'s blocks, causal
+        or under `tree_mask` ([B * rows, rows]), at rotary positions `rope` ([B, rows]; default: the KV
+        positions); sequences not `live` write nothing. Built on the device (no host copy), as
+        BatchBuilder.add / add_rows would."""
         kv = first[:, None] + self.verify_offsets[:rows]                                   # [B, rows]
         tables = batch.block_tables
         blocks = tables.gather(1, (kv // self.block_size).clamp(max=tables.shape[1] - 1)).long()
         slots = torch.where(live[:, None], blocks * self.block_size + kv % self.block_size, -1)
         n = first.shape[0]
+        rope = kv if rope is None else rope
         return ForwardBatch(
-            positions=kv.clamp(max=self.builder.max_position - 1).flatten(), slot_mapping=slots.flatten(),
+            positions=rope.clamp(max=self.builder.max_position - 1).flatten(), slot_mapping=slots.flatten(),
             query_start_loc=torch.arange(0, (n + 1) * rows, rows, dtype=torch.int32, device=first.device),
             seq_lens=(first + rows).int(), block_tables=tables, max_query_len=rows, max_seq_len=batch.max_seq_len,
-            uniform_query_len=rows)
+            tree_mask=tree_mask, uniform_query_len=rows)
 
     def _draft_tree(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
         """Expand the tree level by level. Level d's forward re-runs every node above it as well (a few
@@ -575,14 +625,7 @@ class EagleExecutor:
         of every newly valid position of a speculative request for its next catch-up."""
         positions = {r.request_id: i for i, r in enumerate(drafting)}
         if drafting and verified.paths[0] is not None:
-            src, dst = [], []
-            for req, path in zip(drafting, verified.paths):
-                table, base = req.block_ids, req.num_computed_tokens
-                for a, b in tree_kv_moves(path):
-                    src.append(self._slot(table, base + a))
-                    dst.append(self._slot(table, base + b))
-            compact_kv(self.runner.kv_caches, *self.staging.copy([np.asarray(src, dtype=np.int64),
-                                                                  np.asarray(dst, dtype=np.int64)]))
+            self._compact_paths(drafting, verified.paths)
         rows, owners = [], []
         for req, n, start in zip(sched.requests, sched.num_new_tokens, layout.starts):
             i = positions.get(req.request_id)
@@ -600,6 +643,17 @@ class EagleExecutor:
         for (req, k), part in zip(owners, fused.split([k for _, k in owners])):
             req.spec_state.draft_pos = req.num_computed_tokens
             req.spec_state.pending = part
+
+    def _compact_paths(self, drafting: list[Request], paths: list[list[int]]) -> None:
+        """Move each request's accepted tree path's target KV to consecutive slots after its context."""
+        src, dst = [], []
+        for req, path in zip(drafting, paths):
+            table, base = req.block_ids, req.num_computed_tokens
+            for a, b in tree_kv_moves(path):
+                src.append(self._slot(table, base + a))
+                dst.append(self._slot(table, base + b))
+        compact_kv(self.runner.kv_pool, *self.staging.copy([np.asarray(src, dtype=np.int64),
+                                                           np.asarray(dst, dtype=np.int64)]))
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _slot(self, block_ids: list[int], pos: int) -> int:

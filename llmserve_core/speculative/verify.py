@@ -24,10 +24,18 @@ class VerifyOutput:
     token_ids: torch.Tensor     # [B, K + 1] int64, emitted tokens, padded with -1
     num_accepted: torch.Tensor  # [B] int64, accepted draft tokens (emitted = num_accepted + 1)
 
+    def packed(self) -> torch.Tensor:
+        """[B, 1 + K + 1]: emitted count, then the tokens, so the host reads it in one transfer."""
+        return torch.cat([(self.num_accepted + 1)[:, None], self.token_ids], 1)
+
+    @staticmethod
+    def unpack(rows: list[list[int]]) -> list[list[int]]:
+        """packed().tolist() -> emitted tokens per request."""
+        return [r[1:1 + r[0]] for r in rows]
+
     def token_lists(self) -> list[list[int]]:
         """Emitted tokens per request, read back in one transfer."""
-        rows = torch.cat([(self.num_accepted + 1)[:, None], self.token_ids], 1).tolist()
-        return [r[1:1 + r[0]] for r in rows]
+        return self.unpack(self.packed().tolist())
 
 
 def verify_probs(target_logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
