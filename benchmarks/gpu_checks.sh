@@ -4,8 +4,8 @@
 #            torch reference (pages 16 and 128), nothing compiling after the warm-up  -> $OUT/gpu_tests.log
 #   kernels  benchmarks/kernels_bench.py --prefill-only: Triton vs FA4 prefill / extend / verify
 #            -> $OUT/kernels/results.{json,md}
-#   peers    benchmarks/peer_compare.py: nano-vllm and llmserve on the same prompts
-#            -> $OUT/peer/{peer_compare.json,peer_compare.md,peer.log}
+#   peers    benchmarks/peer_compare.py: nano-vllm and llmserve on the same prompts, and with BASELINE=TREE an
+#            earlier llmserve checkout too  -> $OUT/peer/{peer_compare.json,peer_compare.md,peer.log}
 #   layer    benchmarks/decode_layer_bench.py: a decode layer's small kernels before and after their
 #            fusion, checked, then timed in CUDA graphs (about a minute; needs no FA4)  -> $OUT/decode_layer.json
 #   spec     pytest -m gpu over the speculative engine and the graph class (graphs == eager, the fused chain
@@ -13,6 +13,8 @@
 #            tree (6 steps x top-4, 32 nodes; batch 1, 16)  -> $OUT/spec_tests.log, $OUT/spec_timing{,_dynamic}/
 #   serving  benchmarks/spec_serving.py --quick: closed loops over IPC with speculation on and off (8B shape
 #            + dummy draft at concurrency 1, 16, 64, 256; the trained tiny pair at 1 and 8)  -> $OUT/serving/
+#   grammar  benchmarks/grammar_mask_cost.py: a JSON-schema mask's cost per decode step at batch 1 and 64
+#            (needs xgrammar and its wheels)  -> $OUT/grammar.json
 #   profile  benchmarks/decode_profile.py: the decode step at batch 1, 64, 256 against its floor, kernels
 #            and idle time  -> $OUT/decode_profile.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
@@ -21,8 +23,8 @@
 set -uo pipefail
 out=${OUT:?OUT must name the folder for results}
 stages=${*:-tests kernels peers}
-# The device's copy of the tree has no .git: a .commit file written before the call names the commit.
-commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
+# A device copy of the tree may carry a stale .git: a .commit file written before the call names the commit.
+commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 declare -A status
 for stage in $stages; do
   start=$SECONDS
@@ -36,7 +38,7 @@ for stage in $stages; do
       python3 benchmarks/kernels_bench.py "$out/kernels" --prefill-only --budget-s 150 --commit "$commit"
       status[$stage]=$? ;;
     peers)
-      python3 benchmarks/peer_compare.py --peer .peer --out "$out/peer"
+      python3 benchmarks/peer_compare.py --peer .peer --out "$out/peer" ${BASELINE:+--baseline "$BASELINE"}
       status[$stage]=$? ;;
     layer)
       python3 benchmarks/decode_layer_bench.py "$out/decode_layer.json" --budget-s 80
@@ -53,11 +55,14 @@ for stage in $stages; do
     serving)
       python3 benchmarks/spec_serving.py --out "$out/serving" --quick --commit "$commit" > "$out/serving.log" 2>&1
       status[$stage]=$?; grep "^| " "$out/serving/spec_serving.md" ;;
+    grammar)
+      python3 benchmarks/grammar_mask_cost.py --out "$out/grammar.json" > "$out/grammar.log" 2>&1
+      status[$stage]=$?; tail -16 "$out/grammar.log" ;;
     profile)
       python3 benchmarks/decode_profile.py --label "$commit" --out "$out/decode_profile.json" --batches 1,64,256 \
         --steps 40 > "$out/decode_profile.log" 2>&1
       status[$stage]=$?; tail -8 "$out/decode_profile.log" ;;
-    *) echo "unknown stage $stage (tests, kernels, peers, layer, spec, serving, profile)"; status[$stage]=2 ;;
+    *) echo "unknown stage $stage (tests, kernels, peers, layer, spec, serving, grammar, profile)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done

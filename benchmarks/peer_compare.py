@@ -8,7 +8,11 @@ the same seeded prompts for both. nano-vllm runs through .peer/harness/run_nanov
 FlashAttention-4 through the harness's flash_attn shim); ours is the in-process Engine on the dummy
 Qwen3-8B shape with its defaults (bf16, CUDA graphs, warm-up, triton-fa4 attention where FA4 imports).
 
-    python3 benchmarks/peer_compare.py --peer .peer --out OUT_DIR [--skip-peer]
+    python3 benchmarks/peer_compare.py --peer .peer --out OUT_DIR [--skip-peer] [--baseline TREE]
+
+--baseline TREE also runs an earlier llmserve (a checkout of another commit, e.g. the one before a
+change that must cost nothing) on the same work in the same call, and adds its table: this tree's
+speed over the baseline's.
 
 Writes OUT_DIR/peer_compare.json (both engines' harness results whole, the ratios, exit statuses),
 OUT_DIR/peer_compare.md (the table with the ratios: batch-1 decode speed, offline throughput at 64 and
@@ -75,6 +79,18 @@ def child(cmd: list[str], env: dict, log_path: str, timeout: float) -> int | str
             return "timeout"
 
 
+def commit_of(tree: str) -> str:
+    """The tree's commit: its .commit file where one is written (a device copy's .git may be stale), else git."""
+    path = os.path.join(tree, ".commit")
+    if os.path.exists(path):
+        return open(path).read().strip()
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=tree)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def load(path: str):
     if not os.path.exists(path):
         return None
@@ -90,16 +106,21 @@ def get(d, *path):
     return d
 
 
-def compare(ours: dict | None, nano: dict | None) -> tuple[dict, str]:
-    """Ratios, each as ours over nano-vllm in speed (so > 1 means llmserve is faster)."""
+PEER_TARGETS = {"batch1": 1.15, "tput_256": 1.3}
+
+
+def compare(ours: dict | None, other: dict | None, other_name: str = "nano-vllm",
+            targets: dict | None = PEER_TARGETS) -> tuple[dict, str]:
+    """Ratios, each as ours over the other engine in speed (so > 1 means llmserve here is faster)."""
     rows, ratios = [], {}
-    metrics = [("batch-1 decode, ms per token", ("batch1", "ms_per_token"), False, 1.15),
-               ("64 x (512 in, 256 out), output tok/s", ("tput_64", "tok_per_s"), True, None),
-               ("256 x (512 in, 256 out), output tok/s", ("tput_256", "tok_per_s"), True, 1.3),
-               ("64 prompts, best pass tok/s", ("tput_64", "best_tok_per_s"), True, None),
-               ("256 prompts, best pass tok/s", ("tput_256", "best_tok_per_s"), True, None)]
-    for label, path, higher_better, target in metrics:
-        a, b = get(ours, *path), get(nano, *path)
+    metrics = [("batch-1 decode, ms per token", ("batch1", "ms_per_token"), False),
+               ("64 x (512 in, 256 out), output tok/s", ("tput_64", "tok_per_s"), True),
+               ("256 x (512 in, 256 out), output tok/s", ("tput_256", "tok_per_s"), True),
+               ("64 prompts, best pass tok/s", ("tput_64", "best_tok_per_s"), True),
+               ("256 prompts, best pass tok/s", ("tput_256", "best_tok_per_s"), True)]
+    for label, path, higher_better in metrics:
+        a, b = get(ours, *path), get(other, *path)
+        target = (targets or {}).get(path[0]) if path[1] != "best_tok_per_s" else None
         ratio = None
         if a and b:
             ratio = a / b if higher_better else b / a
@@ -109,8 +130,8 @@ def compare(ours: dict | None, nano: dict | None) -> tuple[dict, str]:
         fmt = "{:.3f}" if not higher_better else "{:.0f}"
         rows.append(f"| {label} | {fmt.format(a) if a else '-'} | {fmt.format(b) if b else '-'} | {cell} |")
     jit = [f"llmserve {get(ours, 'engine_jit_per_timed_run')}",
-           f"nano-vllm {[j.get('new_jit') for j in get(nano, 'jit_log') or []]}"]
-    table = "\n".join(["| metric | llmserve | nano-vllm | llmserve speed / nano-vllm |", "|---|---|---|---|", *rows,
+           f"{other_name} {get(other, 'engine_jit_per_timed_run') or [j.get('new_jit') for j in get(other, 'jit_log') or []]}"]
+    table = "\n".join([f"| metric | llmserve | {other_name} | llmserve speed / {other_name} |", "|---|---|---|---|", *rows,
                        "", f"Kernels compiled per timed run (warm-up, 2 x batch 1 x 2, then 64 / 256 prompts): "
                        f"{'; '.join(jit)}"])
     return ratios, table
@@ -124,6 +145,7 @@ def main(argv=None):
     ap.add_argument("--repeats", default="2", help="passes over the 64 / 256 prompt runs (REPEATS)")
     ap.add_argument("--timeout-s", type=float, default=280, help="per engine process")
     ap.add_argument("--model", help="our model dir instead of the dummy Qwen3-8B shape (smoke runs)")
+    ap.add_argument("--baseline", metavar="TREE", help="an earlier llmserve checkout to run on the same work too")
     ap.add_argument("--ours-child", metavar="OUT_JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     peer = os.path.abspath(args.peer)
@@ -145,18 +167,31 @@ def main(argv=None):
     status["llmserve"] = child([sys.executable, os.path.abspath(__file__), "--peer", peer, "--out", args.out,
                                 "--ours-child", ours_json] + (["--model", args.model] if args.model else []),
                                ours_env, log_path, args.timeout_s)
+    base = None
+    if args.baseline:
+        tree = os.path.abspath(args.baseline)
+        base_json = os.path.join(work, "baseline.json")
+        status["baseline"] = child([sys.executable, os.path.join(tree, "benchmarks", "peer_compare.py"), "--peer", peer,
+                                    "--out", args.out, "--ours-child", base_json]
+                                   + (["--model", args.model] if args.model else []),
+                                   {**env, "PYTHONPATH": os.pathsep.join([tree, env.get("PYTHONPATH", "")])},
+                                   log_path, args.timeout_s)
+        base = load(base_json)
     ours, nano = load(ours_json), load(nano_json)
     ratios, table = compare(ours, nano)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = commit_of(ROOT)
     result = {"commit": commit, "exit_status": status, "ratios": ratios, "ours": ours, "nano": nano}
+    text = f"# llmserve vs nano-vllm, same prompts, one call (commit {commit})\n\n{table}\n"
+    if args.baseline:
+        name = f"llmserve {commit_of(args.baseline)}"
+        result["baseline"] = {"tree": args.baseline, "commit": commit_of(args.baseline), "result": base,
+                              "ratios": compare(ours, base, name, targets=None)[0]}
+        table += "\n\n" + compare(ours, base, name, targets=None)[1]
+        text += f"\n## This tree against {name}, same prompts, same call\n\n{compare(ours, base, name, targets=None)[1]}\n"
     with open(os.path.join(args.out, "peer_compare.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out, "peer_compare.md"), "w") as f:
-        f.write(f"# llmserve vs nano-vllm, same prompts, one call (commit {commit})\n\n{table}\n")
+        f.write(text)
     print(table)
     return 0 if all(v == 0 for v in status.values()) else 1
 

@@ -67,3 +67,22 @@ def test_both_processes_run_and_the_table_is_written(tmp_path, tiny_model_dir):
     assert res["ratios"]["tput_256.tok_per_s"] == pytest.approx(2.0)
     assert "llmserve speed / nano-vllm" in (out / "peer_compare.md").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["peer.log", "peer_compare.json", "peer_compare.md"]
+
+
+def test_a_baseline_tree_runs_on_the_same_work(tmp_path, tiny_model_dir):
+    """--baseline runs another llmserve checkout (here this one again) beside ours: its table and ratios."""
+    peer = tmp_path / "peer"
+    (peer / "harness" / "model").mkdir(parents=True)
+    (peer / "nano-vllm").mkdir()
+    (peer / "harness" / "common.py").write_text(textwrap.dedent(STAND_IN_COMMON))
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[1]
+    status = peer_compare.main(["--peer", str(peer), "--out", str(out), "--model", tiny_model_dir, "--skip-peer",
+                                "--baseline", str(root), "--timeout-s", "240"])
+    assert status == 0, (out / "peer.log").read_text()
+    res = json.loads((out / "peer_compare.json").read_text())
+    assert res["exit_status"] == {"llmserve": 0, "baseline": 0}
+    assert res["baseline"]["result"]["engine"] == "llmserve"
+    assert res["baseline"]["ratios"]["batch1.ms_per_token"] == pytest.approx(1.0)
+    assert res["baseline"]["ratios"]["tput_64.tok_per_s"] == pytest.approx(1.0)
+    assert "This tree against llmserve" in (out / "peer_compare.md").read_text()
