@@ -185,12 +185,18 @@ def gemv(ctx):
             t_bf16 = time_us(ctx, [lambda w=w: F.linear(x, w) for w in w_bf16] * 2)
             t_ch = time_us(ctx, [lambda q=q, s=s: fp8_gemv(x, q, s) for q, s in per_channel] * 2)
             t_bl = time_us(ctx, [lambda q=q, s=s: fp8_gemv(x, q, s, (128, 128)) for q, s in block] * 2)
+
+            def w8a8(q, s):          # the alternative for few rows: quantize them, then the FP8 tensor-core GEMM
+                qa, qs = quantize_activation(x)
+                return w8a8_gemm_per_channel(qa, qs, q, s, ctx.dtype)
+            t_mm = time_us(ctx, [lambda q=q, s=s: w8a8(q, s) for q, s in per_channel] * 2)
             out[f"{name}_m{m}"] = {
                 "n": n, "k": k, "rows": m, "rel_err": errs,
-                "bf16_us": t_bf16, "fp8_channel_us": t_ch, "fp8_block_us": t_bl,
+                "bf16_us": t_bf16, "fp8_channel_us": t_ch, "fp8_block_us": t_bl, "fp8_channel_w8a8_us": t_mm,
                 "bf16_gb_s": 2 * n * k / t_bf16 / 1e3, "fp8_channel_gb_s": (n * k + 4 * n) / t_ch / 1e3,
                 "fp8_block_gb_s": (n * k + 4 * (n // 128) * (k // 128)) / t_bl / 1e3,
-                "speedup_channel": t_bf16 / t_ch, "speedup_block": t_bf16 / t_bl,
+                "fp8_channel_w8a8_gb_s": (n * k + 4 * n) / t_mm / 1e3,
+                "speedup_channel": t_bf16 / t_ch, "speedup_block": t_bf16 / t_bl, "speedup_channel_w8a8": t_bf16 / t_mm,
             }
         del w_bf16, per_channel, block
         if ctx.cuda:
@@ -365,13 +371,15 @@ def table(ctx) -> str:
         lines.append(f"copy bandwidth {bw:.2f} TB/s")
     g = s.get("gemv", {})
     if any(k.endswith(("_m1", "_m16")) for k in g):
-        lines.append(f"{'GEMV':<13}{'bf16 us':>9}{'GB/s':>7}{'fp8ch us':>10}{'GB/s':>7}{'fp8blk us':>11}{'GB/s':>7}{'x':>6}")
+        lines.append(f"{'GEMV':<13}{'bf16 us':>9}{'GB/s':>7}{'fp8ch us':>10}{'GB/s':>7}{'fp8blk us':>11}{'GB/s':>7}{'x':>6}"
+                     f"{'w8a8 us':>9}{'GB/s':>7}{'x':>6}")
         for key, r in g.items():
             if not isinstance(r, dict) or "bf16_us" not in r:
                 continue
             lines.append(f"{key:<13}{r['bf16_us']:>9.1f}{r['bf16_gb_s']:>7.0f}{r['fp8_channel_us']:>10.1f}"
                          f"{r['fp8_channel_gb_s']:>7.0f}{r['fp8_block_us']:>11.1f}{r['fp8_block_gb_s']:>7.0f}"
-                         f"{r['speedup_channel']:>6.2f}")
+                         f"{r['speedup_channel']:>6.2f}{r['fp8_channel_w8a8_us']:>9.1f}{r['fp8_channel_w8a8_gb_s']:>7.0f}"
+                         f"{r['speedup_channel_w8a8']:>6.2f}")
     m = s.get("gemm", {})
     if any(isinstance(r, dict) and "bf16_tflops" in r for r in m.values()):
         lines.append(f"{'GEMM TFLOP/s':<14}{'bf16':>7}{'fp8ch':>7}{'ch-trit':>8}{'fp8blk':>8}{'deq+bf16':>9}")
