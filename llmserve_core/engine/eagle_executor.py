@@ -151,20 +151,24 @@ class EagleExecutor:
         self.trace = config.speculative_trace
         self.phases = PhaseTimer(self.metrics, self.device.type == "cuda")
         self.pin = self.device.type == "cuda"
+        # Draft-row depths of the tree levels (a static tree's nodes, a dynamic tree's expanded nodes), on
+        # the host for batches built there and on the device for batches derived there.
+        self.row_depths = (np.asarray(self.tree.depths) if self.tree is not None else
+                           self.dynamic.row_depths(self.dynamic.num_expanded).numpy() if self.dynamic is not None else
+                           np.zeros(0, dtype=np.int64))
+        self.row_depths_device = torch.as_tensor(self.row_depths, device=self.device)
         if self.tree is not None:
             self.tree_mask = self.tree.attention_mask(self.device)
-            self.tree_depths = np.asarray(self.tree.depths)
             self.tree_parents = torch.tensor(self.tree.parents, device=self.device)
             self.tree_batch = self.tree.batch(1, self.device)      # expanded per step: no host copy
             self.tree_levels = [torch.tensor(self.tree.level(d), device=self.device) - 1 for d in range(self.tree.depth)]
         # A decoding request catches up on at most the tokens its last step emitted: its accepted drafts
         # plus one. The catch-up graph pads every request to that many rows.
         self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
-        # Greedy chain drafts and dynamic trees need nothing from the host between the catch-up and the
-        # verify, so a whole steady step (catch-up, draft forwards, verify) can be one graph; sampled chain
-        # drafts draw from per-request generators, and a static tree's levels are built on the host, so
-        # those keep the step by step path.
-        self.fused = (self.shape.kind == "chain" and not self.sample_drafts) or self.dynamic is not None
+        # Greedy chain drafts and trees need nothing from the host between the catch-up and the verify, so
+        # a whole steady step (catch-up, draft forwards, verify) can be one graph; sampled chain drafts draw
+        # from per-request generators and keep the step by step path.
+        self.fused = not self.sample_drafts
         self.verify_offsets = torch.arange(max(self.verify_width, self.catchup_rows, self.lookahead + 1), device=self.device)
         self.graphs = self._capture_graphs() if runner.use_graphs else {}
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
@@ -190,7 +194,7 @@ class EagleExecutor:
             graphs["draft step"] = StepGraphs("draft step", self._draft_step, 1, **draft_rows)
         if self.fused:
             # The steady state of decoding in one graph, fed the padded catch-up's inputs.
-            fused = self._dynamic_step_forward if self.dynamic is not None else self._chain_step_forward
+            fused = self._chain_step_forward if self.shape.kind == "chain" else self._tree_step_forward
             graphs["fused step"] = StepGraphs("fused step", fused, self.catchup_rows, **draft_rows)
         if self.tree is not None:
             for d in range(1, self.tree.depth):
@@ -289,9 +293,7 @@ class EagleExecutor:
             logits, h = self._catchup_ragged(pending, drafting)
         if not drafting:
             return none
-        if self.dynamic is not None:
-            return self._draft_dynamic(drafting, logits, h)
-        if self.tree is not None:
+        if self.shape.kind != "chain":
             return self._draft_tree(drafting, logits, h)
         st = self._sampling(drafting) if self.sample_drafts else None
         b = self.builder
@@ -371,12 +373,17 @@ class EagleExecutor:
         """Catch-up, draft forwards and verify from one host-built batch and one replay: (proposal, verify
         logits, fused aux of every verify row, greedy verification packed for one readback)."""
         out = self.graphs["fused step"].run(*self._catchup_padded(drafting))
-        if self.dynamic is None:
+        if self.shape.kind == "chain":
             drafts, logits, fused_aux, emitted = out
             return _Proposal(drafts), logits, fused_aux, emitted
         nodes, parents, logits, fused_aux, emitted = out
-        trees = TreeBatch(parents, self.dynamic.num_steps, self.dynamic.topk, bounded=True)
-        return _Proposal(nodes, trees=trees), logits, fused_aux, emitted
+        return _Proposal(nodes, trees=self._tree_batch(parents)), logits, fused_aux, emitted
+
+    def _tree_batch(self, parents: torch.Tensor) -> TreeBatch:
+        """The verify trees for these parents, with the bounds this executor's tree kind guarantees."""
+        if self.tree is not None:
+            return dataclasses.replace(self.tree_batch, parents=parents)
+        return TreeBatch(parents, self.dynamic.num_steps, self.dynamic.topk, bounded=True)
 
     def _keep_fused(self, drafting: list[Request], verified: "_Verified", fused_aux: torch.Tensor) -> None:
         """_commit for the fused step, whose graph already fused the aux of every verify row: a chain keeps
@@ -415,32 +422,27 @@ class EagleExecutor:
         out = greedy_verify(logits, drafts, torch.full((n,), self.gamma, dtype=torch.long, device=drafts.device))
         return drafts, logits, self.draft.combine_aux(aux), out.packed()
 
-    def _dynamic_step_forward(self, ids, hidden, batch):
+    def _tree_step_forward(self, ids, hidden, batch):
         """(node tokens [B, N], parents [B, N], verify logits, fused aux, greedy verification) from the
-        padded catch-up batch: the tree grows level by level as _draft_dynamic grows it, each level's rows
-        at KV positions seq_len .. seq_len + m - 1 with rotary positions seq_len - 1 + depth, and the
-        verify's nodes at seq_len .. seq_len + N - 1 with rotary positions seq_len + depth."""
-        shape, width, n = self.dynamic, self.catchup_rows, batch.num_seqs
+        padded catch-up batch: the tree grows as on the step by step path, each level's draft rows at KV
+        positions seq_len .. seq_len + rows - 1 with rotary positions seq_len - 1 + depth, and the verify's
+        nodes at seq_len .. seq_len + N - 1 with rotary positions seq_len + depth."""
+        width, n = self.catchup_rows, batch.num_seqs
         logits, h = self._catchup_forward(ids, hidden, batch)
         context = batch.seq_lens.long()
         live = batch.slot_mapping.view(n, width)[:, -1] >= 0          # graph padding writes no KV
-        growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.draft.d2t)
-        prenorm = h.new_zeros(n, 1 + shape.num_expanded, h.shape[-1])
-        prenorm[:, 0] = h
-        depths = shape.row_depths(shape.num_expanded).to(self.device)
-        while not growth.done:
-            tokens, source, mask = growth.draft_rows()
-            m = tokens.shape[1]
-            level = self._continued_batch(batch, context, m, live, rope=(context - 1)[:, None] + depths[:m],
-                                          tree_mask=mask.flatten(0, 1))
-            hidden_rows = prenorm.gather(1, source[:, :, None].expand(-1, -1, prenorm.shape[-1]))
-            frontier_logits, pre = self._dynamic_level_forward(m)(tokens.flatten(), hidden_rows.flatten(0, 1), level)
-            prenorm[:, 1:m + 1] = pre.view(n, m, -1)
-            growth.grow(torch.log_softmax(frontier_logits.float(), -1))
-        trees, nodes = growth.finish(ids.view(n, width)[:, -1])
-        nodes_n = nodes.shape[1]
-        verify = self._continued_batch(batch, context, nodes_n, live, rope=context[:, None] + trees.depths(),
-                                       tree_mask=trees.attention_masks().flatten(0, 1))
+
+        def run_level(name, fn, level_ids, level_hidden, depths: slice, mask):
+            rows = depths.stop - depths.start
+            level = self._continued_batch(batch, context, rows, live,
+                                          rope=(context - 1)[:, None] + self.row_depths_device[depths],
+                                          tree_mask=mask.flatten(0, 1) if mask.dim() == 3 else mask.repeat(n, 1))
+            return fn(level_ids, level_hidden, level)
+        trees, nodes = self._grow_tree(logits, h, ids.view(n, width)[:, -1], run_level)
+        depths = trees.depths() if self.dynamic is not None else self.row_depths_device.expand(n, -1)
+        masks = trees.attention_masks() if self.dynamic is not None else self.tree_mask.expand(n, -1, -1)
+        verify = self._continued_batch(batch, context, nodes.shape[1], live, rope=context[:, None] + depths,
+                                       tree_mask=masks.flatten(0, 1))
         logits, *aux = self._verify_forward(nodes.flatten(), None, verify)
         out = tree_greedy_verify(trees, logits, nodes)
         return nodes, trees.parents, logits, self.draft.combine_aux(aux), out.packed()
@@ -464,55 +466,66 @@ class EagleExecutor:
             tree_mask=tree_mask, uniform_query_len=rows)
 
     def _draft_tree(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
-        """Expand the tree level by level. Level d's forward re-runs every node above it as well (a few
-        rows): each node then sees exactly its ancestors, through the tree mask, and nothing else."""
-        tree, n, b = self.tree, len(drafting), self.builder
+        """A static or dynamic tree grown from level batches built on the host (each request's rows at KV
+        positions num_tokens - 1 on, rotary positions num_tokens - 2 + depth), each level's forward through
+        its graph where the batch fits one."""
+        b = self.builder
+
+        def run_level(name, fn, level_ids, level_hidden, depths: slice, mask):
+            rows = depths.stop - depths.start
+            for i, r in enumerate(drafting):
+                b.add_rows(r.block_ids, r.num_tokens - 2 + self.row_depths[depths],
+                           np.arange(r.num_tokens - 1, r.num_tokens - 1 + rows), r.num_tokens - 1 + rows,
+                           mask=mask[i] if mask.dim() == 3 else mask)
+            return self._forward(name, fn, level_ids, level_hidden, b.finish(uniform_rows=True).batch)
+        trees, nodes = self._grow_tree(logits, h, self.staging.ints([r.token_ids[-1] for r in drafting]), run_level)
+        if self.dynamic is not None:
+            # Node depths stay on the device: the verify batch adds them to its rotary positions there.
+            return _Proposal(nodes, trees=trees, depths=trees.depths(), masks=trees.attention_masks())
+        return _Proposal(nodes, trees=trees, depths=np.tile(self.row_depths, (len(drafting), 1)),
+                         masks=self.tree_mask.expand(len(drafting), -1, -1))
+
+    def _grow_tree(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor, run_level):
+        """(TreeBatch, node tokens [B, N]) from the catch-up's proposal logits and pre-norm states [B, ...]
+        and the root tokens [B]. run_level(graph name, forward, ids, hidden, depths, mask) runs one level's
+        draft forward; `depths` slices row_depths (the level's rows), mask is [rows, rows] or [B, rows, rows].
+
+        Static tree: level d's forward re-runs every node above it as well (a few rows), so each node sees
+        exactly its ancestors through the tree mask. Dynamic tree (speculative/dynamic_tree.py): level d's
+        forward runs the frontiers of levels 1..d, each node reading its parent's draft state and seeing
+        its ancestors through the growth's mask."""
+        n = roots.shape[0]
+        if self.dynamic is not None:
+            shape = self.dynamic
+            growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.draft.d2t)
+            prenorm = h.new_zeros(n, 1 + shape.num_expanded, h.shape[-1])     # 0: the root; e + 1: expanded node e
+            prenorm[:, 0] = h
+            while not growth.done:
+                tokens, source, mask = growth.draft_rows()
+                m = tokens.shape[1]
+                hidden = prenorm.gather(1, source[:, :, None].expand(-1, -1, prenorm.shape[-1]))
+                frontier_logits, pre = run_level(f"dynamic level {m // shape.topk}", self._dynamic_level_forward(m),
+                                                 tokens.flatten(), hidden.flatten(0, 1), slice(0, m), mask)
+                prenorm[:, 1:m + 1] = pre.view(n, m, -1)
+                growth.grow(torch.log_softmax(frontier_logits.float(), -1))
+            return growth.finish(roots)
+        tree = self.tree
         nodes = torch.zeros(n, tree.num_nodes, dtype=torch.long, device=self.device)
-        nodes[:, 0] = self.staging.ints([r.token_ids[-1] for r in drafting])
+        nodes[:, 0] = roots
         prenorm = h.new_zeros(n, tree.num_nodes, h.shape[-1])
         prenorm[:, 0] = h
         parents = self.tree_parents
         for d in range(tree.depth):
             if d:
                 m = max(tree.level(d)) + 1                            # nodes 1..m-1 are levels 1..d
-                mask = self.tree_mask[1:m, 1:m]
-                for r in drafting:
-                    b.add_rows(r.block_ids, r.num_tokens - 2 + self.tree_depths[1:m],
-                               np.arange(r.num_tokens - 1, r.num_tokens - 2 + m), r.num_tokens - 2 + m, mask=mask)
-                logits, pre = self._forward(f"tree level {d}", self._tree_level_forward(d), nodes[:, 1:m].flatten(),
-                                            prenorm[:, parents[1:m]].flatten(0, 1), b.finish(uniform_rows=True).batch)
+                logits, pre = run_level(f"tree level {d}", self._tree_level_forward(d), nodes[:, 1:m].flatten(),
+                                        prenorm[:, parents[1:m]].flatten(0, 1), slice(1, m), self.tree_mask[1:m, 1:m])
                 prenorm[:, 1:m] = pre.view(n, m - 1, -1)
             k = tree.max_children(d)
             if k:
                 top = topk_propose(logits, k, self.draft.d2t).view(n, len(tree.level(d)), k)
                 fill_level(tree, d, top, nodes)
-        trees = dataclasses.replace(self.tree_batch, parents=self.tree_batch.parents.expand(n, -1))
-        return _Proposal(nodes, trees=trees, depths=np.tile(self.tree_depths, (n, 1)),
-                         masks=self.tree_mask.expand(n, -1, -1))
-
-    def _draft_dynamic(self, drafting: list[Request], logits: torch.Tensor, h: torch.Tensor) -> "_Proposal":
-        """Grow each request's tree (speculative/dynamic_tree.py): level d's draft forward runs the
-        frontiers of levels 1..d (fixed rows per level, KV from position num_tokens - 1 on), each node
-        reading its parent's draft state and seeing its ancestors through the growth's mask."""
-        shape, n, b = self.dynamic, len(drafting), self.builder
-        growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.draft.d2t)
-        prenorm = h.new_zeros(n, 1 + shape.num_expanded, h.shape[-1])     # 0: the root; e + 1: expanded node e
-        prenorm[:, 0] = h
-        depths = shape.row_depths(shape.num_expanded).numpy()
-        while not growth.done:
-            tokens, source, mask = growth.draft_rows()
-            m = tokens.shape[1]
-            for i, r in enumerate(drafting):
-                b.add_rows(r.block_ids, r.num_tokens - 2 + depths[:m], np.arange(r.num_tokens - 1, r.num_tokens - 1 + m),
-                           r.num_tokens - 1 + m, mask=mask[i])
-            hidden = prenorm.gather(1, source[:, :, None].expand(-1, -1, prenorm.shape[-1]))
-            frontier_logits, pre = self._forward(f"dynamic level {m // shape.topk}", self._dynamic_level_forward(m),
-                                                 tokens.flatten(), hidden.flatten(0, 1), b.finish(uniform_rows=True).batch)
-            prenorm[:, 1:m + 1] = pre.view(n, m, -1)
-            growth.grow(torch.log_softmax(frontier_logits.float(), -1))
-        trees, nodes = growth.finish(self.staging.ints([r.token_ids[-1] for r in drafting]))
-        # Node depths stay on the device: the verify batch adds them to its rotary positions there.
-        return _Proposal(nodes, trees=trees, depths=trees.depths(), masks=trees.attention_masks())
+        return self._tree_batch(self.tree_batch.parents.expand(n, -1)), nodes
 
     # ---- 3: the target forward ---------------------------------------------------------------------
     def _target_forward(self, sched: ScheduledBatch, drafting: list[Request], proposal: "_Proposal"):
