@@ -9,8 +9,9 @@
 #   layer    benchmarks/decode_layer_bench.py: a decode layer's small kernels before and after their
 #            fusion, checked, then timed in CUDA graphs (about a minute; needs no FA4)  -> $OUT/decode_layer.json
 #   spec     pytest -m gpu over the speculative engine and the graph class (graphs == eager, the fused chain
-#            step included), then benchmarks/spec_timing.py for the chain (batch 1, 4, 16, 64) and a dynamic
-#            tree (6 steps x top-4, 32 nodes; batch 1, 16)  -> $OUT/spec_tests.log, $OUT/spec_timing{,_dynamic}/
+#            step included), then benchmarks/spec_timing.py for the chain (batch 1, 4, 16, 64), a dynamic
+#            tree (6 steps x top-4, 32 nodes) and the static eagle-small tree (batch 1, 16)
+#            -> $OUT/spec_tests.log, $OUT/spec_timing{,_dynamic,_static}/
 #   serving  benchmarks/spec_serving.py --quick: closed loops over IPC with speculation on and off (8B shape
 #            + dummy draft at concurrency 1, 16, 64, 256; the trained tiny pair at 1 and 8)  -> $OUT/serving/
 #   grammar  benchmarks/grammar_mask_cost.py: a JSON-schema mask's cost per decode step at batch 1 and 64
@@ -49,9 +50,11 @@ for stage in $stages; do
       status[$stage]=$?; tail -3 "$out/spec_tests.log"
       python3 benchmarks/spec_timing.py --out "$out/spec_timing" --commit "$commit" --iters 20 > "$out/spec_timing.log" 2>&1 \
         && python3 benchmarks/spec_timing.py --out "$out/spec_timing_dynamic" --commit "$commit" --iters 20 \
-             --batch-sizes 1,16 --dynamic-tree 6,4,32 > "$out/spec_timing_dynamic.log" 2>&1
+             --batch-sizes 1,16 --dynamic-tree 6,4,32 > "$out/spec_timing_dynamic.log" 2>&1 \
+        && python3 benchmarks/spec_timing.py --out "$out/spec_timing_static" --commit "$commit" --iters 20 \
+             --batch-sizes 1,16 --tree eagle-small > "$out/spec_timing_static.log" 2>&1
       [ $? = 0 ] || status[$stage]=1
-      grep -h "^| " "$out/spec_timing/spec_timing.md" "$out/spec_timing_dynamic/spec_timing.md" ;;
+      grep -h "^| " "$out"/spec_timing*/spec_timing.md ;;
     serving)
       python3 benchmarks/spec_serving.py --out "$out/serving" --quick --commit "$commit" > "$out/serving.log" 2>&1
       status[$stage]=$?; grep "^| " "$out/serving/spec_serving.md" ;;

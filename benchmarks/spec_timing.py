@@ -132,7 +132,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         def decode():
             runner.launch(sched).results()
         out["t_decode"] = measure(decode)
-        if args.dynamic_tree:
+        if args.dynamic_tree or args.tree:
             return whole_step_only(engine, reqs, sched, n, out, measure)
 
         st = SamplingTensors.from_params([GREEDY] * batch, [None] * batch, device)
@@ -263,8 +263,10 @@ def markdown(result: dict) -> str:
 
     def ms(row, key):
         return f"{row[key]:.2f}" if key in row else "-"
-    if result.get("dynamic_tree"):
-        lines[2] = (f"dynamic tree (steps, top-k, nodes) {result['dynamic_tree']}, context {result['context']}, "
+    if result.get("dynamic_tree") or result.get("tree"):
+        kind = (f"static tree {result['tree']} (depth {result['gamma']})" if result.get("tree") else
+                f"dynamic tree (steps, top-k, nodes) {result['dynamic_tree']}")
+        lines[2] = (f"{kind}, context {result['context']}, "
                     f"{result['dtype']}, attention {result['attention_backend']}; milliseconds (CUDA-event medians).")
         lines[4:6] = ["| batch | decode | spec step | step unfused | step / decode | x step @AL 2.5 | x step @AL 3.0 | "
                       "x step @AL 3.5 |", "|---|---|---|---|---|---|---|---|"]
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--commit", default=None, help="the commit to name (default: git rev-parse, where there is a .git)")
     ap.add_argument("--dynamic-tree", default=None, metavar="STEPS,TOPK,NODES",
                     help="time a dynamic tree's whole step instead of a chain's components, e.g. 6,4,32")
+    ap.add_argument("--tree", default=None, metavar="NAME",
+                    help="time a static tree's whole step (e.g. eagle-small at --gamma 3) instead of a chain's components")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.smoke:
@@ -321,7 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip() or "unknown"
     tree = {}
-    if args.dynamic_tree:
+    if args.tree:
+        tree = dict(speculative_tree=args.tree, speculative_num_draft_tokens=None)
+        args.dynamic_tree = None
+    elif args.dynamic_tree:
         steps, topk, nodes = (int(v) for v in args.dynamic_tree.split(","))
         tree = dict(speculative_tree="dynamic", speculative_num_steps=steps, speculative_eagle_topk=topk,
                     speculative_num_draft_tokens=nodes)
@@ -329,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_models(Path(tmp), args.smoke)
         block_size = 16
-        per_seq = -(-(args.context + 2 * (args.gamma + 1) + 1 + (tree.get("speculative_num_draft_tokens") or 0))
+        per_seq = -(-(args.context + 2 * (args.gamma + 1) + 1 + (tree.get("speculative_num_draft_tokens") or 32))
                     // block_size)
         engine = Engine(EngineConfig(
             model=target, device=device.type, load_format="dummy", speculative_model=draft,
@@ -354,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             "dtype": str(engine.runner.dtype).replace("torch.", ""), "attention_backend": engine.runner.attn_backend.name,
             "enforce_eager": args.enforce_eager or engine.runner.graphs is None, "gamma": args.gamma,
             "context": args.context, "catchup_rows": args.catchup_rows, "warmup": args.warmup, "iters": args.iters,
-            "dynamic_tree": args.dynamic_tree,
+            "dynamic_tree": args.dynamic_tree, "tree": args.tree,
             "rows": rows,
         }
     (out_dir / "spec_timing.json").write_text(json.dumps(result, indent=2) + "\n")
