@@ -41,14 +41,14 @@ def write_synthetic_tokenizer(path: str, num_tokens: int) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
-    from llmserve_core.data import corpus_text
+    from llmserve_core.data import corpus_paragraphs
 
     byte_chars = ByteLevel.alphabet()
     table = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
     vocab: dict[str, int] = {}
     for c in sorted(byte_chars):
         vocab.setdefault(c, len(vocab))
-    words = corpus_text().split()
+    words = " ".join(corpus_paragraphs()).split()
     for length in range(2, 13):
         for w in words:
             for start in range(0, max(1, len(w) - length + 1)):

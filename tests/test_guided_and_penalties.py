@@ -351,3 +351,18 @@ def test_logit_bias_token_outside_vocab_is_refused(tiny_model_dir):
     with pytest.raises(ValidationError) as e:
         eng.add_request("r", [1, 2], SamplingParams(logit_bias={eng.model_info.vocab_size: 1.0}))
     assert e.value.field == "logit_bias"
+
+
+def test_grammar_mask_cost_smoke(tmp_path):
+    """benchmarks/grammar_mask_cost.py end to end on the tiny shape (the H200 run uses the 8B shape)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grammar.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/grammar_mask_cost.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["rows"]] == [1, 8] and all(r["json_schema_ms"] > 0 for r in res["rows"])

@@ -91,7 +91,9 @@ class TreeGrowth:
         self.frontier_scores = scores
         e = max(shape.num_expanded, k)
         self.exp_anc = torch.zeros(batch, e, e, dtype=torch.bool, device=dev)    # ancestors among expanded
-        self.exp_anc[:, torch.arange(k, device=dev), torch.arange(k, device=dev)] = True
+        # (slice assignments of device tensors only: a Python scalar through an index would be a host
+        # copy, which a CUDA graph cannot capture)
+        self.exp_anc[:, :k, :k] = torch.eye(k, dtype=torch.bool, device=dev)
         self.level = 1
 
     @property
@@ -128,9 +130,8 @@ class TreeGrowth:
         parent_exp = first - k + best // k                                                   # expanded ids of parents
         self.exp_pool = torch.cat([self.exp_pool, base + best], 1)
         self.exp_parent = torch.cat([self.exp_parent, parent_exp], 1)
-        new = torch.arange(first, first + k, device=dev)
         rows = self.exp_anc.gather(1, parent_exp[:, :, None].expand(-1, -1, self.exp_anc.shape[2]))
-        rows[:, torch.arange(k, device=dev), new] = True
+        rows[:, :, first:first + k] |= torch.eye(k, dtype=torch.bool, device=dev)
         self.exp_anc[:, first:first + k] = rows
         self.frontier_scores = best_scores
 
