@@ -51,12 +51,17 @@ def category(name: str) -> str:
 
 def profile_steps(engine, steps: int) -> tuple[list[tuple[str, float, float]], float]:
     """(kernels as (name, start_us, dur_us), wall ms) over `steps` engine steps."""
+    return profile_calls(engine.step, steps)
+
+
+def profile_calls(fn, calls: int) -> tuple[list[tuple[str, float, float]], float]:
+    """(kernels as (name, start_us, dur_us), wall ms) over `calls` calls of fn()."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
     path = os.path.join(tempfile.mkdtemp(), "trace.json")

@@ -133,7 +133,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
             runner.launch(sched).results()
         out["t_decode"] = measure(decode)
         if args.dynamic_tree or args.tree:
-            return whole_step_only(engine, reqs, sched, n, out, measure)
+            return whole_step_only(engine, reqs, sched, n, out, measure, args.profile)
 
         st = SamplingTensors.from_params([GREEDY] * batch, [None] * batch, device)
 
@@ -208,6 +208,8 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
             ex.execute(sched)
         out["t_step"] = measure(spec_step)
         time_unfused(ex, spec_step, out, measure)
+        if args.profile and device.type == "cuda":
+            profile_step(spec_step, out)
 
         # What the engine runs: graphs where it has them.
         t_draft, t_verify = out.get("t_draft_graph", out["t_draft"]), out.get("t_verify_graph", out["t_verify"])
@@ -235,7 +237,27 @@ def time_unfused(ex, spec_step, out: dict, measure) -> None:
         ex.fused = True
 
 
-def whole_step_only(engine, reqs, sched, n, out, measure) -> dict:
+def profile_step(spec_step, out: dict, calls: int = 10) -> None:
+    """Where a whole step's time goes on the GPU: kernel time by kind, busy time (the union of kernel
+    intervals) against the step's wall time, and the longest kernels (CUDA only)."""
+    import collections
+
+    from decode_profile import busy_us, category, profile_calls
+    kernels, wall = profile_calls(spec_step, calls)
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, dur in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += dur
+    by_kind = collections.Counter()
+    for name, _, dur in kernels:
+        by_kind[category(name)] += dur / calls / 1e3
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:20]
+    out["profile"] = {"wall_ms_per_step": wall / calls, "busy_ms_per_step": busy_us(kernels) / calls / 1e3,
+                      "kernels_per_step": len(kernels) / calls, "gpu_ms_by_kind": dict(by_kind),
+                      "top_kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls} for n, (c, t) in top]}
+
+
+def whole_step_only(engine, reqs, sched, n, out, measure, profile: bool) -> dict:
     """A tree's step has no chain components to sum: its whole step against a decode."""
     ex, runner = engine.spec, engine.runner
     hidden_size = ex.draft.cfg.hidden_size
@@ -246,9 +268,23 @@ def whole_step_only(engine, reqs, sched, n, out, measure) -> dict:
         ex.execute(sched)
     out["t_step"] = measure(spec_step)
     time_unfused(ex, spec_step, out, measure)
+    if profile and runner.device.type == "cuda":
+        profile_step(spec_step, out)
     for al in ACCEPTANCE_LENGTHS + (3.5,):
         out[f"speedup_step_al{al}"] = al * out["t_decode"] / out["t_step"]
     return out
+
+
+def profile_lines(result: dict) -> list[str]:
+    """One line per profiled batch: wall against GPU busy time per step, by kernel kind."""
+    lines = []
+    for row in result["rows"]:
+        p = row.get("profile")
+        if p:
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["gpu_ms_by_kind"].items()))
+            lines.append(f"- batch {row['batch']}: a whole step {p['wall_ms_per_step']:.2f} ms of wall time, GPU busy "
+                         f"{p['busy_ms_per_step']:.2f} ms ({kinds}), {p['kernels_per_step']:.0f} kernels")
+    return ["", "Profiled steps (torch profiler, 10 steps):"] + lines if lines else []
 
 
 def markdown(result: dict) -> str:
@@ -277,7 +313,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_step']:.2f} | {ms(row, 't_step_unfused')} | "
                          f"{row['t_step'] / row['t_decode']:.2f} | {row['speedup_step_al2.5']:.2f} | "
                          f"{row['speedup_step_al3.0']:.2f} | {row['speedup_step_al3.5']:.2f} |")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + profile_lines(result)) + "\n"
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['batch']} | failed: {row['error']} |")
@@ -294,7 +330,7 @@ def markdown(result: dict) -> str:
               "AL * t_decode / t_step, the executor's whole step (catch-up of 1 row, graphs where available, host "
               "work included): a steady chain step replays one graph (catch-up, draft steps and verify); `step "
               "unfused` is the same step replaying the three graphs one by one."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + profile_lines(result)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -312,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--commit", default=None, help="the commit to name (default: git rev-parse, where there is a .git)")
     ap.add_argument("--dynamic-tree", default=None, metavar="STEPS,TOPK,NODES",
                     help="time a dynamic tree's whole step instead of a chain's components, e.g. 6,4,32")
+    ap.add_argument("--profile", action="store_true", help="also profile whole steps: GPU busy time and kernels")
     ap.add_argument("--tree", default=None, metavar="NAME",
                     help="time a static tree's whole step (e.g. eagle-small at --gamma 3) instead of a chain's components")
     args = ap.parse_args(argv)
