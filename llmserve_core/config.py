@@ -106,8 +106,6 @@ class EngineConfig:
         need(0.0 < self.distributed_timeout <= 86400.0, "distributed_timeout", "must be in (0, 86400]")
         if self.tensor_parallel_size > 1:
             need(self.quantization is None, "quantization", "fp8 is not supported with tensor_parallel_size > 1")
-            need(self.speculative_model is None or self.draft_shape().kind == "chain", "speculative_tree",
-                 "trees are not supported with tensor_parallel_size > 1 (chains are)")
         self.draft_shape()                # raises naming the speculative_* field at fault
         self.resolved_dtype()
 

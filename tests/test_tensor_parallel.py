@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,6 +76,22 @@ def test_tp2_eagle3_greedy_equals_plain(tiny_model_dir, tmp_path):
                      num_kv_blocks=40)
     assert got == want
     assert stats["spec_num_drafted_steps"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [dict(speculative_tree="eagle-small"),
+                                  dict(speculative_num_steps=4, speculative_eagle_topk=2, speculative_num_draft_tokens=8)],
+                         ids=["static", "dynamic"])
+def test_tp2_eagle3_trees_move_every_ranks_kv(tree):
+    """A tree's accepted path is moved in the KV pool after the verify, and every rank moves its own shard.
+    The trained pair accepts deep paths off the first branch, so paths move KV on most steps."""
+    pair = Path(__file__).resolve().parents[1] / "llmserve_core/data/trained_pair"
+    target, draft = str(pair / "target"), str(pair / "draft")
+    want, _ = run(target, 1)
+    got, stats = run(target, 2, speculative_model=draft, speculative_policy="always", num_kv_blocks=60,
+                     speculative_gamma=None if "speculative_num_steps" in tree else 3, **tree)
+    assert got == want
+    assert stats["spec_mean_acceptance_length"] > 1.5, stats
 
 
 def test_start_up_errors_name_the_field(tiny_model_dir):

@@ -69,6 +69,16 @@ class Driver:
         if self.failure is not None:
             raise WorkerLost(self.failure)
 
+    def compact_kv(self, src_slots, dst_slots) -> None:
+        """Announce a tree's KV moves, so every worker moves its own shard as rank 0 moves its."""
+        self.check()
+        if not self.live:
+            return
+        try:
+            self.channel.send_compact(src_slots, dst_slots)
+        except RuntimeError as e:
+            raise self.lost(e) from e
+
     def lost(self, error: Exception) -> WorkerLost:
         self.failure = self.failure or self.workers.failure() or f"tensor-parallel collective failed: {error}"
         return WorkerLost(self.failure)

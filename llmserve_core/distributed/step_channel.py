@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from llmserve_core.layers.batch import ForwardBatch
 
-FORWARD, LOGITS, STOP = 1, 2, 3
+FORWARD, LOGITS, STOP, COMPACT = 1, 2, 3, 4
 _FIXED = 10     # op, T, B, W, max_query_len, max_seq_len, uniform_query_len, has_tree_mask, num_aux, payload numel
 MAX_AUX = 8
 
@@ -50,6 +50,13 @@ class StepChannel:
         dist.broadcast(self.header, 0, group=self.tp.cpu_group)
         dist.broadcast(hidden.contiguous(), 0, group=self.tp.model_group)
 
+    def send_compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """A tree's KV moves (compact_kv's slots), which every rank applies to its own shard of the pool."""
+        self.header.zero_()
+        self.header[0], self.header[1] = COMPACT, src_slots.numel()
+        dist.broadcast(self.header, 0, group=self.tp.cpu_group)
+        dist.broadcast(torch.cat([src_slots, dst_slots]).to(torch.int64), 0, group=self.tp.model_group)
+
     def send_stop(self) -> None:
         self.header.zero_()
         self.header[0] = STOP
@@ -57,7 +64,8 @@ class StepChannel:
 
     # ---- workers ---------------------------------------------------------------------------------
     def recv(self, hidden_size: int, dtype: torch.dtype):
-        """-> (op, args): FORWARD (input_ids, ForwardBatch, aux_layer_ids), LOGITS (hidden,), STOP ()."""
+        """-> (op, args): FORWARD (input_ids, ForwardBatch, aux_layer_ids), LOGITS (hidden,), COMPACT (src
+        slots, dst slots), STOP ()."""
         h = self.header
         dist.broadcast(h, 0, group=self.tp.cpu_group)
         op = int(h[0])
@@ -66,6 +74,10 @@ class StepChannel:
             hidden = torch.empty(int(h[1]), hidden_size, dtype=dtype, device=dev)
             dist.broadcast(hidden, 0, group=self.tp.model_group)
             return op, (hidden,)
+        if op == COMPACT:
+            slots = torch.empty(2 * int(h[1]), dtype=torch.int64, device=dev)
+            dist.broadcast(slots, 0, group=self.tp.model_group)
+            return op, tuple(slots.chunk(2))
         if op != FORWARD:
             return op, ()
         t, b, w, max_q, max_s, uniform, has_mask, num_aux, numel = h[1:_FIXED].tolist()

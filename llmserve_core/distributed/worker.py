@@ -1,5 +1,5 @@
 """A worker rank: build the same engine as the core (start-up runs in lockstep with it), then run each
-forward and logits call the core announces on this rank's shard, until told to stop."""
+forward, logits call and tree KV move the core announces on this rank's shard, until told to stop."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from llmserve_core.distributed.step_channel import FORWARD, LOGITS, STOP, StepChannel
+from llmserve_core.distributed.step_channel import COMPACT, FORWARD, LOGITS, STOP, StepChannel
+from llmserve_core.speculative.tree import compact_kv
 
 
 @torch.inference_mode()
@@ -26,6 +27,8 @@ def serve_worker(config, tp) -> None:
                 model(ids, batch, runner.kv_caches, aux_layer_ids=aux)
             elif op == LOGITS:
                 model.compute_logits(args[0])
+            elif op == COMPACT:
+                compact_kv(runner.kv_pool, *args)
             elif op == STOP:
                 break
     except RuntimeError:

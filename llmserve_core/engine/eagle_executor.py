@@ -665,8 +665,11 @@ class EagleExecutor:
             for a, b in tree_kv_moves(path):
                 src.append(self._slot(table, base + a))
                 dst.append(self._slot(table, base + b))
-        compact_kv(self.runner.kv_pool, *self.staging.copy([np.asarray(src, dtype=np.int64),
-                                                           np.asarray(dst, dtype=np.int64)]))
+        src, dst = self.staging.copy([np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)])
+        tp = self.runner.tp
+        if tp is not None and tp.driver is not None:
+            tp.driver.compact_kv(src, dst)            # every worker moves its shard of the pool the same way
+        compact_kv(self.runner.kv_pool, src, dst)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _slot(self, block_ids: list[int], pos: int) -> int:
