@@ -665,6 +665,8 @@ class EagleExecutor:
             for a, b in tree_kv_moves(path):
                 src.append(self._slot(table, base + a))
                 dst.append(self._slot(table, base + b))
+        if not src:                  # every path runs straight down the first branch: nothing moves
+            return
         src, dst = self.staging.copy([np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)])
         tp = self.runner.tp
         if tp is not None and tp.driver is not None:
