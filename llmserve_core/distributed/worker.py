@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from llmserve_core.distributed.step_channel import COMPACT, FORWARD, LOGITS, STOP, StepChannel
-from llmserve_core.speculative.tree import compact_kv
 
 
 @torch.inference_mode()
@@ -28,7 +27,7 @@ def serve_worker(config, tp) -> None:
             elif op == LOGITS:
                 model.compute_logits(args[0])
             elif op == COMPACT:
-                compact_kv(runner.kv_pool, *args)
+                runner.move_kv(*args)
             elif op == STOP:
                 break
     except RuntimeError:

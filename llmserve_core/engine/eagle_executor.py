@@ -48,8 +48,8 @@ from llmserve_core.layers.sampler import SamplingTensors
 from llmserve_core.models.eagle3 import load_eagle3
 from llmserve_core.speculative.dynamic_tree import TreeGrowth
 from llmserve_core.speculative.propose import greedy_propose, sample_propose, topk_propose
-from llmserve_core.speculative.tree import TreeBatch, TreeVerifyOutput, compact_kv, fill_level, tree_greedy_verify, \
-    tree_kv_moves, tree_rejection_verify
+from llmserve_core.speculative.tree import TreeBatch, TreeVerifyOutput, fill_level, tree_greedy_verify, tree_kv_moves, \
+    tree_rejection_verify
 from llmserve_core.speculative.types import TIMING_KEYS, SpecMetrics, SpecStepResult
 from llmserve_core.speculative.verify import VerifyOutput, greedy_verify, rejection_sample_verify, verify_probs
 
@@ -667,11 +667,7 @@ class EagleExecutor:
                 dst.append(self._slot(table, base + b))
         if not src:                  # every path runs straight down the first branch: nothing moves
             return
-        src, dst = self.staging.copy([np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)])
-        tp = self.runner.tp
-        if tp is not None and tp.driver is not None:
-            tp.driver.compact_kv(src, dst)            # every worker moves its shard of the pool the same way
-        compact_kv(self.runner.kv_pool, src, dst)
+        self.runner.move_kv(*self.staging.copy([np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)]))
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _slot(self, block_ids: list[int], pos: int) -> int:

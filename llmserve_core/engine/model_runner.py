@@ -24,6 +24,7 @@ from llmserve_core.layers.fast_path import use_cuda_graphs
 from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
+from llmserve_core.speculative.tree import compact_kv
 from llmserve_proto import SamplingParams
 
 log = logging.getLogger("llmserve.runner")
@@ -157,6 +158,13 @@ class ModelRunner:
 
     def _decode_forward(self, input_ids, _hidden, batch):
         return (self.model(input_ids, batch, self.kv_caches),)
+
+    def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy every layer's K and V from src to dst slots (a tree's accepted path moving into place). Under
+        tensor parallelism rank 0 announces the move first, and each worker makes it on its own shard."""
+        if self.tp is not None and self.tp.driver is not None:
+            self.tp.driver.compact_kv(src_slots, dst_slots)
+        compact_kv(self.kv_pool, src_slots, dst_slots)
 
     def _allocate_kv(self, num_blocks: int) -> torch.Tensor:
         """One tensor for every layer's K and V, so a tree's KV compaction moves all of them in one op."""
