@@ -134,11 +134,13 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     following parents max_depth times (vectorized, no host sync)."""
     batch, n = parents.shape
     mask = torch.zeros(batch, n, n, dtype=torch.bool, device=parents.device)
-    anc = torch.arange(n, device=parents.device).expand(batch, n)
+    nodes = torch.arange(n, device=parents.device)
+    anc = nodes.expand(batch, n)
     for _ in range(max_depth + 1):
-        live = anc >= 0
-        mask |= torch.nn.functional.one_hot(anc.clamp_min(0), n).bool() & live[..., None]
-        anc = torch.where(live, parents.gather(1, anc.clamp_min(0)), anc)
+        # A comparison, not one_hot: nothing here may read the device from the host (CUDA-graph capture
+        # of the fused speculative step), and -1 (past the root) matches no node.
+        mask |= anc[..., None] == nodes
+        anc = torch.where(anc >= 0, parents.gather(1, anc.clamp_min(0)), anc)
     return mask
 
 
