@@ -498,6 +498,28 @@ def test_fused_step_drafts_what_the_step_by_step_path_drafts(monkeypatch, mode):
     assert fused.spec.graphs["fused step"].replays > replays
 
 
+def test_a_fused_step_that_fails_to_capture_leaves_the_step_by_step_path(pair, plain, monkeypatch, caplog):
+    """The fused graph only saves host work: if its capture raises, the engine starts, logs it, and drafts
+    forward by forward with the same tokens."""
+    from llmserve_core.engine import eagle_executor
+    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
+    real = eagle_executor.StepGraphs
+
+    def capture(name, *args, **kwargs):
+        if name == "fused step":
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(eagle_executor, "StepGraphs", capture)
+    target, draft = pair
+    prompts, expected = plain
+    engine = spec_engine(target, draft, max_num_seqs=5, **MODES["tree-dynamic"])
+    assert not engine.spec.fused and "fused step" not in engine.spec.graphs
+    assert "failed to capture" in caplog.text
+    got = engine.generate(prompts, mixed_params(len(prompts), 10))
+    assert [c.token_ids for c in got] == [e[:10] for e in expected]
+    assert engine.spec.graphs["verify"].replays > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["chain", "tree-eagle-small", "tree-dynamic"])

@@ -193,9 +193,15 @@ class EagleExecutor:
         if self.shape.kind == "chain" and self.gamma > 1:
             graphs["draft step"] = StepGraphs("draft step", self._draft_step, 1, **draft_rows)
         if self.fused:
-            # The steady state of decoding in one graph, fed the padded catch-up's inputs.
+            # The steady state of decoding in one graph, fed the padded catch-up's inputs. It only saves
+            # host work: should its capture fail on some device, drafting steps run forward by forward.
             fused = self._chain_step_forward if self.shape.kind == "chain" else self._tree_step_forward
-            graphs["fused step"] = StepGraphs("fused step", fused, self.catchup_rows, **draft_rows)
+            try:
+                graphs["fused step"] = StepGraphs("fused step", fused, self.catchup_rows, **draft_rows)
+            except RuntimeError as e:
+                log.error("EAGLE-3: the fused step's CUDA graph failed to capture (%s); drafting steps run "
+                          "forward by forward", str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.fused = False
         if self.tree is not None:
             for d in range(1, self.tree.depth):
                 m = max(self.tree.level(d)) + 1                        # nodes 1..m-1: levels 1..d
