@@ -85,6 +85,22 @@ def busy_us(kernels) -> float:
     return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
+def summarize(kernels, calls: int) -> dict:
+    """Per call: kernel count, GPU ms by kind, busy ms (the union of kernel intervals) and every kernel
+    name's calls and microseconds, longest first."""
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    by_kind = collections.Counter()
+    for name, _, dur in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += dur
+        by_kind[category(name)] += dur
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_step": len(kernels) / calls,
+            "gpu_ms_by_kind": {k: v / calls / 1e3 for k, v in by_kind.items()},
+            "busy_ms_per_step": busy_us(kernels) / calls / 1e3,
+            "kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls} for n, (c, t) in rows]}
+
+
 def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool) -> dict:
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
@@ -106,25 +122,18 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     step_ms = statistics.median(times)
     prof_steps = 10
     kernels, wall = profile_steps(engine, prof_steps)
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    by_cat = collections.Counter()
-    for name, _, dur in kernels:
-        per_name[name][0] += 1
-        per_name[name][1] += dur
-        by_cat[category(name)] += dur
+    summary = summarize(kernels, prof_steps)
     busy = busy_us(kernels)
     span = kernels[-1][1] + kernels[-1][2] - kernels[0][1] if kernels else 0.0
     floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak)
-    rows = sorted(((n, c / prof_steps, t / prof_steps) for n, (c, t) in per_name.items()), key=lambda r: -r[2])
     del engine
     torch.cuda.empty_cache()
     return {
         "batch": batch, "ctx": ctx, "eager": eager, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
-        "kernels_per_step": len(kernels) / prof_steps,
-        "gpu_ms_per_step": {k: v / prof_steps / 1e3 for k, v in by_cat.items()},
-        "busy_ms_per_step": busy / prof_steps / 1e3, "idle_fraction": 1 - busy / span if span else None,
-        "kernel_table": [{"name": n[:90], "calls": c, "us": t} for n, c, t in rows],
+        "kernels_per_step": summary["kernels_per_step"], "gpu_ms_per_step": summary["gpu_ms_by_kind"],
+        "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": 1 - busy / span if span else None,
+        "kernel_table": summary["kernels"],
     }
 
 

@@ -240,21 +240,12 @@ def time_unfused(ex, spec_step, out: dict, measure) -> None:
 def profile_step(spec_step, out: dict, calls: int = 10) -> None:
     """Where a whole step's time goes on the GPU: kernel time by kind, busy time (the union of kernel
     intervals) against the step's wall time, and the longest kernels (CUDA only)."""
-    import collections
-
-    from decode_profile import busy_us, category, profile_calls
+    from decode_profile import profile_calls, summarize
     kernels, wall = profile_calls(spec_step, calls)
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, dur in kernels:
-        per_name[name][0] += 1
-        per_name[name][1] += dur
-    by_kind = collections.Counter()
-    for name, _, dur in kernels:
-        by_kind[category(name)] += dur / calls / 1e3
-    top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:20]
-    out["profile"] = {"wall_ms_per_step": wall / calls, "busy_ms_per_step": busy_us(kernels) / calls / 1e3,
-                      "kernels_per_step": len(kernels) / calls, "gpu_ms_by_kind": dict(by_kind),
-                      "top_kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls} for n, (c, t) in top]}
+    summary = summarize(kernels, calls)
+    out["profile"] = {"wall_ms_per_step": wall / calls, "busy_ms_per_step": summary["busy_ms_per_step"],
+                      "kernels_per_step": summary["kernels_per_step"], "gpu_ms_by_kind": summary["gpu_ms_by_kind"],
+                      "top_kernels": summary["kernels"][:20]}
 
 
 def whole_step_only(engine, reqs, sched, n, out, measure, profile: bool) -> dict:

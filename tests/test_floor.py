@@ -63,3 +63,16 @@ def test_a_big_prefill_chunk_makes_the_step_compute_bound():
 def test_rates_must_be_positive(bw, peak):
     with pytest.raises(ValueError, match="bandwidth and peak_flops"):
         decode_floor(SMALL, [1], bw, peak)
+
+
+def test_profile_summary_counts_per_call_and_merges_overlaps():
+    """decode_profile.summarize, which decode_profile and spec_timing --profile report from."""
+    from decode_profile import summarize
+    kernels = [("nvjet_sm90_gemm", 0.0, 10.0), ("_decode_kernel", 5.0, 10.0), ("_rmsnorm_kernel", 30.0, 2.0),
+               ("nvjet_sm90_gemm", 40.0, 10.0)]
+    s = summarize(kernels, calls=2)
+    assert s["kernels_per_step"] == 2
+    assert s["gpu_ms_by_kind"] == {"gemm": 0.01, "attention": 0.005, "other": 0.001}
+    assert s["busy_ms_per_step"] == pytest.approx((15 + 2 + 10) / 2 / 1e3)       # 0-15 overlaps, then 2, then 10
+    assert s["kernels"][0] == {"name": "nvjet_sm90_gemm", "calls": 1.0, "us": 10.0}
+    assert [k["name"] for k in s["kernels"]] == ["nvjet_sm90_gemm", "_decode_kernel", "_rmsnorm_kernel"]

@@ -407,6 +407,13 @@ class EagleExecutor:
             req.spec_state.draft_pos = req.num_computed_tokens
             req.spec_state.pending = part
 
+    def _fused_catchup(self, ids, hidden, batch):
+        """The fused step's first forward: (proposal logits, pre-norm of each request's last catch-up row,
+        each request's context length [B], whether it is a live request rather than graph padding [B])."""
+        logits, h = self._catchup_forward(ids, hidden, batch)
+        live = batch.slot_mapping.view(batch.num_seqs, self.catchup_rows)[:, -1] >= 0     # padding writes no KV
+        return logits, h, batch.seq_lens.long(), live
+
     def _chain_step_forward(self, ids, hidden, batch):
         """(drafts [B, gamma], verify logits, fused aux, greedy verification) from the padded catch-up
         batch. The later forwards' batches follow from it on the device: each request's catch-up ends at
@@ -415,10 +422,8 @@ class EagleExecutor:
         path builds them. Greedy verification and the aux fusion run on every row here, so a greedy batch
         leaves the graph with one small readback to do; sampled requests verify from the logits outside."""
         width, n = self.catchup_rows, batch.num_seqs
-        logits, h = self._catchup_forward(ids, hidden, batch)
+        logits, h, context, live = self._fused_catchup(ids, hidden, batch)
         tokens = [greedy_propose(logits, self.draft.d2t)]
-        context = batch.seq_lens.long()
-        live = batch.slot_mapping.view(n, width)[:, -1] >= 0          # graph padding writes no KV
         for j in range(1, self.gamma):
             logits, h = self._draft_step(tokens[-1], h, self._continued_batch(batch, context - 1 + j, 1, live))
             tokens.append(greedy_propose(logits, self.draft.d2t))
@@ -434,9 +439,7 @@ class EagleExecutor:
         positions seq_len .. seq_len + rows - 1 with rotary positions seq_len - 1 + depth, and the verify's
         nodes at seq_len .. seq_len + N - 1 with rotary positions seq_len + depth."""
         width, n = self.catchup_rows, batch.num_seqs
-        logits, h = self._catchup_forward(ids, hidden, batch)
-        context = batch.seq_lens.long()
-        live = batch.slot_mapping.view(n, width)[:, -1] >= 0          # graph padding writes no KV
+        logits, h, context, live = self._fused_catchup(ids, hidden, batch)
 
         def run_level(name, fn, level_ids, level_hidden, depths: slice, mask):
             rows = depths.stop - depths.start
