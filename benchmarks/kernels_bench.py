@@ -201,6 +201,53 @@ class Bench:
                     self.add(**shape, impl=f"fa4 num_splits={splits}", error=f"{type(e).__name__}: {e}"[:300])
         del kc, vc
 
+    # ------------------------------------------------------------ verify (a few rows per sequence)
+
+    def verify(self, batch: int, rows: int, ctx: int, block_size: int, tree: bool, sweep=()):
+        """A speculative verify through the decode kernel's rows path: `rows` query rows per sequence after
+        `ctx` cached tokens, causal or under a random tree mask (each node's parent before it), against the
+        prefill kernel on the same rows and the torch reference."""
+        seq_lens = [ctx + rows] * batch
+        kc, vc, tables = self.paged_kv(seq_lens, block_size, 1)
+        bt = tables[0]
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        q = torch.randn(batch * rows, self.H, self.D, device=self.device, dtype=self.dtype)
+        qsl = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=self.device)
+        mask = None
+        if tree:
+            gen = torch.Generator().manual_seed(rows)
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, rows)]
+            m = torch.eye(rows, dtype=torch.bool)
+            for i in range(1, rows):
+                m[i] |= m[parents[i]]
+            mask = m.repeat(batch, 1).to(self.device)
+        out = torch.full_like(q, float("nan"))
+        check = min(batch, 4)
+        ref = paged_attention_reference(q[:check * rows], kc, vc, lens[:check], bt[:check], self.scale,
+                                        query_start_loc=qsl[:check + 1], tree_mask=mask)
+        kv_bytes = batch * (ctx + rows) * self.KVH * self.D * 2 * self.dtype.itemsize
+        shape = dict(kind="verify", batch=batch, query_len=rows, ctx=ctx, block_size=block_size, tree=tree,
+                     kv_bytes=kv_bytes)
+        calls = [("decode rows", {})] + [("decode rows " + ",".join(f"{k}={v}" for k, v in var.items()), var)
+                                         for var in sweep]
+        scratch = DecodeScratch()
+        for impl, var in calls:
+            def call(var=var):
+                return paged_decode(q, kc, vc, bt, lens, self.scale, out=out, scratch=scratch, rows_per_seq=rows,
+                                    tree_mask=mask, **var)
+            self._time_call(shape, impl, call, out, ref, check * rows)
+        self._time_call(shape, "prefill", lambda: paged_prefill(q, kc, vc, qsl, lens, bt, rows, self.scale, out=out,
+                                                                 tree_mask=mask), out, ref, check * rows)
+
+    def _time_call(self, shape: dict, impl: str, call, out, ref, check_rows: int) -> None:
+        try:
+            call()
+            err = rel_err(out[:check_rows], ref)
+            us, method = self.time_us([call] * 10)
+            self.add(**shape, impl=impl, us=us, tbps=shape["kv_bytes"] / us / 1e6, rel_err=err, method=method)
+        except Exception as e:
+            self.add(**shape, impl=impl, error=f"{type(e).__name__}: {e}"[:300])
+
     # ------------------------------------------------------------ prefill / extend
 
     def prefill(self, name: str, query_lens: list[int], ctx_lens: list[int], block_size: int, with_fa4: bool,
@@ -414,7 +461,22 @@ def table(rows: list[dict]) -> str:
                          f"{best['us']:.1f} ({best['impl']}) | {fmt(f and f['us'], '.1f')} | "
                          f"{fmt(f and f['tflops'], '.0f')} | {fmt(f and f['us'] / t['us'], '.2f')} | "
                          f"{'fa4' if path is f else 'triton'} | {fmt(f and f['us'] / path['us'], '.2f')} |")
-    other = [r for r in rows if r not in dec and r not in pre]
+    ver = [r for r in rows if r["kind"] == "verify" and "us" in r]
+    keys = sorted({(r["batch"], r["query_len"], r["ctx"], r["block_size"], r["tree"]) for r in ver})
+    if keys:
+        lines += ["", "| verify B x rows | ctx | page | mask | decode rows us | TB/s | best variant us | prefill us | "
+                  "err |", "|---|---|---|---|---|---|---|---|---|"]
+        for key in keys:
+            rs = [r for r in ver if (r["batch"], r["query_len"], r["ctx"], r["block_size"], r["tree"]) == key]
+            t = next((r for r in rs if r["impl"] == "decode rows"), None)
+            p = next((r for r in rs if r["impl"] == "prefill"), None)
+            best = min(rs, key=lambda r: r["us"])
+            if t is None:
+                continue
+            lines.append(f"| {key[0]} x {key[1]} | {key[2]} | {key[3]} | {'tree' if key[4] else 'causal'} | "
+                         f"{t['us']:.1f} | {t['tbps']:.2f} | {best['us']:.1f} ({best['impl']}) | "
+                         f"{fmt(p and p['us'], '.1f')} | {max(r['rel_err'] for r in rs):.1e} |")
+    other = [r for r in rows if r not in dec and r not in pre and r not in ver]
     if other:
         lines += ["", "| other | impl | us | rate | err | method |", "|---|---|---|---|---|---|"]
         for r in other:
@@ -434,6 +496,9 @@ def main():
     ap.add_argument("--commit", default="", help="git commit the numbers belong to")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only prefill / extend shapes, Triton against FA4 (skips decode and small ops)")
+    ap.add_argument("--verify-only", action="store_true",
+                    help="only speculative verify shapes (rows per sequence, causal and tree-masked), the "
+                         "decode kernel's rows path in several tile configs against the prefill kernel")
     args = ap.parse_args()
     b = Bench(args.out_dir, args.budget_s, args.smoke)
     b.meta["commit"] = args.commit
@@ -453,10 +518,17 @@ def main():
 
     if args.smoke:
         step("decode", b.decode, 2, 40, 16, True, sweep=[dict(num_splits=4, block_n=16)])
+        step("verify", b.verify, 2, 4, 30, 16, True, sweep=[dict(num_warps=2)])
         step("prefill", b.prefill, "prefill", [20, 7], [0, 0], 16, True, configs=[dict(block_m=16, block_n=16)])
         step("extend", b.prefill, "extend", [9, 5], [30, 12], 4, True)
         step("small ops", b.small_ops, 8, 64, 96)
         step("torch reference", b.torch_reference_attention)
+    elif args.verify_only:
+        # Chain verifies (4 rows), static trees (~10), dynamic trees (32): GROUP 4 makes 16-128 tile rows.
+        sweep = [dict(num_warps=w, block_n=bn) for w in (4, 8) for bn in (32, 64)]
+        for batch in (1, 16, 64):
+            for rows, tree in ((4, False), (8, True), (16, True), (32, True)):
+                step(f"verify b{batch} x{rows}", b.verify, batch, rows, 512, 16, tree, sweep=sweep)
     else:
         # Most important first, so a short budget still answers the questions that matter.
         def dv(s, bn, w=4, st=2):

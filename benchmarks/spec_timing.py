@@ -208,6 +208,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
             ex.execute(sched)
         out["t_step"] = measure(spec_step)
         time_unfused(ex, spec_step, out, measure)
+        host_split(ex, spec_step, out, measure)
         if args.profile and device.type == "cuda":
             profile_step(spec_step, out)
 
@@ -237,6 +238,44 @@ def time_unfused(ex, spec_step, out: dict, measure) -> None:
         ex.fused = True
 
 
+def host_split(ex, spec_step, out: dict, measure, steps: int = 20) -> None:
+    """Where a fused step's wall time goes besides the graph: t_fused_graph replays the step's graph alone
+    (its GPU time), host_pre_ms is the host work from the step's start to the replay's launch, and
+    host_post_ms the work after the replay returns to the host (the readback's wait included)."""
+    graphs = ex.graphs.get("fused step")
+    if graphs is None or not ex.fused:
+        return
+    stamps = []
+    run = graphs.run
+
+    def stamped(*a, **kw):
+        stamps.append(time.perf_counter())
+        result = run(*a, **kw)
+        stamps.append(time.perf_counter())
+        return result
+    graphs.run = stamped
+    try:
+        pre, launch, post = [], [], []
+        for _ in range(steps):
+            stamps.clear()
+            t0 = time.perf_counter()
+            spec_step()
+            t1 = time.perf_counter()
+            if len(stamps) == 2:
+                pre.append(stamps[0] - t0)
+                launch.append(stamps[1] - stamps[0])
+                post.append(t1 - stamps[1])
+    finally:
+        del graphs.run
+    if not pre:
+        return
+    out["host_pre_ms"] = 1000 * statistics.median(pre)
+    out["host_run_ms"] = 1000 * statistics.median(launch)      # input copies and the replay's launch
+    out["host_post_ms"] = 1000 * statistics.median(post)
+    if graphs.capture:
+        out["t_fused_graph"] = measure(graphs.graphs[graphs.last_bucket][0].replay)
+
+
 def profile_step(spec_step, out: dict, calls: int = 10) -> None:
     """Where a whole step's time goes on the GPU: kernel time by kind, busy time (the union of kernel
     intervals) against the step's wall time, and the longest kernels (CUDA only)."""
@@ -259,11 +298,21 @@ def whole_step_only(engine, reqs, sched, n, out, measure, profile: bool) -> dict
         ex.execute(sched)
     out["t_step"] = measure(spec_step)
     time_unfused(ex, spec_step, out, measure)
+    host_split(ex, spec_step, out, measure)
     if profile and runner.device.type == "cuda":
         profile_step(spec_step, out)
     for al in ACCEPTANCE_LENGTHS + (3.5,):
         out[f"speedup_step_al{al}"] = al * out["t_decode"] / out["t_step"]
     return out
+
+
+def host_lines(result: dict) -> list[str]:
+    """One line per batch: the fused step's wall time against its graph alone, and the host's share."""
+    lines = [f"- batch {row['batch']}: step {row['t_step']:.2f} ms, its graph alone {row['t_fused_graph']:.2f} ms; host "
+             f"{row['host_pre_ms']:.2f} ms before the replay, {row['host_run_ms']:.2f} ms in it (input copies, "
+             f"launch), {row['host_post_ms']:.2f} ms after it (readback wait included)"
+             for row in result["rows"] if "t_fused_graph" in row]
+    return ["", "The fused step's host work (medians of 20 steps):"] + lines if lines else []
 
 
 def profile_lines(result: dict) -> list[str]:
@@ -304,7 +353,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {row['batch']} | {row['t_decode']:.2f} | {row['t_step']:.2f} | {ms(row, 't_step_unfused')} | "
                          f"{row['t_step'] / row['t_decode']:.2f} | {row['speedup_step_al2.5']:.2f} | "
                          f"{row['speedup_step_al3.0']:.2f} | {row['speedup_step_al3.5']:.2f} |")
-        return "\n".join(lines + profile_lines(result)) + "\n"
+        return "\n".join(lines + host_lines(result) + profile_lines(result)) + "\n"
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['batch']} | failed: {row['error']} |")
@@ -321,7 +370,7 @@ def markdown(result: dict) -> str:
               "AL * t_decode / t_step, the executor's whole step (catch-up of 1 row, graphs where available, host "
               "work included): a steady chain step replays one graph (catch-up, draft steps and verify); `step "
               "unfused` is the same step replaying the three graphs one by one."]
-    return "\n".join(lines + profile_lines(result)) + "\n"
+    return "\n".join(lines + host_lines(result) + profile_lines(result)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -53,6 +53,7 @@ class StepGraphs:
         self.tree_mask = tree_mask.to(device).repeat(max_batch, 1) if tree_mask is not None else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.replays = 0
+        self.last_bucket = 0        # the bucket of the last run (benchmarks replay it alone)
         if capture:
             self._capture_all()
 
@@ -110,6 +111,7 @@ class StepGraphs:
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)
         self.replays += 1
+        self.last_bucket = bucket
         if self.capture:
             graph, out = self.graphs[bucket]
             graph.replay()

@@ -182,6 +182,12 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS
     return min(SMALL_BATCH_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, max(1, programs))))
 
 
+def choose_num_warps(block_g: int) -> int:
+    """A 128-row tile (a 32-node tree's rows x a KV group of 4) holds a 128 x head_dim float32 accumulator:
+    over four warps that alone is 128 registers a thread, and the scores spill. Eight warps halve it."""
+    return 8 if block_g >= 128 else 4
+
+
 def choose_block_n(num_splits: int) -> int:
     """Many small pieces: short tiles, so no piece is mostly padding. Otherwise 64 (32 lost at batch 256)."""
     return 32 if num_splits >= 32 else 64
@@ -223,7 +229,7 @@ MAX_TILE_ROWS = 128
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
-                 block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None) -> torch.Tensor:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
@@ -257,6 +263,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if block_n is None:
         block_n = choose_block_n(num_splits) if q.is_cuda else 16
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
+    if num_warps is None:
+        num_warps = choose_num_warps(block_g)
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
         cfg = decode_config(block_g, block_n, triton.next_power_of_2(head_dim), q.element_size(),
