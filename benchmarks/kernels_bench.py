@@ -525,10 +525,12 @@ def main():
         step("torch reference", b.torch_reference_attention)
     elif args.verify_only:
         # Chain verifies (4 rows), static trees (~10), dynamic trees (32): GROUP 4 makes 16-128 tile rows.
-        sweep = [dict(num_warps=w, block_n=bn) for w in (4, 8) for bn in (32, 64)]
+        # The merge of a split's pieces grows with the rows, so fewer, longer pieces may pay for verifies.
+        tiles = [dict(num_warps=w, block_n=bn) for w in (4, 8) for bn in (32, 64)]
         for batch in (1, 16, 64):
+            splits = [dict(num_splits=s) for s in ((4, 8, 16) if batch == 1 else (2, 4) if batch == 16 else ())]
             for rows, tree in ((4, False), (8, True), (16, True), (32, True)):
-                step(f"verify b{batch} x{rows}", b.verify, batch, rows, 512, 16, tree, sweep=sweep)
+                step(f"verify b{batch} x{rows}", b.verify, batch, rows, 512, 16, tree, sweep=tiles + splits)
     else:
         # Most important first, so a short budget still answers the questions that matter.
         def dv(s, bn, w=4, st=2):
