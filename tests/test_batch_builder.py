@@ -203,6 +203,43 @@ def test_padding_up_to_the_bucket_and_cutting_back(rows):
     assert not graphs.fits(b.finish(uniform_rows=True).batch)
 
 
+def test_load_from_host_spans_gives_the_graph_what_run_gives_it():
+    """A batch loaded straight from the builder's host arrays (one copy, padding included) reaches the
+    graph's function exactly as the same batch sent through run(); three loads in a row reuse the two
+    host mirrors in turn, each still correct."""
+    rows = 3
+    fn = Recorder(rows)
+    graphs = StepGraphs("test", fn, rows, max_batch=5, max_blocks_per_seq=4, max_seq_len=64, device="cpu",
+                        hidden_size=2, dtype=torch.float32, capture=False)
+    b = builder()
+    for trial, tables in enumerate(([[1, 2], [3, 7], [4, 5, 6]], [[9]], [[2, 3], [8, 1, 0, 5]])):
+        def spans():
+            for i, table in enumerate(tables):
+                start = 3 + i + trial
+                b.add_rows(table, np.maximum(np.arange(start - 4, start - 1), 0), [-1, start - 2, start - 1], start,
+                           [10 * trial + i] * rows)
+        spans()
+        built = b.finish(uniform_rows=True)
+        graphs.run(built.input_ids, torch.zeros(len(tables) * rows, 2), built.batch)
+        want = fn.calls[-1]
+        spans()
+        extra = np.arange(len(tables) * rows)[::-1].copy()
+        n = graphs.load(b.finish_host(), extra)
+        assert n == len(tables)
+        per_row, _ = graphs.replay(n)
+        got = fn.calls[-1]
+        bucket = graphs.bucket_for(n)
+        for key in ("ids", "positions", "slots", "seq_lens"):
+            assert got[key][:bucket * rows if key != "seq_lens" else bucket].tolist() == \
+                want[key][:bucket * rows if key != "seq_lens" else bucket].tolist(), key
+        for i, table in enumerate(tables):      # past a sequence's own blocks nothing is read
+            assert got["tables"][i, :len(table)].tolist() == want["tables"][i, :len(table)].tolist() == table
+        assert got["num_seqs"] == want["num_seqs"] == bucket
+        assert graphs.extra[:len(extra)].tolist() == extra.tolist()
+        assert per_row.shape[0] == n * rows
+    assert graphs.replays == 6
+
+
 def test_decode_graph_path_equals_eager_on_cpu(tiny_model_dir, monkeypatch):
     """The runner's decode graph (capture off) pads a batch of 3 to bucket 4 and gives eager's hidden
     states, and padding leaves every live KV slot as eager wrote it."""

@@ -85,6 +85,18 @@ class BuiltBatch:
     extras: list[torch.Tensor]         # the extra int64 arrays passed to finish(), on the device
 
 
+@dataclass
+class HostSpans:
+    """A finished batch's arrays on the host (views of the builder's scratch: read them before its next
+    spans are added)."""
+    input_ids: np.ndarray | None       # [T] int64
+    positions: np.ndarray              # [T] int64 rotary positions
+    slots: np.ndarray                  # [T] int64 KV slots (-1: writes nothing)
+    seq_lens: np.ndarray               # [B] int32
+    block_tables: np.ndarray           # [B, W] int32
+    query_lens: list[int]
+
+
 class BatchBuilder:
     """Pack spans into a ForwardBatch: begin(), add() / add_rows() per sequence, finish()."""
 
@@ -168,6 +180,16 @@ class BatchBuilder:
             self.query_start = np.resize(self.query_start, n + 1)
 
     # ---- the batch -------------------------------------------------------------------------------
+    def finish_host(self) -> "HostSpans":
+        """The spans added since begin() as host arrays, for a CUDA graph that loads its static inputs
+        itself (StepGraphs.load), with nothing sent to the device here."""
+        t, b = self.t, len(self.query_lens)
+        np.minimum(self.pos[:t], self.max_position - 1, out=self.pos[:t])
+        spans = HostSpans(self.ids[:t] if self.has_ids else None, self.pos[:t], self.slots[:t], self.seq_lens[:b],
+                          self.tables[:b, :self.width], self.query_lens)
+        self.begin()
+        return spans
+
     def finish(self, extras: tuple = (), uniform_rows: bool = False) -> BuiltBatch:
         """The ForwardBatch of the spans added since begin(), with `extras` (int64 index arrays the caller
         needs on the device) in the same transfer. uniform_rows: say so when every span has the same

@@ -294,7 +294,7 @@ class EagleExecutor:
         if not pending:
             return none
         if self._catchup_pads(self.graphs.get("catch-up"), pending, drafting):
-            logits, h = self._forward("catch-up", self._catchup_forward, *self._catchup_padded(drafting))
+            logits, h = self._catchup_padded(self.graphs["catch-up"], drafting)
         else:
             logits, h = self._catchup_ragged(pending, drafting)
         if not drafting:
@@ -345,11 +345,13 @@ class EagleExecutor:
                 and len(pending) == len(drafting) and all(p is r for p, r in zip(pending, drafting))
                 and all(r.num_computed_tokens - r.spec_state.draft_pos <= self.catchup_rows for r in drafting))
 
-    def _catchup_padded(self, drafting: list[Request]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        """(ids, hidden, batch) of the catch-up with each request's span padded in front to catchup_rows rows
-        (the catch-up graph's shape), so its real rows are the last ones and its last row is the proposal.
-        A padding row sits at an already computed position (clamped at 0), writes no KV (slot -1), and its
-        outputs are dropped; the span never reaches past the request's own KV."""
+    def _catchup_padded(self, graphs: StepGraphs, drafting: list[Request]) -> tuple[torch.Tensor, ...]:
+        """Replay `graphs` (the catch-up's, or the fused step's) over the catch-up with each request's span
+        padded in front to catchup_rows rows, so its real rows are the last ones and its last row is the
+        proposal. A padding row sits at an already computed position (clamped at 0), writes no KV (slot -1),
+        and its outputs are dropped; the span never reaches past the request's own KV. The host-built batch
+        goes straight into the graph's inputs in one copy, the pending aux rows into its hidden rows (a
+        padding row keeps whatever it held: its outputs are never read)."""
         width, b = self.catchup_rows, self.builder
         dest, hidden = [], []
         for i, req in enumerate(drafting):
@@ -362,10 +364,10 @@ class EagleExecutor:
             dest.extend(range(i * width + pad, (i + 1) * width))
             hidden.append(st.pending)
             st.draft_pos, st.pending = end, None
-        built = b.finish((dest,), uniform_rows=True)
-        hidden = torch.cat(hidden)
-        padded = hidden.new_zeros(len(drafting) * width, hidden.shape[1]).index_copy_(0, built.extras[0], hidden)
-        return built.input_ids, padded, built.batch
+        n = graphs.load(b.finish_host(), np.asarray(dest, dtype=np.int64))
+        rows = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        graphs.hidden.index_copy_(0, graphs.extra[:len(dest)], rows)
+        return graphs.replay(n)
 
     # ---- 1-3 in one graph: the steady step ----------------------------------------------------------
     def _fused_step_fits(self, sched: ScheduledBatch, drafting: list[Request]) -> bool:
@@ -378,7 +380,7 @@ class EagleExecutor:
     def _fused_step(self, drafting: list[Request]):
         """Catch-up, draft forwards and verify from one host-built batch and one replay: (proposal, verify
         logits, fused aux of every verify row, greedy verification packed for one readback)."""
-        out = self.graphs["fused step"].run(*self._catchup_padded(drafting))
+        out = self._catchup_padded(self.graphs["fused step"], drafting)
         if self.shape.kind == "chain":
             drafts, logits, fused_aux, emitted = out
             return _Proposal(drafts), logits, fused_aux, emitted

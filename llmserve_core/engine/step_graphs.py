@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
 import torch
 
+from llmserve_core.engine.batch_builder import HostSpans
 from llmserve_core.layers.batch import ForwardBatch
 
 log = logging.getLogger("llmserve.step_graphs")
@@ -43,12 +45,26 @@ class StepGraphs:
         self.capture = capture
         total = max_batch * rows
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(total, dtype=i64, device=device)
-        self.positions = torch.zeros(total, dtype=i64, device=device)
-        self.slot_mapping = torch.full((total,), -1, dtype=i64, device=device)
-        self.seq_lens = torch.full((max_batch,), rows, dtype=i32, device=device)
+        # Every per-step integer input lives in one device buffer (block tables last), so a batch built on
+        # the host arrives in one copy from a pinned mirror of it (load); `extra` carries a caller's indices.
+        sections = [("input_ids", i64, (total,)), ("positions", i64, (total,)), ("slot_mapping", i64, (total,)),
+                    ("extra", i64, (total,)), ("seq_lens", i32, (max_batch,)),
+                    ("block_tables", i32, (max_batch, max_blocks_per_seq))]
+        self._offsets, nbytes = {}, 0
+        for section, kind, shape in sections:
+            self._offsets[section] = nbytes
+            nbytes += -(-torch.Size(shape).numel() * kind.itemsize // 8) * 8
+        self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._sections = sections
+        for section, _, _ in sections:
+            setattr(self, section, self._view(self.inputs, section))
+        self._mirrors: list[torch.Tensor] = []      # pinned host copies of `inputs`, made on the first load
+        self._mirror_views: list[dict[str, np.ndarray]] = []
+        self._mirror_done: list[torch.cuda.Event | None] = [None, None]
+        self._loads = 0
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(rows)
         self.query_start_loc = torch.arange(0, (max_batch + 1) * rows, rows, dtype=i32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=device)
         self.hidden = torch.zeros(total, hidden_size, dtype=dtype, device=device) if hidden_size else None
         self.tree_mask = tree_mask.to(device).repeat(max_batch, 1) if tree_mask is not None else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -56,6 +72,11 @@ class StepGraphs:
         self.last_bucket = 0        # the bucket of the last run (benchmarks replay it alone)
         if capture:
             self._capture_all()
+
+    def _view(self, raw: torch.Tensor, name: str) -> torch.Tensor:
+        _, dtype, shape = next(sec for sec in self._sections if sec[0] == name)
+        off = self._offsets[name]
+        return raw[off:off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
 
     def _batch(self, n: int) -> ForwardBatch:
         # max_seq_len is the static worst case: a graph must not depend on this step's lengths.
@@ -91,6 +112,56 @@ class StepGraphs:
         """Whether `batch` is this graph's shape: `rows` query rows per sequence, within the largest bucket."""
         return batch.uniform_query_len == self.rows and self.bucket_for(batch.num_seqs) is not None
 
+    def load(self, spans: HostSpans, extra: np.ndarray | None = None) -> int:
+        """Fill the static inputs from a batch built on the host (BatchBuilder.finish_host, `rows` rows per
+        sequence, ids included), graph padding too, in one host-to-device copy; `extra` (int64 indices)
+        lands in self.extra. Returns the number of sequences, for replay()."""
+        n, t = len(spans.query_lens), len(spans.positions)
+        assert t == n * self.rows and spans.input_ids is not None, "load: rows per sequence or ids missing"
+        bucket = self.bucket_for(n)
+        if not self._mirrors:                  # two, alternating, so one can fill while the other copies
+            pin = self.inputs.is_cuda
+            self._mirrors = [torch.zeros_like(self.inputs, device="cpu", pin_memory=pin) for _ in range(2)]
+            self._mirror_views = [{name: self._view(m, name).numpy() for name, _, _ in self._sections}
+                                  for m in self._mirrors]
+        which = self._loads % 2
+        self._loads += 1
+        if self._mirror_done[which] is not None:
+            self._mirror_done[which].synchronize()       # its last copy must be done before it is rewritten
+        m = self._mirror_views[which]
+        m["input_ids"][:t] = spans.input_ids
+        m["positions"][:t] = spans.positions
+        m["slot_mapping"][:t] = spans.slots
+        m["slot_mapping"][t:bucket * self.rows] = -1
+        m["seq_lens"][:n] = spans.seq_lens
+        m["seq_lens"][n:bucket] = self.rows
+        width = spans.block_tables.shape[1]
+        m["block_tables"][:n, :width] = spans.block_tables
+        if extra is not None:
+            m["extra"][:len(extra)] = extra
+        end = self._offsets["block_tables"] + bucket * self.block_tables.shape[1] * 4
+        src = self._mirrors[which][:end]
+        if self.inputs.is_cuda:
+            self.inputs[:end].copy_(src, non_blocking=True)
+            self._mirror_done[which] = torch.cuda.Event()
+            self._mirror_done[which].record()
+        else:
+            self.inputs[:end].copy_(src)
+        return n
+
+    def replay(self, n: int) -> tuple[torch.Tensor, ...]:
+        """Run the bucket of n sequences over the static inputs as they are; outputs cut to the n live
+        sequences' rows (padding sequences come last)."""
+        bucket = self.bucket_for(n)
+        self.replays += 1
+        self.last_bucket = bucket
+        if self.capture:
+            graph, out = self.graphs[bucket]
+            graph.replay()
+        else:
+            out = self._call(bucket)
+        return tuple(o[:o.shape[0] // bucket * n] for o in out)
+
     def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Replay for a batch of n sequences with `rows` query rows each; outputs cut to the n live sequences'
         rows (padding sequences come last)."""
@@ -110,11 +181,4 @@ class StepGraphs:
         if bucket > n:
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)
-        self.replays += 1
-        self.last_bucket = bucket
-        if self.capture:
-            graph, out = self.graphs[bucket]
-            graph.replay()
-        else:
-            out = self._call(bucket)
-        return tuple(o[:o.shape[0] // bucket * n] for o in out)
+        return self.replay(n)
