@@ -235,7 +235,9 @@ def stop_core(proc):
 
 def bench(endpoint, argv, out_json):
     cmd = [sys.executable, "-m", "llmserve_bench"] + argv + ["--endpoint", endpoint, "--result-json", out_json]
-    subprocess.run(cmd, check=True, timeout=400)
+    # A core on a fresh machine compiles its kernels before it answers: give its start-up time.
+    cmd += ["--connect-timeout", "600"]
+    subprocess.run(cmd, check=True, timeout=1000)
     with open(out_json) as f:
         d = json.load(f)
     # Closed loops report the steady-state window beside the whole run; finite runs have only the latter.

@@ -73,6 +73,41 @@ def test_warmed_engine_serves_and_reports_as_a_cold_one(tiny_model_dir, tiny_dra
     assert warm.stats()["prefix_hit_rate"] == cold.stats()["prefix_hit_rate"]
 
 
+def test_warm_up_drafts_at_every_depth_the_policy_may_pick(tiny_model_dir, tiny_draft, monkeypatch):
+    """A chain the adaptive policy shortens verifies fewer rows per request, outside the captured graphs:
+    the warm-up drafts at every depth, at the smallest and largest batch, in a step beside a prefill
+    chunk too; then the policy starts from its priors, unpinned."""
+    from llmserve_core.engine import eagle_executor
+    seen = set()
+    execute = eagle_executor.EagleExecutor.execute
+
+    def recording(self, sched, gamma=None):
+        seen.add((len(sched.requests), gamma, any(r.is_prefilling for r in sched.requests)))
+        return execute(self, sched, gamma)
+    monkeypatch.setattr(eagle_executor.EagleExecutor, "execute", recording)
+    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                                 max_model_len=128, num_kv_blocks=64, speculative_model=tiny_draft,
+                                 speculative_gamma=3, speculative_policy="adaptive", warmup=True))
+    for depth in (1, 2, 3):
+        assert {(1, depth, False), (4, depth, False)} <= seen, (depth, sorted(seen))
+        assert any(g == depth and mixed for _, g, mixed in seen), depth
+    p = engine.policy
+    assert p.pinned is None and p.num_drafted_steps == p.num_plain_steps == 0
+    assert engine.step_costs.step_seconds(1, 1) is None                    # no warm-up timings kept
+    assert engine.generate([[5, 9, 2]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+
+
+def test_a_compile_after_the_warm_up_is_logged_by_name(monkeypatch, caplog):
+    monkeypatch.setattr(jit_count, "_serving", False)
+    hook = jit_count._count(None)
+    with caplog.at_level("WARNING", logger="llmserve.jit"):
+        hook(key="warm", fn=type("F", (), {"name": "_decode_kernel"})())
+        assert not caplog.records
+        jit_count.warm_up_done()
+        hook(key="ROWS=3", fn=type("F", (), {"name": "_decode_kernel"})())
+    assert "_decode_kernel" in caplog.text and "ROWS=3" in caplog.text
+
+
 def test_warm_up_fits_a_pool_smaller_than_max_model_len(tiny_model_dir):
     # 4 blocks of 16 tokens hold 64 positions, half of max_model_len: no warm-up prompt may need more.
     engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
@@ -117,4 +152,26 @@ def test_gpu_nothing_compiles_after_start_up(make_random_qwen3_dir):
                        (7, [250] * 7)):
         prompts = [torch.randint(0, 1000, (L,), generator=g).tolist() for L in lengths[:n]]
         engine.generate(prompts, [params[i % len(params)] for i in range(len(prompts))])
+    assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_nothing_compiles_after_start_up_while_drafting(make_random_qwen3_dir, tmp_path):
+    """Drafting at each depth the policy may pick, beside prefill chunks and alone, adds no kernel after
+    the warm-up."""
+    model = make_random_qwen3_dir(seed=4, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                  tie_word_embeddings=False)
+    draft = make_tiny_draft(tmp_path / "draft", model, seed=2)
+    engine = Engine(EngineConfig(model=model, device="cuda", max_num_seqs=16, max_num_batched_tokens=256,
+                                 max_model_len=1024, num_kv_blocks=512, speculative_model=draft,
+                                 speculative_gamma=3, speculative_policy="adaptive"))
+    before = engine.stats()["jit_compilations"]
+    g = torch.Generator().manual_seed(1)
+    for depth in (1, 2, 3, None):
+        engine.policy.pinned = depth
+        for lengths in ([3], [40, 300, 7], [2] * 9 + [500]):
+            prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+            engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"

@@ -117,9 +117,6 @@ class Engine:
         # tokens, so it first completes the plain step in flight (speculative steps are synchronous).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        self.policy = SpecPolicy(self.spec.policy_widths(), config.speculative_policy) if self.spec else None
-        self.step_costs = MeasuredCosts()
-        self._last_step: tuple[int, int, bool] | None = None   # (draft depth, batch bucket, pure decode) of the last step
         self.grammars: GrammarService | None = None     # started by the first guided request
         self.reset_counters()
         self.warmup_report = warm_up(self) if config.resolved_warmup() else None
@@ -139,6 +136,11 @@ class Engine:
         self.scheduler.num_preemptions = 0
         if self.spec is not None:
             self.spec.reset_metrics()
+        # What the policy learned (acceptance, step costs with compiles in them) came from the warm-up's
+        # random prompts and pinned depths: serving starts from its priors.
+        self.policy = SpecPolicy(self.spec.policy_widths(), self.config.speculative_policy) if self.spec else None
+        self.step_costs = MeasuredCosts()
+        self._last_step: tuple[int, int, bool] | None = None   # (draft depth, batch bucket, pure decode) of the last step
         if self.grammars is not None:
             self.grammars.reset_counters()
 

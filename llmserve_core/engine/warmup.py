@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_proto import GuidedDecoding, SamplingParams
 
@@ -105,6 +106,22 @@ def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     return rounds
 
 
+def draft_rounds(engine, plan: list[Round]) -> list[tuple[int, Round]]:
+    """(depth, round) pairs that run the decode rounds' batch sizes, and the mixed round, drafting at every
+    depth the speculation policy may pick: the full depth mostly replays captured graphs, but a chain the
+    policy shortens verifies fewer rows per request outside them (a kernel variant per row count), and its
+    first drafting step after plain steps only computes aux states. Each request decodes long enough to
+    reach steady drafting steps."""
+    new_tokens = 2 * (engine.spec.gamma + 2)
+    sizes = [rnd for rnd in plan if rnd.prompt_len == 2 and not rnd.guided and not rnd.late_prompt_len]
+    late = [rnd for rnd in plan if rnd.late_prompt_len]
+    rounds = []
+    for depth in sorted(engine.policy.widths):
+        rounds += [(depth, Round(rnd.num_requests, 2, new_tokens, mixed=rnd.mixed)) for rnd in sizes]
+        rounds += [(depth, Round(rnd.num_requests, 2, new_tokens, late_prompt_len=rnd.late_prompt_len)) for rnd in late]
+    return rounds
+
+
 def grammar_rounds(max_num_seqs: int) -> list[Round]:
     return [Round(n, 2, 3, guided=True) for n in sorted({1, min(8, max_num_seqs)})]
 
@@ -149,17 +166,24 @@ def warm_up(engine) -> dict:
                        engine.lookahead)
     if grammars_available(engine):
         plan += grammar_rounds(engine.config.max_num_seqs)
+    drafting = draft_rounds(engine, plan) if engine.policy is not None else []
     caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
     r = random.Random(0)
     try:
         for tag, rnd in enumerate(plan):
             _run_round(engine, rnd, r, tag)
+        for tag, (depth, rnd) in enumerate(drafting, len(plan)):
+            engine.policy.pinned = depth
+            _run_round(engine, rnd, r, tag)
     finally:
         bm.enable_prefix_caching = caching
+        if engine.policy is not None:
+            engine.policy.pinned = None
     engine.reset_counters()
     runner.generator.manual_seed(engine.config.seed)
     torch.manual_seed(engine.config.seed)
-    report = {"rounds": len(plan), "seconds": time.perf_counter() - t0,
+    jit_count.warm_up_done()
+    report = {"rounds": len(plan) + len(drafting), "seconds": time.perf_counter() - t0,
               "jit_compilations": jit_compilations() - jit_before}
     log.info("warm-up: %d rounds in %.1f s, %d kernels compiled", report["rounds"], report["seconds"],
              report["jit_compilations"])

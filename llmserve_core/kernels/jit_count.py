@@ -7,16 +7,24 @@ FlashAttention-4 keeps its compiled kernels in one dict. The interpreter (CPU) c
 """
 from __future__ import annotations
 
+import logging
 import sys
+
+log = logging.getLogger("llmserve.jit")
 
 _triton_compiles = 0
 _installed = False
+_serving = False        # set once the warm-up is done: a compile after it is a gap in the warm-up
 
 
 def _count(previous):
     def hook(*args, **kwargs):
         global _triton_compiles
         _triton_compiles += 1
+        if _serving:
+            fn = kwargs.get("fn")
+            log.warning("Triton compiled %s while serving (a shape the warm-up did not reach): %s",
+                        getattr(fn, "name", "a kernel"), str(kwargs.get("key", ""))[:300])
         return previous(*args, **kwargs) if previous is not None else None
     hook._llmserve_counter = True
     return hook
@@ -35,6 +43,12 @@ def install() -> None:
     if not getattr(current, "_llmserve_counter", False):
         knobs.runtime.jit_post_compile_hook = _count(current)
     _installed = True
+
+
+def warm_up_done() -> None:
+    """From now on every Triton compile is logged as a warning, naming the kernel and its key."""
+    global _serving
+    _serving = True
 
 
 def fa4_compilations() -> int:

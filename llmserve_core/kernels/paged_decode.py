@@ -182,10 +182,20 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS
     return min(SMALL_BATCH_SPLITS, triton.next_power_of_2(triton.cdiv(4 * num_sms, max(1, programs))))
 
 
-def choose_num_warps(block_g: int) -> int:
-    """A 128-row tile (a 32-node tree's rows x a KV group of 4) holds a 128 x head_dim float32 accumulator:
-    over four warps that alone is 128 registers a thread, and the scores spill. Eight warps halve it."""
-    return 8 if block_g >= 128 else 4
+def verify_tiles(rows_per_seq: int, block_g: int, num_splits: int) -> tuple[int, int, int]:
+    """(num_splits, block_n, num_warps) for a few query rows per sequence (a verify, a padded catch-up, a
+    tree). Each piece's merge grows with the rows, so these want fewer, longer pieces than a decode; and a
+    128-row tile (a 32-node tree x a KV group of 4) holds a 128 x head_dim float32 accumulator, 128
+    registers a thread over four warps, which spills. Measured on the H200 at Qwen3-8B's heads, context 512
+    (`kernels_bench.py --verify-only`, benchmarks/results/verify_kernels_h200.md), against the decode
+    tiles: batch 1, 4 rows 8.5 us (15.5), 8 rows 11.7 (16.6), 16 rows 16.7 (25.2); batch 16, 8 rows 27.3
+    (38.3); batch 64, 16 rows 100.1 (138.8), 32 rows 210.8 (272.4)."""
+    if num_splits >= 16:                     # a batch of one or two: eight warps over 64-key tiles
+        return num_splits, 64, 8
+    warps = 8 if block_g >= 128 else 4
+    if num_splits > 1:                       # some dozens of sequences: a quarter (8+ rows) or half the pieces
+        return max(1, num_splits // (4 if rows_per_seq >= 8 else 2)), 64, warps
+    return 1, 32 if block_g >= 64 else 64, warps
 
 
 def choose_block_n(num_splits: int) -> int:
@@ -258,13 +268,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads)
-    if block_n is None:
-        block_n = choose_block_n(num_splits) if q.is_cuda else 16
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
-    if num_warps is None:
-        num_warps = choose_num_warps(block_g)
+    splits, tile_n, warps = choose_num_splits(batch, num_kv_heads), None, 4
+    if rows_per_seq > 1:
+        splits, tile_n, warps = verify_tiles(rows_per_seq, block_g, splits)
+    num_splits = num_splits if num_splits is not None else splits
+    if block_n is None:
+        block_n = (tile_n or choose_block_n(num_splits)) if q.is_cuda else 16
+    num_warps = num_warps if num_warps is not None else warps
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
         cfg = decode_config(block_g, block_n, triton.next_power_of_2(head_dim), q.element_size(),

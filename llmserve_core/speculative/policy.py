@@ -124,6 +124,7 @@ class SpecPolicy:
         self.plain_run = 0              # plain steps since the last drafting step
         self.probe_left = 0             # steps left in the probe under way (the first may only warm the draft up)
         self.last = Decision(self.deepest if mode == "always" else 0)
+        self.pinned: int | None = None   # a depth every step drafts at, whatever the rates say (warm-up)
         self.num_drafted_steps = self.num_plain_steps = self.num_probe_steps = 0
 
     def expected_rate(self, gamma: int, bucket: int, num_plain: int, num_spec: int, costs: CostModel) -> float:
@@ -146,6 +147,8 @@ class SpecPolicy:
         return self.last
 
     def _decide(self, batch: int, num_spec: int, costs: CostModel) -> Decision:
+        if self.pinned is not None:
+            return Decision(self.pinned)
         if self.mode == "always":
             return Decision(self.deepest)
         if num_spec == 0:
