@@ -240,20 +240,21 @@ def time_unfused(ex, spec_step, out: dict, measure) -> None:
 
 def host_split(ex, spec_step, out: dict, measure, steps: int = 20) -> None:
     """Where a fused step's wall time goes besides the graph: t_fused_graph replays the step's graph alone
-    (its GPU time), host_pre_ms is the host work from the step's start to the replay's launch, and
-    host_post_ms the work after the replay returns to the host (the readback's wait included)."""
+    (its GPU time), host_pre_ms is the host work from the step's start to the replay (the batch built and
+    loaded into the graph's inputs), host_run_ms the replay's launch, and host_post_ms the work after it
+    returns to the host (the readback's wait included)."""
     graphs = ex.graphs.get("fused step")
     if graphs is None or not ex.fused:
         return
     stamps = []
-    run = graphs.run
+    replay = graphs.replay
 
     def stamped(*a, **kw):
         stamps.append(time.perf_counter())
-        result = run(*a, **kw)
+        result = replay(*a, **kw)
         stamps.append(time.perf_counter())
         return result
-    graphs.run = stamped
+    graphs.replay = stamped
     try:
         pre, launch, post = [], [], []
         for _ in range(steps):
@@ -266,11 +267,11 @@ def host_split(ex, spec_step, out: dict, measure, steps: int = 20) -> None:
                 launch.append(stamps[1] - stamps[0])
                 post.append(t1 - stamps[1])
     finally:
-        del graphs.run
+        del graphs.replay
     if not pre:
         return
     out["host_pre_ms"] = 1000 * statistics.median(pre)
-    out["host_run_ms"] = 1000 * statistics.median(launch)      # input copies and the replay's launch
+    out["host_run_ms"] = 1000 * statistics.median(launch)      # the replay's launch
     out["host_post_ms"] = 1000 * statistics.median(post)
     if graphs.capture:
         out["t_fused_graph"] = measure(graphs.graphs[graphs.last_bucket][0].replay)
@@ -309,8 +310,8 @@ def whole_step_only(engine, reqs, sched, n, out, measure, profile: bool) -> dict
 def host_lines(result: dict) -> list[str]:
     """One line per batch: the fused step's wall time against its graph alone, and the host's share."""
     lines = [f"- batch {row['batch']}: step {row['t_step']:.2f} ms, its graph alone {row['t_fused_graph']:.2f} ms; host "
-             f"{row['host_pre_ms']:.2f} ms before the replay, {row['host_run_ms']:.2f} ms in it (input copies, "
-             f"launch), {row['host_post_ms']:.2f} ms after it (readback wait included)"
+             f"{row['host_pre_ms']:.2f} ms before the replay (its inputs loaded), {row['host_run_ms']:.2f} ms launching "
+             f"it, {row['host_post_ms']:.2f} ms after it (readback wait included)"
              for row in result["rows"] if "t_fused_graph" in row]
     return ["", "The fused step's host work (medians of 20 steps):"] + lines if lines else []
 

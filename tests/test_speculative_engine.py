@@ -405,7 +405,8 @@ def test_spec_timing_smoke(tmp_path, monkeypatch):
     for row in result["rows"]:
         assert "error" not in row, row
         assert all(row[k] > 0 for k in ("t_decode", "t_catchup", "t_catchup_graph", "t_draft", "t_verify", "t_draft_graph",
-                                        "t_verify_graph", "t_step", "t_step_unfused", "speedup_al2.5"))
+                                        "t_verify_graph", "t_step", "t_step_unfused", "speedup_al2.5",
+                                        "host_pre_ms", "host_run_ms", "host_post_ms"))
     saved = json.loads((tmp_path / "spec_timing.json").read_text())
     assert saved["rows"] == result["rows"] and "| 4 |" in (tmp_path / "spec_timing.md").read_text()
 
