@@ -331,7 +331,9 @@ class EagleExecutor:
             hidden.append(st.pending)
             last_rows[req.request_id] = row + end - start - 1
             st.draft_pos, st.pending = end, None
-        built = b.finish(([last_rows[r.request_id] for r in drafting],), uniform_rows=True)
+        # Never the decode kernel's rows path: a ragged catch-up's row count follows the prompt or the gap,
+        # and that kernel compiles a variant per row count (a compile inside a request).
+        built = b.finish(([last_rows[r.request_id] for r in drafting],))
         normed, prenorm = self.draft(built.input_ids, torch.cat(hidden), built.batch, self.kv)
         if not drafting:
             return None, None
@@ -565,7 +567,9 @@ class EagleExecutor:
                     sample_rows.append(row + n - 1)
                     layout.sample_requests.append(req)
             layout.starts.append(row)
-        built = b.finish((verify_rows, sample_rows), uniform_rows=True)
+        # Only a pure verify (every request drafting, at a depth the warm-up ran) takes the decode kernel's
+        # rows path; a prefill chunk's length is the prompt's, a row count no warm-up can cover.
+        built = b.finish((verify_rows, sample_rows), uniform_rows=len(verify_rows) == len(sched.requests))
         batch, ids = built.batch, built.input_ids
         layout.verify_rows, layout.sample_rows = built.extras
         if drafting:
