@@ -15,8 +15,11 @@ shapes a served step can have are met here first:
   penalties, logit_bias, min_tokens) on mixed batches;
 - where the model has a tokenizer and xgrammar imports, grammar-masked decoding (the bitmask kernel, and
   the grammar compiler with the vocabulary, which a first structured request would otherwise build);
-- a step that mixes decode rows with a prefill chunk.
-The prefix cache is off meanwhile, and afterwards the counters and random state are as they were.
+- a step that mixes decode rows with a prefill chunk;
+- with EAGLE-3, the decode and mixed rounds again drafting at every depth the speculation policy may pick
+  (pinned one by one), since a chain the policy shortens verifies outside the captured graphs.
+The prefix cache is off meanwhile, and afterwards the counters, the policy and random state are as they were
+(the policy fresh); a Triton compile after the warm-up is logged as a warning naming the kernel.
 """
 from __future__ import annotations
 
