@@ -97,6 +97,25 @@ def test_batches_of_a_step_and_of_alternating_steps_stay_intact():
     assert staging.ints([2**62, -2**62]).tolist() == [2**62, -2**62]
 
 
+def test_every_staged_and_graph_input_is_16_byte_aligned():
+    """Triton compiles a variant per pointer alignment: a batch whose packing left its block tables at an
+    8-byte offset compiled a decode-kernel variant inside a request on the H200. Odd row and sequence
+    counts, one after another in one arena, and every section of a graph's inputs, start at 16 bytes."""
+    b = builder()
+    for seqs in range(1, 6):
+        for i in range(seqs):
+            b.add([1, 2, 3][:1 + i % 3], i % 2, 1 + (i + seqs) % 3, [7] * (1 + (i + seqs) % 3))
+        built = b.finish(([1] * (seqs % 3),))
+        batch = built.batch
+        for t in (batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                  built.input_ids, *built.extras):
+            assert t.data_ptr() % 16 == 0, (seqs, t)
+    graphs = StepGraphs("test", Recorder(3), 3, max_batch=5, max_blocks_per_seq=3, max_seq_len=64, device="cpu",
+                        hidden_size=2, dtype=torch.float32, capture=False)
+    for name in ("input_ids", "positions", "slot_mapping", "extra", "seq_lens", "block_tables"):
+        assert getattr(graphs, name).data_ptr() % 16 == 0, name
+
+
 def test_a_tree_span_attends_like_each_of_its_paths(tiny_model_dir):
     """Through the real model: a tree span (rotary position = depth, KV slots consecutive, mask) gives
     every node the hidden state of its root-to-node path run as an ordinary causal sequence."""

@@ -24,6 +24,7 @@ from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.speculative.tree import batch_tree_mask
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+ALIGN = 16      # bytes; the alignment Triton specializes pointer arguments on
 
 
 class _Arena:
@@ -64,7 +65,9 @@ class HostToDevice:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            total += -(-a.nbytes // 8) * 8           # 8-byte aligned, so every section views as int64
+            # 16-byte aligned: Triton compiles a kernel variant per pointer alignment (16 bytes or not), so a
+            # layout that left one section at 8 would compile a new variant inside a request.
+            total += -(-a.nbytes // ALIGN) * ALIGN
         base = self.arena.reserve(total)
         raw = self.arena.bytes
         for a, off in zip(arrays, offsets):

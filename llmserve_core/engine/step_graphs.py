@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from llmserve_core.engine.batch_builder import HostSpans
+from llmserve_core.engine.batch_builder import ALIGN, HostSpans
 from llmserve_core.layers.batch import ForwardBatch
 
 log = logging.getLogger("llmserve.step_graphs")
@@ -53,7 +53,7 @@ class StepGraphs:
         self._offsets, nbytes = {}, 0
         for section, kind, shape in sections:
             self._offsets[section] = nbytes
-            nbytes += -(-torch.Size(shape).numel() * kind.itemsize // 8) * 8
+            nbytes += -(-torch.Size(shape).numel() * kind.itemsize // ALIGN) * ALIGN
         self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self._sections = sections
         for section, _, _ in sections:

@@ -23,8 +23,9 @@ def _count(previous):
         _triton_compiles += 1
         if _serving:
             fn = kwargs.get("fn")
-            log.warning("Triton compiled %s while serving (a shape the warm-up did not reach): %s",
-                        getattr(fn, "name", "a kernel"), str(kwargs.get("key", ""))[:300])
+            # The key ends with the constexprs and specializations, which tell the variants apart.
+            log.warning("Triton compiled %s while serving (a shape the warm-up did not reach): ...%s",
+                        getattr(fn, "name", "a kernel"), str(kwargs.get("key", ""))[-600:])
         return previous(*args, **kwargs) if previous is not None else None
     hook._llmserve_counter = True
     return hook
