@@ -12,6 +12,18 @@ import torch.distributed as dist
 from llmserve_core.layers.batch import ForwardBatch
 
 FORWARD, LOGITS, STOP, COMPACT = 1, 2, 3, 4
+
+
+def _even_len(n: int) -> int:
+    return n + n % 2
+
+
+def _even(part: torch.Tensor) -> torch.Tensor:
+    """A payload part padded to an even number of int64s, so the next part starts 16 bytes in: Triton
+    compiles a kernel variant per pointer alignment, and the workers' kernels read these parts in place."""
+    return torch.cat([part, part.new_zeros(1)]) if part.numel() % 2 else part
+
+
 _FIXED = 10     # op, T, B, W, max_query_len, max_seq_len, uniform_query_len, has_tree_mask, num_aux, payload numel
 MAX_AUX = 8
 
@@ -27,11 +39,11 @@ class StepChannel:
         b = batch.num_seqs
         if b > self.max_seqs or len(aux_layer_ids) > MAX_AUX:
             raise ValueError(f"step broadcast: {b} sequences exceed the {self.max_seqs} it was sized for")
-        parts = [input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
-                 batch.block_tables.flatten()]
-        if batch.tree_mask is not None:
-            parts.append(batch.tree_mask.flatten())
-        payload = torch.cat([p.to(torch.int64) for p in parts])
+        parts = [_even(p.to(torch.int64)) for p in (input_ids, batch.positions, batch.slot_mapping,
+                                                    batch.query_start_loc, batch.seq_lens, batch.block_tables.flatten())]
+        if batch.tree_mask is not None:            # last: nothing follows it, so it needs no padding
+            parts.append(batch.tree_mask.flatten().to(torch.int64))
+        payload = torch.cat(parts)
         h = self.header
         h.zero_()
         h[:_FIXED] = torch.tensor([FORWARD, batch.num_tokens, b, batch.block_tables.shape[1], batch.max_query_len,
@@ -86,7 +98,11 @@ class StepChannel:
         query_lens, seq_lens = h[at:at + b].tolist(), h[at + b:at + 2 * b].tolist()
         payload = torch.empty(numel, dtype=torch.int64, device=dev)
         dist.broadcast(payload, 0, group=self.tp.model_group)
-        ids, positions, slots, qsl, sl, tables, rest = payload.split([t, t, t, b + 1, b, b * w, numel - 3 * t - 2 * b - 1 - b * w])
+        sizes = [t, t, t, b + 1, b, b * w]
+        padded = [_even_len(n) for n in sizes]
+        parts = payload.split(padded + [numel - sum(padded)])
+        ids, positions, slots, qsl, sl, tables = (part[:n] for part, n in zip(parts, sizes))
+        rest = parts[-1]
         i32 = torch.int32
         batch = ForwardBatch(positions, slots, qsl.to(i32), sl.to(i32), tables.view(b, w).to(i32), max_query_len=max_q,
                              max_seq_len=max_s, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
