@@ -97,6 +97,33 @@ def test_batches_of_a_step_and_of_alternating_steps_stay_intact():
     assert staging.ints([2**62, -2**62]).tolist() == [2**62, -2**62]
 
 
+def test_uniform_spans_at_once_pack_as_one_by_one():
+    """add_uniform (a padded catch-up's spans in a few numpy ops) packs exactly what add_rows does span by span."""
+    tables = [[3, 1, 8], [5], [7, 4, 11, 10]]
+    ends = np.array([9, 3, 14])
+    width = 4
+    at = ends[:, None] - width + np.arange(width)
+    live = at >= (ends - np.array([2, 3, 4]))[:, None]
+    kv = np.where(live, at, -1)
+    ids = np.arange(12).reshape(3, 4) + 100
+    one_by_one, at_once = builder(), builder()
+    for i, table in enumerate(tables):
+        one_by_one.add_rows(table, np.maximum(at[i], 0), kv[i], int(ends[i]), ids[i].tolist())
+    at_once.add([9], 0, 2, [1, 2])                            # after a span already in the batch
+    one_by_one_first = builder()
+    one_by_one_first.add([9], 0, 2, [1, 2])
+    for i, table in enumerate(tables):
+        one_by_one_first.add_rows(table, np.maximum(at[i], 0), kv[i], int(ends[i]), ids[i].tolist())
+    assert at_once.add_uniform(tables, np.maximum(at, 0), kv, ends, ids) == 2
+    want, got = one_by_one_first.finish(uniform_rows=True), at_once.finish(uniform_rows=True)
+    for field in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert getattr(got.batch, field).tolist() == getattr(want.batch, field).tolist(), field
+    assert got.input_ids.tolist() == want.input_ids.tolist()
+    assert got.batch.query_lens_cpu == want.batch.query_lens_cpu and got.batch.seq_lens_cpu == want.batch.seq_lens_cpu
+    assert got.batch.slot_mapping.tolist()[2:6] == [-1, -1, 1 * BS + 7 % BS, 8 * BS + 8 % BS]   # 2 padding rows
+    one_by_one.finish()
+
+
 def test_every_staged_and_graph_input_is_16_byte_aligned():
     """Triton compiles a variant per pointer alignment: a batch whose packing left its block tables at an
     8-byte offset compiled a decode-kernel variant inside a request on the H200. Odd row and sequence

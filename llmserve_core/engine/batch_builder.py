@@ -159,6 +159,32 @@ class BatchBuilder:
         self._close(block_ids, n, seq_len, mask)
         return t
 
+    def add_uniform(self, block_ids: list[list[int]], rope: np.ndarray, kv: np.ndarray, seq_lens: np.ndarray,
+                    token_ids: np.ndarray) -> int:
+        """B spans of W rows each at once, causal (a padded catch-up): rope, kv, token_ids [B, W] as in
+        add_rows (kv -1: a padding row that writes nothing), seq_lens [B]. Returns the first span's row."""
+        b, w = kv.shape
+        t, first = self.t, len(self.query_lens)
+        blocks = max(len(ids) for ids in block_ids)
+        self._reserve(t + b * w, first + b, blocks)
+        tables = self.tables[first:first + b]
+        for row, ids in zip(tables, block_ids):
+            row[:len(ids)] = ids
+        bs = self.block_size
+        phys = np.take_along_axis(tables[:, :blocks], np.maximum(kv, 0) // bs, axis=1).astype(np.int64)
+        self.pos[t:t + b * w] = rope.reshape(-1)
+        self.slots[t:t + b * w] = np.where(kv >= 0, phys * bs + kv % bs, -1).reshape(-1)
+        self.ids[t:t + b * w] = token_ids.reshape(-1)
+        self.has_ids = True
+        self.t += b * w
+        self.query_start[first + 1:first + b + 1] = t + w * np.arange(1, b + 1)
+        self.seq_lens[first:first + b] = seq_lens
+        self.width = max(self.width, blocks)
+        self.query_lens += [w] * b
+        self.seq_lens_list += seq_lens.tolist()
+        self.masks += [None] * b
+        return t
+
     def _close(self, block_ids: list[int], n: int, seq_len: int, mask) -> None:
         i = len(self.query_lens)
         self.t += n

@@ -354,19 +354,20 @@ class EagleExecutor:
         and its outputs are dropped; the span never reaches past the request's own KV. The host-built batch
         goes straight into the graph's inputs in one copy, the pending aux rows into its hidden rows (a
         padding row keeps whatever it held: its outputs are never read)."""
-        width, b = self.catchup_rows, self.builder
-        dest, hidden = [], []
-        for i, req in enumerate(drafting):
-            st = req.spec_state
-            start, end = st.draft_pos, req.num_computed_tokens
-            pad = width - (end - start)
-            b.add_rows(req.block_ids, np.maximum(np.arange(start - pad, end), 0),
-                       np.concatenate([np.full(pad, -1), np.arange(start, end)]), end,
-                       [0] * pad + req.token_ids[start + 1:end + 1])
-            dest.extend(range(i * width + pad, (i + 1) * width))
-            hidden.append(st.pending)
-            st.draft_pos, st.pending = end, None
-        n = graphs.load(b.finish_host(), np.asarray(dest, dtype=np.int64))
+        width, n = self.catchup_rows, len(drafting)
+        ends = np.fromiter((r.num_computed_tokens for r in drafting), np.int64, n)
+        real = ends - np.fromiter((r.spec_state.draft_pos for r in drafting), np.int64, n)    # rows to catch up on
+        at = ends[:, None] - width + np.arange(width)                                       # [B, W] positions
+        live = at >= ends[:, None] - real[:, None]
+        ids, hidden = [], []
+        for req, end, k in zip(drafting, ends.tolist(), real.tolist()):
+            ids += [0] * (width - k) + req.token_ids[end + 1 - k:end + 1]    # each row reads the token one later
+            hidden.append(req.spec_state.pending)
+            req.spec_state.draft_pos, req.spec_state.pending = end, None
+        self.builder.add_uniform([r.block_ids for r in drafting], np.maximum(at, 0), np.where(live, at, -1), ends,
+                                 np.asarray(ids, dtype=np.int64).reshape(n, width))
+        dest = np.flatnonzero(live.reshape(-1))
+        n = graphs.load(self.builder.finish_host(), dest)
         rows = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         graphs.hidden.index_copy_(0, graphs.extra[:len(dest)], rows)
         return graphs.replay(n)
