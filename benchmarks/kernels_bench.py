@@ -423,16 +423,19 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def grouped(rows: list[dict], key) -> list[tuple[tuple, list[dict]]]:
+    """(key, its rows) for each distinct key(row), keys sorted."""
+    return [(k, [r for r in rows if key(r) == k]) for k in sorted({key(r) for r in rows})]
+
+
 def table(rows: list[dict]) -> str:
     """Decode: triton vs FA4 per shape. Prefill: same. Then everything else, one line each."""
     lines = []
     dec = [r for r in rows if r["kind"] == "decode" and "us" in r and r["impl"] != "torch reference"]
-    keys = sorted({(r["batch"], r["ctx"], r["block_size"]) for r in dec})
-    if keys:
+    if dec:
         lines += ["| decode B | ctx | page | triton us | TB/s | splits | best variant us | FA4 us | FA4 TB/s | "
                   "FA4/triton | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for key in keys:
-            rs = [r for r in dec if (r["batch"], r["ctx"], r["block_size"]) == key]
+        for key, rs in grouped(dec, lambda r: (r["batch"], r["ctx"], r["block_size"])):
             t = next((r for r in rs if r["impl"] == "triton"), None)
             f = next((r for r in rs if r["impl"] == "fa4 num_splits=1"), None)
             best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
@@ -443,12 +446,10 @@ def table(rows: list[dict]) -> str:
                          f"{fmt(f and f['us'], '.1f')} | {fmt(f and f['tbps'], '.2f')} | "
                          f"{fmt(f and f['us'] / t['us'], '.2f')} | {t['rel_err']:.1e} |")
     pre = [r for r in rows if r["kind"] in ("prefill", "extend") and "us" in r and r["impl"] != "torch reference"]
-    keys = sorted({(r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"]) for r in pre})
-    if keys:
+    if pre:
         lines += ["", "| shape | page | triton us | TFLOP/s | best variant us | FA4 us | FA4 TFLOP/s | FA4/triton | "
                   "engine path | engine speed / FA4 |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for key in keys:
-            rs = [r for r in pre if (r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"]) == key]
+        for key, rs in grouped(pre, lambda r: (r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"])):
             t = next((r for r in rs if r["impl"] == "triton"), None)
             f = next((r for r in rs if r["impl"] == "fa4"), None)
             best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
@@ -462,12 +463,10 @@ def table(rows: list[dict]) -> str:
                          f"{fmt(f and f['tflops'], '.0f')} | {fmt(f and f['us'] / t['us'], '.2f')} | "
                          f"{'fa4' if path is f else 'triton'} | {fmt(f and f['us'] / path['us'], '.2f')} |")
     ver = [r for r in rows if r["kind"] == "verify" and "us" in r]
-    keys = sorted({(r["batch"], r["query_len"], r["ctx"], r["block_size"], r["tree"]) for r in ver})
-    if keys:
+    if ver:
         lines += ["", "| verify B x rows | ctx | page | mask | decode rows us | TB/s | best variant us | prefill us | "
                   "err |", "|---|---|---|---|---|---|---|---|---|"]
-        for key in keys:
-            rs = [r for r in ver if (r["batch"], r["query_len"], r["ctx"], r["block_size"], r["tree"]) == key]
+        for key, rs in grouped(ver, lambda r: (r["batch"], r["query_len"], r["ctx"], r["block_size"], r["tree"])):
             t = next((r for r in rs if r["impl"] == "decode rows"), None)
             p = next((r for r in rs if r["impl"] == "prefill"), None)
             best = min(rs, key=lambda r: r["us"])
