@@ -498,3 +498,21 @@ def test_gpu_triton_fa4_backend_matches_torch(block_size, dtype):
     for ref, got in zip(*outs):
         assert rel_err(got, ref) < 1e-2
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_kernels_bench_smoke(tmp_path):
+    """benchmarks/kernels_bench.py end to end on tiny shapes under the interpreter (the H200 runs the real
+    ones), so the benchmark cannot rot unseen: every timed kernel checked against its reference."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_bench.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path), "--smoke"], check=True, timeout=900,
+                   capture_output=True)
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    kinds = {r["kind"] for r in rows}
+    assert {"decode", "verify", "prefill", "extend"} <= kinds, kinds
+    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+    assert all(r["rel_err"] < 1e-3 for r in rows if "rel_err" in r and r["impl"] != "torch eager")
+    assert "| verify B x rows |" in (tmp_path / "results.md").read_text()
