@@ -28,7 +28,8 @@ from h200_e2e import bench, pick, stop_core  # noqa: E402
 from spec_timing import write_models  # noqa: E402
 
 PAIR = ROOT / "llmserve_core" / "data" / "trained_pair"
-SPEC_KEYS = ("spec_num_drafted_steps", "spec_num_plain_steps", "spec_num_probe_steps", "spec_mean_acceptance_length")
+SPEC_KEYS = ("spec_num_drafted_steps", "spec_num_plain_steps", "spec_num_probe_steps", "spec_mean_acceptance_length",
+             "spec_policy_cost_ratio")
 
 
 def start(model: str, endpoint: str, flags: list[str]) -> subprocess.Popen:
@@ -89,12 +90,14 @@ def markdown(res: dict) -> str:
     if "8b" in res and "error" not in res["8b"]:
         r = res["8b"]
         lines += ["Qwen3-8B shape + dummy EAGLE-3 draft (accepts ~nothing), 512 in / 256 out, output tok/s:", "",
-                  "| concurrency | plain | spec adaptive | ratio | drafted / plain / probe steps |", "|---|---|---|---|---|"]
+                  "| concurrency | plain | spec adaptive | ratio | drafted / plain / probe steps | measured draft/plain step cost |",
+                  "|---|---|---|---|---|---|"]
         for c, ratio in r["ratio_spec_over_plain"].items():
             s = r["spec_adaptive"][c]
             steps = " / ".join(str(s.get(f"core_{k}", "-")) for k in SPEC_KEYS[:3])
+            cost = s.get("core_spec_policy_cost_ratio")
             lines.append(f"| {c[1:]} | {r['plain'][c]['output_throughput']:.0f} | {s['output_throughput']:.0f} | "
-                         f"{ratio:.3f} | {steps} |")
+                         f"{ratio:.3f} | {steps} | {f'{cost:.2f}' if isinstance(cost, (int, float)) else '-'} |")
         lines.append("")
     if "trained" in res and "error" not in res["trained"]:
         r = res["trained"]

@@ -447,6 +447,7 @@ class Engine:
         return {
             "spec_policy_gamma": p.last.gamma,                      # the latest step's draft depth (0: plain)
             "spec_policy_expected_length": p.acceptance.expected_emitted(p.deepest),
+            "spec_policy_cost_ratio": p.cost_ratio(self.step_costs),  # full-depth step / plain step, measured
             "spec_num_drafted_steps": p.num_drafted_steps,          # engine steps through the executor
             "spec_num_plain_steps": p.num_plain_steps,              # engine steps on the plain path
             "spec_num_probe_steps": p.num_probe_steps,              # drafted only to re-measure acceptance

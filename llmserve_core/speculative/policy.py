@@ -7,9 +7,10 @@ or one of the configured depths. The choice maximizes expected emitted tokens pe
 
 with E[emitted | g] = 1 + sum_{j <= g} prod_{i <= j} c_i from the per-position conditional acceptance
 c_i measured online (decayed counts, so it follows the traffic), and costs from a cost model: on a real
-engine the measured wall time of steady steps on this machine (MeasuredCosts), in tests a fake. A cost
-not measured yet is guessed from the nearest measured bucket, or from a deliberately hopeful prior, so
-the policy tries drafting once and then decides on what it measured.
+engine the median wall time of recent steady steps on this machine (MeasuredCosts), in tests a fake.
+A cost not measured yet is guessed from the nearest measured bucket, or from a deliberately hopeful
+prior, so the policy tries drafting once and then decides on what it measured. A drafting step is never
+taken to cost less than a plain one.
 
 When plain wins, drafting stops and so does measuring acceptance; a probe now and then drafts anyway
 (one step in N, N doubling while acceptance stays useless, reset once drafting pays again), so a
@@ -18,6 +19,8 @@ workload that turns predictable is noticed cheaply.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,32 +37,40 @@ class CostModel(Protocol):
 
 
 class MeasuredCosts:
-    """Exponential moving averages of step wall time keyed by (batch bucket, width)."""
+    """Step wall time keyed by (batch bucket, width): the median of the last `window` samples.
 
-    def __init__(self, smoothing: float = 0.2):
-        self.smoothing = smoothing
-        self.ema: dict[tuple[int, int], float] = {}
+    A median, not a moving average: one stalled step (a collection, a page fault, a burst of host work)
+    would otherwise inflate a cost for many steps, and a plain cost that looks high makes drafting look
+    cheap; once the policy stops taking plain steps, nothing would bring that estimate back down."""
+
+    def __init__(self, window: int = 9):
+        if window < 1:
+            raise ValueError("window: need at least one sample")
+        self.window = window
+        self.samples: dict[tuple[int, int], deque[float]] = {}
+        self.median: dict[tuple[int, int], float] = {}
 
     def record(self, bucket: int, width: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return
         key = (bucket, width)
-        old = self.ema.get(key)
-        self.ema[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        kept = self.samples.setdefault(key, deque(maxlen=self.window))
+        kept.append(seconds)
+        self.median[key] = statistics.median(kept)
 
     def step_seconds(self, bucket: int, width: int) -> float | None:
-        known = self.ema.get((bucket, width))
+        known = self.median.get((bucket, width))
         if known is not None or width == 1:
             return known
-        plain = self.ema.get((bucket, 1))
+        plain = self.median.get((bucket, 1))
         if plain is None:
             return None
         # Unmeasured here: the speculative / plain cost ratio of the nearest bucket that has both.
-        others = [b for (b, w) in self.ema if w == width and (b, 1) in self.ema]
+        others = [b for (b, w) in self.median if w == width and (b, 1) in self.median]
         if not others:
             return None
         near = min(others, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
-        return plain * self.ema[(near, width)] / self.ema[(near, 1)]
+        return plain * self.median[(near, width)] / self.median[(near, 1)]
 
 
 class AcceptanceModel:
@@ -115,8 +126,10 @@ class SpecPolicy:
         self.deepest = max(self.widths)
         self.mode = mode
         self.prior_cost_per_draft = prior_cost_per_draft
-        # Leaving plain decoding costs a warm-up step (draft states have gaps) and, on a GPU, the async
-        # pipeline: drafting must win by this much before the policy switches to it.
+        # Drafting must beat plain decoding by this margin, every step. Leaving plain decoding costs a
+        # warm-up step (draft states have gaps) and, on a GPU, the async pipeline; and a draft that is
+        # barely ever accepted, at a cost measured about equal to plain (noise), must not keep the engine
+        # drafting on a near tie, which a margin applied only on the way in allowed.
         self.switch_margin = switch_margin
         self.acceptance = acceptance or AcceptanceModel(self.deepest)
         self.probe_base, self.probe_max = probe_every, probe_every_max
@@ -126,6 +139,13 @@ class SpecPolicy:
         self.last = Decision(self.deepest if mode == "always" else 0)
         self.pinned: int | None = None   # a depth every step drafts at, whatever the rates say (warm-up)
         self.num_drafted_steps = self.num_plain_steps = self.num_probe_steps = 0
+        self.last_bucket = 1             # the batch bucket of the latest rate comparison
+
+    def cost_ratio(self, costs: CostModel) -> float:
+        """Full-depth drafting step cost over a plain step's at the latest bucket (0.0: not known yet)."""
+        plain = costs.step_seconds(self.last_bucket, 1)
+        deep = costs.step_seconds(self.last_bucket, self.widths[self.deepest])
+        return deep / plain if plain and deep else 0.0
 
     def expected_rate(self, gamma: int, bucket: int, num_plain: int, num_spec: int, costs: CostModel) -> float:
         plain_cost = costs.step_seconds(bucket, 1)
@@ -134,6 +154,9 @@ class SpecPolicy:
         cost = costs.step_seconds(bucket, self.widths[gamma])
         if cost is None:
             cost = plain_cost * (1.0 + self.prior_cost_per_draft * gamma)
+        # A drafting step does all of a plain step's work and more, so a measurement that says otherwise
+        # (noise, or a plain cost taken while the machine was busy elsewhere) is not believed.
+        cost = max(cost, plain_cost)
         return (num_plain + num_spec * self.acceptance.expected_emitted(gamma)) / cost
 
     def decide(self, batch: int, num_speculative: int, costs: CostModel) -> Decision:
@@ -153,15 +176,14 @@ class SpecPolicy:
             return Decision(self.deepest)
         if num_spec == 0:
             return Decision(0)
-        bucket = batch_bucket(batch)
+        bucket = self.last_bucket = batch_bucket(batch)
         if costs.step_seconds(bucket, 1) is None:
             return Decision(0)                   # measure plain steps first: they are the baseline
         if self.probe_left:
             self.probe_left -= 1
             return Decision(self.deepest, probe=True)
         rates = {g: self.expected_rate(g, bucket, batch - num_spec, num_spec, costs) for g in (0, *self.widths)}
-        if self.last.gamma == 0:
-            rates[0] *= 1.0 + self.switch_margin
+        rates[0] *= 1.0 + self.switch_margin
         best = max(rates, key=lambda g: (rates[g], -g))      # ties: draft less
         if best:
             self.plain_run, self.probe_every = 0, self.probe_base
