@@ -312,33 +312,36 @@ def main(argv: list[str] | None = None) -> int:
     config = run_config(args, wl, slo, core_args)
     from llmserve_client import LLMServeError, run
     from llmserve_bench.core_process import CoreProcess, CoreStartError
+    from llmserve_bench.interrupt import EXIT_INTERRUPTED, bounded_interrupt
     from llmserve_bench.runner import BenchError
     core = None
-    try:
-        endpoint = args.endpoint
-        if args.model:
-            core = CoreProcess(args.model, core_args).start()
-            print(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}",
-                  file=sys.stderr)
-            core.wait_socket(args.connect_timeout)
-            endpoint = core.endpoint
-        result = run(_bench(args, endpoint, wl, slo, config))
-    except ConfigError as e:
-        print(f"llmserve-bench {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    except CoreStartError as e:
-        print(f"llmserve-bench: {e}", file=sys.stderr)
-        return 2 if e.returncode == 2 else 1
-    except (BenchError, LLMServeError) as e:
-        tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
-        print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nllmserve-bench: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if core is not None:
-            core.stop()
+    # Ctrl-C stops the bench and its core within a bounded time, even if asyncio's unwinding hangs.
+    with bounded_interrupt(lambda: core.stop() if core is not None else None):
+        try:
+            endpoint = args.endpoint
+            if args.model:
+                core = CoreProcess(args.model, core_args).start()
+                print(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}",
+                      file=sys.stderr)
+                core.wait_socket(args.connect_timeout)
+                endpoint = core.endpoint
+            result = run(_bench(args, endpoint, wl, slo, config))
+        except ConfigError as e:
+            print(f"llmserve-bench {args.cmd}: error: {e}", file=sys.stderr)
+            return 2
+        except CoreStartError as e:
+            print(f"llmserve-bench: {e}", file=sys.stderr)
+            return 2 if e.returncode == 2 else 1
+        except (BenchError, LLMServeError) as e:
+            tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
+            print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\nllmserve-bench: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        finally:
+            if core is not None:
+                core.stop()
     from llmserve_bench.report import write_json, write_plot
     print(result.table())
     if args.result_json:
