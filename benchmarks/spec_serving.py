@@ -28,8 +28,7 @@ from h200_e2e import bench, pick, stop_core  # noqa: E402
 from spec_timing import write_models  # noqa: E402
 
 PAIR = ROOT / "llmserve_core" / "data" / "trained_pair"
-SPEC_KEYS = ("spec_num_drafted_steps", "spec_num_plain_steps", "spec_num_probe_steps", "spec_mean_acceptance_length",
-             "spec_policy_cost_ratio")
+STEP_KEYS = ("spec_num_drafted_steps", "spec_num_plain_steps", "spec_num_probe_steps")
 
 
 def start(model: str, endpoint: str, flags: list[str]) -> subprocess.Popen:
@@ -94,7 +93,7 @@ def markdown(res: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for c, ratio in r["ratio_spec_over_plain"].items():
             s = r["spec_adaptive"][c]
-            steps = " / ".join(str(s.get(f"core_{k}", "-")) for k in SPEC_KEYS[:3])
+            steps = " / ".join(str(s.get(f"core_{k}", "-")) for k in STEP_KEYS)
             cost = s.get("core_spec_policy_cost_ratio")
             lines.append(f"| {c[1:]} | {r['plain'][c]['output_throughput']:.0f} | {s['output_throughput']:.0f} | "
                          f"{ratio:.3f} | {steps} | {f'{cost:.2f}' if isinstance(cost, (int, float)) else '-'} |")

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 
+from llmserve_bench.interrupt import EXIT_INTERRUPTED, bounded_interrupt
 from llmserve_bench.metrics import parse_slo
 from llmserve_bench.workload import WorkloadConfig, length_classes, parse_mix
 
@@ -167,7 +168,7 @@ def _soak_main(parser, args, core_args: list[str]) -> int:
         result = soak.run_soak(cfg)
     except KeyboardInterrupt:
         print("\nllmserve-bench: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     print(result.table())
     if args.result_json:
         soak.write_json(result, args.result_json)
@@ -312,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     config = run_config(args, wl, slo, core_args)
     from llmserve_client import LLMServeError, run
     from llmserve_bench.core_process import CoreProcess, CoreStartError
-    from llmserve_bench.interrupt import EXIT_INTERRUPTED, bounded_interrupt
     from llmserve_bench.runner import BenchError
     core = None
     # Ctrl-C stops the bench and its core within a bounded time, even if asyncio's unwinding hangs.

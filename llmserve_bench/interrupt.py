@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -35,7 +36,7 @@ def bounded_interrupt(stop_core: Callable[[], None], grace_s: float = 15.0):
 
     def watchdog() -> None:
         # A process that unwinds in time exits before this wakes (the thread is a daemon).
-        threading.Event().wait(grace_s)
+        time.sleep(grace_s)
         force_exit()
 
     def on_sigint(signum, frame):
