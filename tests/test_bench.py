@@ -2,6 +2,7 @@
 against a real llmserve-core subprocess on the CPU tiny model."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -292,10 +293,17 @@ def test_finite_run_end_to_end(finite_json, capsys):
     assert s["total_token_throughput"] * s["duration"] == pytest.approx(300)
     assert s["request_goodput"] == pytest.approx(s["request_throughput"])        # every request meets the SLO
     assert 0 < s["mean_ttft_ms"] <= s["mean_e2el_ms"] and s["median_ttft_ms"] <= s["p99_ttft_ms"]
-    assert s["mean_tpot_ms"] > 0 and s["median_itl_ms"] > 0
-    # The batch-size gauge is sampled: a busy machine can run all ten short requests between two polls,
-    # so only its presence is certain.
+    # What each request's own token times give (the JSON keeps them to the microsecond). Not "> 0": a busy
+    # client can read all six tokens of a request in one message, and then its time per output token is 0.
+    tpots = [(r["done"] - r["token_times"][0]) * 1000 / (len(r["token_times"]) - 1) for r in data["requests"]]
+    assert s["mean_tpot_ms"] == pytest.approx(sum(tpots) / len(tpots), abs=0.01)
+    arrivals = [sorted(set(r["token_times"])) for r in data["requests"]]
+    gaps = [(b - a) * 1000 for times in arrivals for a, b in zip(times, times[1:])]
+    assert s["median_itl_ms"] == pytest.approx(percentile(gaps, 50), abs=0.01)
+    # The batch-size gauge is sampled: a busy machine can run all ten short requests between two polls, so
+    # the core's work shows in its counters (first poll before the first request, last after the last).
     assert s["core_stats_samples"] >= 2 and s["core_max_batch_size"] >= 0
+    assert s["core_generated_tokens_per_step"] > 0
     sent = [r["sent"] for r in data["requests"]]
     assert sent == sorted(sent) and sent[-1] > 0                                  # gamma arrivals, not all at once
     env = data["environment"]
@@ -378,10 +386,25 @@ def test_run_closed_loop_api(core):
     assert "steady state" in table and "Output token throughput (tok/s)" in table
 
 
-def _start_bench(model_dir, *argv):
+def _python(*argv) -> subprocess.Popen:
+    """A Python child that imports this checkout's packages, its output piped as text."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "llmserve_bench", *argv, "--no-progress", "--model", model_dir,
-                             "--", *CORE_ARGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _start_bench(model_dir, *argv):
+    return _python("-m", "llmserve_bench", *argv, "--no-progress", "--model", model_dir, "--", *CORE_ARGS)
+
+
+@contextlib.contextmanager
+def _killed_on_failure(p: subprocess.Popen):
+    """Whatever fails inside, the child does not outlive the test."""
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def _core_pid(stderr_line: str) -> int:
@@ -411,7 +434,7 @@ def test_bench_starts_its_own_core_and_stops_it_on_ctrl_c(tiny_model_dir):
     # deadlines a busy 2-core machine can meet (a core that loads in 5 s alone may take a minute there).
     p = _start_bench(tiny_model_dir, "closed-loop", "--max-concurrency", "2", "--warmup-seconds", "0",
                      "--measurement-seconds", "600", "--input-len", "8", "--output-len", "64")
-    try:
+    with _killed_on_failure(p):
         line = p.stderr.readline()
         assert "started llmserve-core" in line, line + p.stderr.read()
         pid = _core_pid(line)
@@ -427,10 +450,6 @@ def test_bench_starts_its_own_core_and_stops_it_on_ctrl_c(tiny_model_dir):
                 time.sleep(0.1)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=180)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 130, err
     assert "interrupted" in err
     deadline = time.monotonic() + 60
@@ -476,17 +495,10 @@ def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
                 print("unwound", flush=True)
         print("returned normally", flush=True)
     """)
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    try:
+    with _killed_on_failure(_python("-c", code)) as p:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()      # the loop runs: interrupt it now
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 130, err
     assert "core stopped" in out and "returned normally" not in out
     assert "cleanup did not finish" in err
