@@ -3,7 +3,8 @@ decodes what the torch backend decodes: token-exact in float32; in bf16 / fp16 t
 first near-tie, and close logprobs before it.
 
 Prompts are long enough for full prefill tiles, chunked (a small token budget makes the long prompt an
-extend over its own first chunks) and share a prefix (an extend over cached blocks), then decode.
+extend over its own first chunks) and share a prefix (an extend over cached blocks), then decode; last,
+one prompt decodes alone (batch-1 decode takes its own kernels on Hopper).
 """
 from __future__ import annotations
 
@@ -74,9 +75,12 @@ def run(model_dir: str, dtype: str, backend: str, eager: bool):
     second = engine.generate(ps[4:], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                                                     logprobs=5))
     assert second[0].num_cached_tokens >= 128, "the shared prefix must come from the cache"
+    # Alone, a sequence decodes one row a step: on Hopper that is the stream-GEMV chain under PDL.
+    alone = engine.generate(ps[1:2], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                                                    logprobs=5))
     del engine
     torch.cuda.empty_cache()
-    return first + second
+    return first + second + alone
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,23 +71,25 @@ def test_packed_prefill_matches_transformers(case):
         assert torch.equal(rows.argmax(-1), r.logits[0].argmax(-1))
 
 
-@pytest.mark.parametrize("name", ["mha-tied", "gqa4-yarn"])
+@pytest.mark.parametrize("name,lens,chain", [("mha-tied", [7, 3, 12], False), ("gqa4-yarn", [7, 3, 12], False),
+                                              ("gqa4-yarn", [9], True)])
 @torch.no_grad()
-def test_fused_path_matches_the_eager_model(name, make_random_qwen3_dir):
+def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3_dir):
     """The fast path's kernels (fused norms, q/k norm + rotary + K/V store, split-KV decode), run in
     Triton's interpreter, against the eager model on the torch backend: a packed prefill, then two decode
-    steps that read the K/V the fused kernel stored."""
+    steps that read the K/V the fused kernel stored. chain: one sequence, whose decode steps stream the
+    projections through kernels/stream_gemv.py (PDL itself needs a GPU)."""
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS[name])
     cfg = ModelConfig.from_hf_dir(path)
     eager = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("torch", "cpu"))
     fused = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"))
-    fused.set_fused(True)
-    lens = [7, 3, 12]
+    fused.set_fused(True, chain=chain, pdl=False)
+    assert (fused.model.layers[0].mlp.down_proj.fast_kernel == "stream") == chain
     prompts = random_prompts(cfg.vocab_size, lens, seed=5)
     tables, num_blocks = allocate_tables([n + 2 for n in lens], BLOCK_SIZE)
     caches = [make_kv_caches(cfg, num_blocks, BLOCK_SIZE) for _ in range(2)]
     steps = [([(0, n) for n in lens], torch.cat(prompts))]
-    steps += [([(n + i, 1) for n in lens], torch.tensor([5 + i, 9, 31 + i])) for i in range(2)]
+    steps += [([(n + i, 1) for n in lens], torch.tensor([5 + i + 13 * j for j in range(len(lens))])) for i in range(2)]
     for seqs, ids in steps:
         batch = make_batch(seqs, tables, BLOCK_SIZE)
         want = eager.compute_logits(eager(ids, batch, caches[0]))

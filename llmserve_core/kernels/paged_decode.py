@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.pdl import pdl_launch
+
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
@@ -43,7 +45,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # (kernels/pdl.py) q, the lengths and this step's K/V all come from earlier kernels
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -241,7 +246,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None) -> torch.Tensor:
+                 k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
+                 pdl: bool = False) -> torch.Tensor:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
@@ -297,6 +303,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
         CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, **pdl_launch(pdl),
     )
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.pdl import pdl_launch
+
 from llmserve_core.kernels.attention_reference import store_kv_reference
 from llmserve_core.kernels.rmsnorm import rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_reference
@@ -49,7 +51,11 @@ def _to_cache(x, scale, FP8: tl.constexpr):
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
                                vc_ptr, stride_qkv, stride_cos, eps, k_scale, v_scale,
                                NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr):
+                               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
+                               PDL: tl.constexpr):
+    if PDL:     # (kernels/pdl.py) qkv, the positions and the slots all come from earlier kernels
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -86,7 +92,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, cos: torch.Tensor,
                        sin: torch.Tensor, eps: float, num_q_heads: int, num_k_heads: int, head_dim: int,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> torch.Tensor:
+                       v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hk) * D] -> q [T, Hq, D] normed and rotated; k (normed, rotated) and v are written
     into k_cache / v_cache [num_blocks, block_size, Hk, D] at slot_mapping [T]. q_weight / k_weight None:
     no q/k norm. cos/sin: the whole tables [max_positions, D / 2]."""
@@ -106,7 +112,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
             qkv, positions, slot_mapping, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
             q, k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, float(k_scale) if fp8 else 1.0,
             float(v_scale) if fp8 else 1.0, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
-            BLOCK_HALF=triton.next_power_of_2(head_dim // 2), HAS_NORM=has_norm, FP8=fp8, num_warps=1)
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2), HAS_NORM=has_norm, FP8=fp8, num_warps=1,
+            PDL=pdl, **pdl_launch(pdl))
     return q
 
 

@@ -10,13 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.pdl import pdl_launch
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < n_cols
+    w = tl.load(w_ptr + c, mask=mask, other=0.0)
+    if PDL:     # (kernels/pdl.py) the weight is static; x and the residual come from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0)
@@ -25,12 +31,12 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, strid
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
     y = (x32 * rstd).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + c, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + c, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            pdl: bool = False):
     """x: [N, H]. Returns out, or (out, x + residual) when a residual is given (inputs are not modified)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x: must be [N, H] with contiguous rows"
     n_rows, n_cols = x.shape
@@ -41,7 +47,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         _rmsnorm_kernel[(n_rows,)](
             x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-            num_warps=8 if n_cols >= 2048 else 4,
+            num_warps=8 if n_cols >= 2048 else 4, PDL=pdl, **pdl_launch(pdl),
         )
     return out if residual is None else (out, res_out)
 

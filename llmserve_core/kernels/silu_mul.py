@@ -6,9 +6,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.pdl import pdl_launch
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # (kernels/pdl.py) everything this kernel reads comes from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < d
@@ -18,14 +23,15 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr)
     tl.store(out_ptr + row * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x: [N, 2 * d] as [gate | up] -> [N, d]."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, "x: must be [N, 2 * d], rows contiguous"
     n, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(n, d, dtype=x.dtype, device=x.device)
     if n:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+                                                             PDL=pdl, **pdl_launch(pdl))
     return out
 
 

@@ -6,11 +6,22 @@ it is the reference every fast path is tested against. --enforce-eager turns the
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
 def fast_path(device, attn_backend) -> bool:
     return torch.device(device).type == "cuda" and getattr(attn_backend, "name", "torch") != "torch"
+
+
+def use_pdl(device, attn_backend) -> bool:
+    """On the fast path on Hopper or later, a batch-1 decode layer runs as a chain of Triton kernels launched
+    with PDL (kernels/pdl.py), the projections in kernels/stream_gemv.py instead of cuBLAS.
+    LLMSERVE_PDL=0 keeps cuBLAS and plain launches (benchmarks time both in one run)."""
+    if not fast_path(device, attn_backend) or os.environ.get("LLMSERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(torch.device(device))[0] >= 9
 
 
 def use_cuda_graphs(device, attn_backend, enforce_eager: bool) -> bool:

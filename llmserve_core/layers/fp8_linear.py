@@ -2,7 +2,8 @@
 
 `weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
-weight-only GEMV (the weight stream is the whole cost); more rows quantize the activations dynamically
+weight-only GEMV (the weight stream is the whole cost; on Hopper one row of a per-channel layer takes
+kernels/stream_gemv.py, chained under PDL with the kernels around it); more rows quantize the activations dynamically
 (per token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Off the
 fast path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference,
 the dequantized weight times the input in float32.
@@ -19,6 +20,10 @@ GEMV_MAX_ROWS = 16
 
 class Fp8Linear(nn.Module):
     fused = False   # set by the model on the fast path: Triton GEMV / FP8 tensor-core GEMMs
+    # Set by the model on Hopper: one row of a per-channel layer streams through kernels/stream_gemv.py
+    # ("stream"), launched under PDL when `pdl`.
+    fast_kernel: str | None = None
+    pdl = False
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int] | None = None):
         super().__init__()
@@ -60,6 +65,9 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
+        elif self.fast_kernel == "stream" and x2.shape[0] == 1 and self.block is None and self.in_features % 64 == 0:
+            from llmserve_core.kernels.stream_gemv import stream_gemv   # (64: its MIN_BLOCK_K)
+            out = stream_gemv(x2.contiguous(), self.weight, self.weight_scale, pdl=self.pdl)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
             from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton
             out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block)

@@ -1,9 +1,10 @@
-"""A bias-free linear layer whose decode-sized forward can stream its weight through kernels.gemv.
+"""A bias-free linear layer whose decode-sized forward can stream its weight through a Triton GEMV.
 
-`Linear` holds a weight [out, in] under the checkpoint's name. Where the model turns `fast` on (it does
-for the lm_head, the one shape where the Triton kernel beats cuBLAS: see kernels/gemv.py) and at most
-MAX_ROWS rows come in, the matmul is kernels.gemv; everywhere else it is F.linear, which is also the
-reference the fast path is tested against.
+`Linear` holds a weight [out, in] under the checkpoint's name. The model picks its fast kernel: the
+lm_head takes kernels.gemv for 1-16 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
+projections take kernels.stream_gemv for a single row (a batch-1 decode), chained under PDL with the
+kernels around them. Everywhere else it is F.linear, which is also the reference the fast paths are
+tested against.
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ MAX_ROWS = 16
 
 
 class Linear(nn.Module):
-    fast = False
+    # Set by the model on the fast path: "gemv" (the lm_head: kernels/gemv.py for 1-16 rows) or "stream"
+    # (the decoder's projections: kernels/stream_gemv.py for one row, launched under PDL when `pdl`).
+    fast_kernel: str | None = None
+    pdl = False
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -24,9 +28,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.fast and 0 < x.shape[0] <= MAX_ROWS:
+        if self.fast_kernel == "gemv" and 0 < x.shape[0] <= MAX_ROWS:
             from llmserve_core.kernels.gemv import gemv
             return gemv(x, self.weight, out_dtype=out_dtype)
+        if self.fast_kernel == "stream" and x.shape[0] == 1 and x.stride(-1) == 1:
+            from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, stream_gemv
+            if self.in_features % MIN_BLOCK_K == 0:
+                return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
         y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
 

@@ -14,6 +14,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     # Set by the model on CUDA: one Triton kernel (kernels/rmsnorm.py) instead of about seven eager ones.
     fused = False
+    pdl = False     # set with `fused` on Hopper: launched under PDL (kernels/pdl.py)
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None, device=None):
         super().__init__()
@@ -28,7 +29,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.fused:
             from llmserve_core.kernels.rmsnorm import rmsnorm
-            return rmsnorm(x, self.weight, self.eps, residual)
+            return rmsnorm(x, self.weight, self.eps, residual, pdl=self.pdl)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -12,7 +12,7 @@ from torch import nn
 
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
-from llmserve_core.layers.fast_path import fast_path
+from llmserve_core.layers.fast_path import fast_path, use_pdl
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
 from llmserve_core.layers.parallel import RowParallelLinear, VocabParallelEmbedding
@@ -26,6 +26,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class Qwen3Attention(nn.Module):
     fused = False   # set by Qwen3ForCausalLM on CUDA: q/k norm, rotary and the K/V store in one Triton kernel
+    pdl = False     # ... launched under PDL on Hopper
     # Per-tensor scales of an FP8 KV cache (real = stored * scale); the loader sets them from the checkpoint.
     k_scale = 1.0
     v_scale = 1.0
@@ -52,9 +53,9 @@ class Qwen3Attention(nn.Module):
             from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
             q = qk_norm_rope_store(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
                                    cos, sin, self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   k_cache, v_cache, self.k_scale, self.v_scale)
+                                   k_cache, v_cache, self.k_scale, self.v_scale, pdl=self.pdl)
             out = attn_backend.attend(q, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
-                                      v_scale=self.v_scale)
+                                      v_scale=self.v_scale, pdl=self.pdl)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
@@ -66,6 +67,7 @@ class Qwen3Attention(nn.Module):
 
 class Qwen3MLP(nn.Module):
     fused = False   # set by Qwen3ForCausalLM on CUDA: SiLU-and-mul as one Triton kernel
+    pdl = False     # ... launched under PDL on Hopper
 
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
@@ -77,7 +79,7 @@ class Qwen3MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
-            return self.down_proj(silu_mul(gate_up))
+            return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
         return self.down_proj(silu_and_mul(gate_up))
 
 
@@ -133,17 +135,25 @@ class Qwen3ForCausalLM(nn.Module):
         # On CUDA with a fast attention backend, norms, q/k-norm+rotary+K/V store and SiLU-and-mul run as Triton
         # kernels: at decode sizes launch latency, not arithmetic, is what the eager versions cost.
         # The torch backend keeps the whole model eager, as the reference.
-        self.set_fused(fast_path(device, attn_backend))
+        self.set_fused(fast_path(device, attn_backend), use_pdl(device, attn_backend))
 
-    def set_fused(self, fused: bool) -> None:
+    def set_fused(self, fused: bool, chain: bool = False, pdl: bool | None = None) -> None:
         """Switch every module between its Triton kernels and its eager torch ops (tests run the fused
-        path on the CPU, in Triton's interpreter, against the eager one)."""
+        path on the CPU, in Triton's interpreter, against the eager one). chain: a batch-1 decode layer's
+        projections stream through kernels/stream_gemv.py, and (pdl, by default the same as chain) every
+        kernel of the layer launches under PDL; the CPU tests run the chain without PDL."""
         self.fused = fused
-        for m in self.modules():
+        chain = fused and chain
+        pdl = chain if pdl is None else chain and pdl
+        for m in self.model.modules():
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Fp8Linear)):
                 m.fused = fused
+            if isinstance(m, (Linear, Fp8Linear)):
+                m.fast_kernel = "stream" if chain else None
+            if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Linear, Fp8Linear)):
+                m.pdl = pdl
         if self.lm_head is not None:
-            self.lm_head.fast = fused   # the one projection where kernels.gemv beats cuBLAS
+            self.lm_head.fast_kernel = "gemv" if fused else None   # kernels.gemv beats cuBLAS on the 152k rows
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

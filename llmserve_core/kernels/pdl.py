@@ -1,0 +1,15 @@
+"""Programmatic dependent launch (PDL): a kernel may start while the one before it on the stream finishes.
+
+A kernel launched with PDL runs, before `gdc_wait`, only what depends on no earlier kernel (its static
+weights); the wait returns once the kernel before has finished and its writes are visible. Right after
+the wait it lets the kernel after it launch. Launched without PDL, the same kernels keep plain stream
+order. Hopper and later only (layers/fast_path.py decides); CUDA graphs capture the overlap as
+programmatic edges.
+"""
+from __future__ import annotations
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """The launch keyword a Triton kernel takes to start under PDL (nothing without it, as the CPU
+    interpreter wants)."""
+    return dict(launch_pdl=True) if pdl else {}

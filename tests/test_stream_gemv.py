@@ -1,0 +1,120 @@
+"""The one-row streaming GEMV (the decoder's projections at batch-1 decode) against its torch reference.
+
+On the CPU the kernel runs in Triton's interpreter (which truncates where torch rounds when it casts to
+bfloat16: the tolerances allow for that); on the GPU it also runs under PDL, chained in a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
+from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference
+from llmserve_core.layers.fp8_linear import Fp8Linear
+from llmserve_core.layers.linear import Linear
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output holds NaN"
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def inputs(n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    return x.to(dtype=dtype, device=DEVICE), w.to(dtype=dtype, device=DEVICE)
+
+
+# A tile small enough for the interpreter: several K steps, and N not a multiple of BLOCK_N.
+SMALL_TILE = dict(BLOCK_N=8, BLOCK_K=64, num_warps=1, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(40, 256), (8, 64), (3, 128)])
+def test_stream_gemv_matches_reference(dtype, n, k):
+    x, w = inputs(n, k, dtype, seed=n + k)
+    for out_dtype in (None, torch.float32):
+        y = stream_gemv(x, w, out_dtype=out_dtype, config=SMALL_TILE)
+        assert y.shape == (1, n) and y.dtype == (out_dtype or dtype)
+        assert rel_err(y, stream_gemv_reference(x.double(), w.double())) < TOL[dtype]
+
+
+def test_stream_gemv_fp8_weight_with_row_scales():
+    x, w = inputs(40, 256, torch.bfloat16, seed=1)
+    scale = w.float().abs().amax(1) / 448.0
+    q = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    y = stream_gemv(x, q, scale, config=SMALL_TILE)
+    assert rel_err(y, stream_gemv_reference(x, q, scale)) < TOL[torch.bfloat16]
+    with pytest.raises(AssertionError, match="scale"):
+        stream_gemv(x, q, config=SMALL_TILE)
+
+
+def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
+    assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1)
+    assert stream_gemv_config(6144, 4096)["BLOCK_K"] == 256        # 768 programs: more than 4 per SM
+    assert stream_gemv_config(6144, 4096, sms=192)["BLOCK_K"] == 512
+    assert stream_gemv_config(4096, 12288)["num_warps"] == 8
+    assert stream_gemv_config(64, 192)["BLOCK_K"] == 64
+    assert stream_gemv_config(64, 96) is None and stream_gemv_config(64, 100) is None
+
+
+@torch.no_grad()
+def test_linear_streams_one_row_and_falls_back_for_more():
+    """fast_kernel "stream": one row through the kernel, two rows and an awkward K through F.linear."""
+    torch.manual_seed(0)
+    for in_features, rows in ((128, 1), (64, 2), (100, 1)):
+        lin = Linear(in_features, 40)
+        lin.weight.normal_(0, in_features ** -0.5)
+        x = torch.randn(rows, in_features)
+        eager = lin(x)
+        lin.fast_kernel = "stream"
+        assert rel_err(lin(x), eager) < 1e-5 and rel_err(lin(x, out_dtype=torch.float64), eager) < 1e-5
+
+
+@torch.no_grad()
+def test_fp8_linear_streams_one_row():
+    torch.manual_seed(0)
+    lin = Fp8Linear(256, 40)
+    lin.quantize_rows_(torch.randn(40, 256) / 16)
+    x = torch.randn(1, 256)
+    want = lin(x)           # off the fast path: the dequantized reference
+    lin.fused, lin.fast_kernel = True, "stream"
+    assert rel_err(lin(x), want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs PDL (Hopper or later)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_stream_gemv_qwen3_8b_shapes_under_pdl_in_a_graph(dtype):
+    """The decoder's projections back to back, each reading the one before's output, launched under PDL
+    and replayed from a CUDA graph: equal to the same chain launched plainly, and to the reference."""
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    ws = [inputs(n, k, dtype, seed=n + k)[1] for n, k in shapes]
+    x0 = inputs(8, 4096, dtype, seed=0)[0]
+
+    def chain(pdl):
+        x = x0
+        for w in ws:
+            k = w.shape[1]
+            x = x[:, :k] if x.shape[1] >= k else x.repeat(1, -(-k // x.shape[1]))[:, :k].contiguous()
+            x = stream_gemv(x, w, pdl=pdl)
+        return x
+
+    plain = chain(False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain)
+    x = x0
+    for w in ws:
+        k = w.shape[1]
+        x = x[:, :k] if x.shape[1] >= k else x.repeat(1, -(-k // x.shape[1]))[:, :k].contiguous()
+        x = stream_gemv_reference(x, w)
+    assert rel_err(plain, x) < 10 * TOL[dtype]
