@@ -54,6 +54,18 @@ def test_stream_gemv_fp8_weight_with_row_scales():
         stream_gemv(x, q, config=SMALL_TILE)
 
 
+@pytest.mark.parametrize("n,k", [(40, 256), (130, 192)])
+def test_stream_gemv_fp8_weight_with_block_scales(n, k):
+    """128 x 128 scale blocks (Qwen's FP8 checkpoints), with a last block row and column cut short."""
+    from llmserve_core.kernels.fp8_format import quantize_per_block
+    x, w = inputs(n, k, torch.bfloat16, seed=n)
+    q, scale = quantize_per_block(w, (128, 128))
+    y = stream_gemv(x, q, scale, (128, 128), config=SMALL_TILE)
+    assert rel_err(y, stream_gemv_reference(x, q, scale, (128, 128))) < TOL[torch.bfloat16]
+    with pytest.raises(AssertionError, match="split"):
+        stream_gemv(x, q, scale, (4, 128), config=SMALL_TILE)
+
+
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1)
     assert stream_gemv_config(6144, 4096)["BLOCK_K"] == 256        # 768 programs: more than 4 per SM
@@ -76,15 +88,19 @@ def test_linear_streams_one_row_and_falls_back_for_more():
         assert rel_err(lin(x), eager) < 1e-5 and rel_err(lin(x, out_dtype=torch.float64), eager) < 1e-5
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)])
 @torch.no_grad()
-def test_fp8_linear_streams_one_row():
+def test_fp8_linear_streams_one_row(block, monkeypatch):
+    import llmserve_core.kernels.stream_gemv as stream
+    calls = []
+    monkeypatch.setattr(stream, "stream_gemv", lambda *a, **kw: calls.append(1) or stream_gemv(*a, **kw))
     torch.manual_seed(0)
-    lin = Fp8Linear(256, 40)
-    lin.quantize_rows_(torch.randn(40, 256) / 16)
+    lin = Fp8Linear(256, 136, block)
+    lin.quantize_rows_(torch.randn(136, 256) / 16)
     x = torch.randn(1, 256)
     want = lin(x)           # off the fast path: the dequantized reference
     lin.fused, lin.fast_kernel = True, "stream"
-    assert rel_err(lin(x), want) < 1e-5
+    assert rel_err(lin(x), want) < 1e-5 and calls == [1]
 
 
 @pytest.mark.gpu
@@ -118,3 +134,21 @@ def test_stream_gemv_qwen3_8b_shapes_under_pdl_in_a_graph(dtype):
         x = x[:, :k] if x.shape[1] >= k else x.repeat(1, -(-k // x.shape[1]))[:, :k].contiguous()
         x = stream_gemv_reference(x, w)
     assert rel_err(plain, x) < 10 * TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs PDL (Hopper or later)")
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_stream_gemv_fp8_qwen3_8b_shapes_under_pdl_in_a_graph(block):
+    from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
+        x, w = inputs(n, k, torch.bfloat16, seed=n + k)
+        q, scale = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
+        plain = stream_gemv(x, q, scale, block)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = stream_gemv(x, q, scale, block, pdl=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, plain)
+        assert rel_err(plain, stream_gemv_reference(x, q, scale, block)) < TOL[torch.bfloat16]

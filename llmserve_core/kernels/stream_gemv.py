@@ -11,7 +11,8 @@ With PDL (programmatic dependent launch, Hopper and later) the kernel starts bef
 has finished: it loads its first weight tile, which no earlier kernel writes, then waits on the grid
 dependency before it reads x, and lets the kernel after it launch at once. So a decode layer's chain of
 launches overlaps each kernel's ramp with its predecessor's tail. Weights may be float8_e4m3fn with one
-float32 scale per output row (applied once, after the reduction).
+float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
+checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.fp8_format import dequantize_weight
 from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch
 
@@ -26,9 +28,11 @@ MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 
 
 @triton.jit
-def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
@@ -37,15 +41,21 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, BLOCK_N: tl.conste
     if PDL:     # (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
+    # column's scale folds into x.
+    s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # K is a multiple of BLOCK_K (stream_gemv_config): only the last prefetch would run past the end.
         nxt = k0 + BLOCK_K
         w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
-        acc += w.to(tl.float32) * tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]
+        xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
+        if BLOCK_SCALED:
+            xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
+        acc += w.to(tl.float32) * xk[None, :]
         w = w_next
     y = tl.sum(acc, 1)
-    if HAS_SCALE:
+    if ROW_SCALED:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
@@ -66,22 +76,31 @@ def stream_gemv_config(n: int, k: int, block_n: int = 8, sms: int = 132) -> dict
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None, pdl: bool = False, config: dict | None = None) -> torch.Tensor:
-    """x [1, K], weight [N, K] (x's dtype, or float8_e4m3fn with scale [N] float32) -> [1, N]."""
+                block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None, pdl: bool = False,
+                config: dict | None = None) -> torch.Tensor:
+    """x [1, K], weight [N, K] -> [1, N]. The weight is x's dtype, or float8_e4m3fn with float32 scales:
+    one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)])."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
     cfg = config or stream_gemv_config(n, k, sms=num_sms(x.device))
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
+    if block is not None:
+        assert block[0] % cfg["BLOCK_N"] == 0, f"stream_gemv: {cfg['BLOCK_N']} rows a program split a {block} scale block"
+        assert scale.shape == (-(-n // block[0]), -(-k // block[1])) and scale.stride(1) == 1, \
+            "stream_gemv: block scales must be [ceil(N / bn), ceil(K / bk)], rows contiguous"
+    elif scale is not None:
+        assert scale.shape == (n,), f"stream_gemv: row scales must be [{n}], got {tuple(scale.shape)}"
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _stream_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, scale if scale is not None else weight, y, n, k, HAS_SCALE=scale is not None, PDL=pdl,
-        **cfg, **pdl_launch(pdl))
+        x, weight, scale if scale is not None else weight, y, n, k, scale.stride(0) if block else 0,
+        ROW_SCALED=scale is not None and block is None, BLOCK_SCALED=block is not None,
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
 def stream_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Widen the weight (times its row scale), multiply in float32."""
-    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+                          block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Widen the weight (times its scales), multiply in float32."""
+    w = weight.float() if scale is None else dequantize_weight(weight, scale, block)
     return (x.float() @ w.t()).to(out_dtype or x.dtype)

@@ -2,9 +2,9 @@
 
 `weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
-weight-only GEMV (the weight stream is the whole cost; on Hopper one row of a per-channel layer takes
-kernels/stream_gemv.py, chained under PDL with the kernels around it); more rows quantize the activations dynamically
-(per token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Off the
+weight-only GEMV (the weight stream is the whole cost; on Hopper one row takes kernels/stream_gemv.py,
+chained under PDL with the kernels around it); more rows quantize the activations dynamically (per
+token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Off the
 fast path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference,
 the dequantized weight times the input in float32.
 """
@@ -65,15 +65,21 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
-        elif self.fast_kernel == "stream" and x2.shape[0] == 1 and self.block is None and self.in_features % 64 == 0:
-            from llmserve_core.kernels.stream_gemv import stream_gemv   # (64: its MIN_BLOCK_K)
-            out = stream_gemv(x2.contiguous(), self.weight, self.weight_scale, pdl=self.pdl)
+        elif self.fast_kernel == "stream" and x2.shape[0] == 1 and self._streams():
+            from llmserve_core.kernels.stream_gemv import stream_gemv
+            out = stream_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block, pdl=self.pdl)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
             from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton
             out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block)
         else:
             out = self._w8a8(x2.contiguous())
         return out.view(*shape[:-1], self.out_features)
+
+    def _streams(self) -> bool:
+        """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block
+        scales whose rows its 8-row programs do not split."""
+        from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K
+        return self.in_features % MIN_BLOCK_K == 0 and (self.block is None or self.block[0] % 8 == 0)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_triton
