@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemv_bench import SHAPES, bench, copy_bandwidth  # noqa: E402
+from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
@@ -40,146 +41,128 @@ def rel_err(y, ref) -> float:
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def quantize_rows(w: torch.Tensor):
-    scale = w.float().abs().amax(1).clamp(min=1e-12) / 448.0
-    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
-
-
 def tile_sweep(n: int, k: int):
     for bn, bk, warps in ((4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (8, 512, 8), (8, 1024, 8)):
         if k % bk == 0:
             yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
 
 
-def shapes_part(bw: float) -> dict:
+def sweep(name: str, x, weights: list, scales: list | None, copies: int) -> tuple[dict, list]:
+    """Every tile of tile_sweep, checked against the reference, then timed: (best tile, [(tile, us)])."""
+    n, k = weights[0].shape
+    scale = (lambda i: scales[i]) if scales else (lambda i: None)
+    timings = []
+    for cfg in tile_sweep(n, k):
+        try:
+            err = rel_err(stream_gemv(x, weights[0], scale(0), config=cfg),
+                          stream_gemv_reference(x, weights[0], scale(0)))
+            us = 1e3 * bench(lambda i: stream_gemv(x, weights[i], scale(i), config=cfg), copies, replays=5)
+        except Exception as e:      # a tile the compiler rejects
+            print(f"  skip {name} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        assert err < 1e-2, f"{name} {cfg}: rel err {err}"
+        timings.append((cfg, us))
+    return min(timings, key=lambda t: t[1])[0], timings
+
+
+def shapes_part() -> dict:
     out = {}
     dev, dt = "cuda", torch.bfloat16
     for name in ("qkv", "o_proj", "gate_up", "down"):
         n, k = SHAPES[name]
         copies = max(3, -(-256 * 2**20 // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(copies)]
-        qs = [quantize_rows(w) for w in ws]
-        for m in (1,):
-            x = torch.randn(m, k, device=dev, dtype=dt)
-            row = {"cublas_us": 1e3 * bench(lambda i: F.linear(x, ws[i]), copies)}
-            best, row["sweep_us"] = None, []
-            for cfg in tile_sweep(n, k):
-                try:
-                    err = rel_err(stream_gemv(x, ws[0], config=cfg), stream_gemv_reference(x, ws[0]))
-                    us = 1e3 * bench(lambda i: stream_gemv(x, ws[i], config=cfg), copies, replays=5)
-                except Exception as e:      # a tile the compiler rejects
-                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    continue
-                assert err < 1e-2, f"{name} m={m} {cfg}: rel err {err}"
-                row["sweep_us"].append((cfg, us))
-                if best is None or us < best[0]:
-                    best = (us, cfg)
-            row["stream_us"], row["stream_config"] = best
-            cfg = best[1]
-            row["stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=True, config=cfg), copies)
-            row["default_config"] = stream_gemv_config(n, k)
-            row["default_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=True), copies)
-            # FP8 weights: the current kernel against the stream kernel's own sweep
-            row["fp8_gemv_us"] = 1e3 * bench(lambda i: fp8_gemv(x, qs[i][0], qs[i][1]), copies)
-            best8, row["fp8_sweep_us"] = None, []
-            for cfg8 in tile_sweep(n, k):
-                try:
-                    err = rel_err(stream_gemv(x, qs[0][0], qs[0][1], config=cfg8),
-                                  stream_gemv_reference(x, qs[0][0], qs[0][1]))
-                    us = 1e3 * bench(lambda i: stream_gemv(x, qs[i][0], qs[i][1], config=cfg8), copies, replays=5)
-                except Exception as e:
-                    print(f"  skip fp8 {cfg8}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    continue
-                assert err < 1e-2, f"fp8 {name} m={m} {cfg8}: rel err {err}"
-                row["fp8_sweep_us"].append((cfg8, us))
-                if best8 is None or us < best8[0]:
-                    best8 = (us, cfg8)
-            row["fp8_stream_us"], row["fp8_stream_config"] = best8
-            row["fp8_stream_pdl_us"] = 1e3 * bench(
-                lambda i: stream_gemv(x, qs[i][0], qs[i][1], pdl=True, config=best8[1]), copies)
-            for key in ("cublas_us", "stream_us", "stream_pdl_us", "default_pdl_us"):
-                row[key.replace("_us", "_tb_s")] = n * k * 2 / (row[key] * 1e-6) / 1e12
-            for key in ("fp8_gemv_us", "fp8_stream_us", "fp8_stream_pdl_us"):
-                row[key.replace("_us", "_tb_s")] = n * k / (row[key] * 1e-6) / 1e12
-            out[f"{name}_m{m}"] = row
-            print(f"{name:8s} m={m} " + " ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)),
-                  best[1], best8[1], flush=True)
-        del ws, qs
-        torch.cuda.empty_cache()
+        qs, ss = zip(*(quantize_per_channel(w) for w in ws))
+        x = torch.randn(1, k, device=dev, dtype=dt)
+        row = {"cublas_us": 1e3 * bench(lambda i: F.linear(x, ws[i]), copies)}
+        best, row["sweep_us"] = sweep(name, x, ws, None, copies)
+        row["stream_config"], row["stream_us"] = best, min(us for _, us in row["sweep_us"])
+        row["stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=True, config=best), copies)
+        row["default_config"] = stream_gemv_config(n, k)
+        row["default_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=True), copies)
+        # FP8 weights (per-channel scales): the tensor-core FP8 GEMV against the stream kernel's own sweep
+        row["fp8_gemv_us"] = 1e3 * bench(lambda i: fp8_gemv(x, qs[i], ss[i]), copies)
+        best8, row["fp8_sweep_us"] = sweep(f"fp8 {name}", x, qs, ss, copies)
+        row["fp8_stream_config"], row["fp8_stream_us"] = best8, min(us for _, us in row["fp8_sweep_us"])
+        row["fp8_stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, qs[i], ss[i], pdl=True, config=best8), copies)
+        for key in ("cublas_us", "stream_us", "stream_pdl_us", "default_pdl_us"):
+            row[key.replace("_us", "_tb_s")] = n * k * 2 / (row[key] * 1e-6) / 1e12
+        for key in ("fp8_gemv_us", "fp8_stream_us", "fp8_stream_pdl_us"):
+            row[key.replace("_us", "_tb_s")] = n * k / (row[key] * 1e-6) / 1e12
+        out[f"{name}_m1"] = row
+        print(f"{name:8s} " + " ".join(f"{a}={b:.3g}" for a, b in row.items() if isinstance(b, float)),
+              best, best8, flush=True)
     return out
 
 
 def chain_part() -> dict:
     """LAYERS decoder layers without attention in one graph; microseconds per layer."""
     dev, dt = "cuda", torch.bfloat16
-    h, inter = 4096, 12288
+    h = 4096
     layers = []
     for _ in range(LAYERS):
         ws = {name: torch.randn(*SHAPES[name], device=dev, dtype=dt) * SHAPES[name][1] ** -0.5
               for name in ("qkv", "o_proj", "gate_up", "down")}
-        layers.append({"w": ws, "q": {k: quantize_rows(v) for k, v in ws.items()},
+        layers.append({"w": ws, "q": {k: quantize_per_channel(v) for k, v in ws.items()},
                        "n1": torch.rand(h, device=dev, dtype=dt) + 0.5, "n2": torch.rand(h, device=dev, dtype=dt) + 0.5})
-    out = {}
-    for m in (1,):
-        hidden0 = torch.randn(m, h, device=dev, dtype=dt)
+    hidden0 = torch.randn(1, h, device=dev, dtype=dt)
 
-        def run(kind: str):
-            pdl = kind.endswith("pdl")
-            fp8 = kind.startswith("fp8")
-            hidden, residual = hidden0, torch.zeros_like(hidden0)
+    def run(kind: str):
+        pdl = kind.endswith("pdl")
+        fp8 = kind.startswith("fp8")
+        hidden, residual = hidden0, torch.zeros_like(hidden0)
 
-            def lin(x, layer, name):
-                if kind == "cublas":
-                    return F.linear(x, layer["w"][name])
-                if kind == "reference":
-                    return stream_gemv_reference(x, layer["w"][name])
-                if fp8:     # the default tiles, as the engine runs them
-                    w, s = layer["q"][name]
-                    return stream_gemv(x, w, s, pdl=pdl)
-                return stream_gemv(x, layer["w"][name], pdl=pdl)
+        def lin(x, layer, name):
+            if kind == "cublas":
+                return F.linear(x, layer["w"][name])
+            if kind == "reference":
+                return stream_gemv_reference(x, layer["w"][name])
+            if fp8:     # the default tiles, as the engine runs them
+                w, s = layer["q"][name]
+                return stream_gemv(x, w, s, pdl=pdl)
+            return stream_gemv(x, layer["w"][name], pdl=pdl)
 
-            for layer in layers:
-                if kind == "reference":
-                    x, residual = rmsnorm_reference(hidden, layer["n1"], EPS, residual)
-                else:
-                    x, residual = rmsnorm(hidden, layer["n1"], EPS, residual, pdl=pdl)
-                qkv = lin(x, layer, "qkv")
-                o = lin(qkv[:, :h], layer, "o_proj")
-                if kind == "reference":
-                    x, residual = rmsnorm_reference(o, layer["n2"], EPS, residual)
-                    act = silu_mul_reference(lin(x, layer, "gate_up"))
-                else:
-                    x, residual = rmsnorm(o, layer["n2"], EPS, residual, pdl=pdl)
-                    act = silu_mul(lin(x, layer, "gate_up"), pdl=pdl)
-                hidden = lin(act, layer, "down")
-            return hidden
+        for layer in layers:
+            if kind == "reference":
+                x, residual = rmsnorm_reference(hidden, layer["n1"], EPS, residual)
+            else:
+                x, residual = rmsnorm(hidden, layer["n1"], EPS, residual, pdl=pdl)
+            qkv = lin(x, layer, "qkv")
+            o = lin(qkv[:, :h], layer, "o_proj")
+            if kind == "reference":
+                x, residual = rmsnorm_reference(o, layer["n2"], EPS, residual)
+                act = silu_mul_reference(lin(x, layer, "gate_up"))
+            else:
+                x, residual = rmsnorm(o, layer["n2"], EPS, residual, pdl=pdl)
+                act = silu_mul(lin(x, layer, "gate_up"), pdl=pdl)
+            hidden = lin(act, layer, "down")
+        return hidden
 
-        ref = run("reference")
-        row = {}
-        for kind in ("cublas", "stream", "stream_pdl", "fp8_stream", "fp8_stream_pdl"):
-            eager = run(kind)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = run(kind)
+    ref = run("reference")
+    row = {}
+    for kind in ("cublas", "stream", "stream_pdl", "fp8_stream", "fp8_stream_pdl"):
+        eager = run(kind)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(kind)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not kind.startswith("fp8"):
+            row[f"{kind}_rel_err"] = rel_err(eager, ref)
+            assert row[f"{kind}_rel_err"] < 5e-2, (kind, row[f"{kind}_rel_err"])
+        assert rel_err(captured, eager) < 1e-3, f"{kind}: graph replay differs from eager"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
             graph.replay()
-            torch.cuda.synchronize()
-            if not kind.startswith("fp8"):
-                row[f"{kind}_rel_err"] = rel_err(eager, ref)
-                assert row[f"{kind}_rel_err"] < 5e-2, (kind, row[f"{kind}_rel_err"])
-            assert rel_err(captured, eager) < 1e-3, f"{kind}: graph replay differs from eager"
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(20):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-            row[f"{kind}_us_per_layer"] = sorted(times)[len(times) // 2]
-            del graph
-        out[f"m{m}"] = row
-        print(f"chain m={m} " + " ".join(f"{a}={b:.4g}" for a, b in row.items()), flush=True)
-    return out
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+        row[f"{kind}_us_per_layer"] = sorted(times)[len(times) // 2]
+        del graph
+    print("chain, one row: " + " ".join(f"{a}={b:.4g}" for a, b in row.items()), flush=True)
+    return {"m1": row}
 
 
 def main() -> None:
@@ -190,7 +173,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res = {"copy_bandwidth_tb_s": bw / 1e12, "device": torch.cuda.get_device_name()}
-    res["shapes"] = shapes_part(bw)
+    res["shapes"] = shapes_part()
     res["chain"] = chain_part()
     print("\n| shape | rows | cuBLAS TB/s | stream (best tile) | stream+PDL | default tile+PDL | fp8_gemv | fp8 stream | fp8 stream+PDL |")
     print("|---|---|---|---|---|---|---|---|---|")

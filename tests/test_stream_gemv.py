@@ -12,22 +12,12 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4e-3}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output holds NaN"
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+from test_gemv import CUDA, TOL, rel_err
+from test_gemv import inputs as gemv_inputs
 
 
 def inputs(n, k, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, k, generator=g)
-    w = torch.randn(n, k, generator=g) / k ** 0.5
-    return x.to(dtype=dtype, device=DEVICE), w.to(dtype=dtype, device=DEVICE)
+    return gemv_inputs(1, n, k, dtype, seed)
 
 
 # A tile small enough for the interpreter: several K steps, and N not a multiple of BLOCK_N.
@@ -113,27 +103,21 @@ def test_stream_gemv_qwen3_8b_shapes_under_pdl_in_a_graph(dtype):
     ws = [inputs(n, k, dtype, seed=n + k)[1] for n, k in shapes]
     x0 = inputs(8, 4096, dtype, seed=0)[0]
 
-    def chain(pdl):
+    def chain(gemv):
         x = x0
-        for w in ws:
+        for w in ws:    # each projection reads the one before's output, cut or tiled to its K
             k = w.shape[1]
-            x = x[:, :k] if x.shape[1] >= k else x.repeat(1, -(-k // x.shape[1]))[:, :k].contiguous()
-            x = stream_gemv(x, w, pdl=pdl)
+            x = gemv(x.repeat(1, -(-k // x.shape[1]))[:, :k].contiguous(), w)
         return x
 
-    plain = chain(False)
+    plain = chain(stream_gemv)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = chain(True)
+        captured = chain(lambda x, w: stream_gemv(x, w, pdl=True))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, plain)
-    x = x0
-    for w in ws:
-        k = w.shape[1]
-        x = x[:, :k] if x.shape[1] >= k else x.repeat(1, -(-k // x.shape[1]))[:, :k].contiguous()
-        x = stream_gemv_reference(x, w)
-    assert rel_err(plain, x) < 10 * TOL[dtype]
+    assert rel_err(plain, chain(stream_gemv_reference)) < 10 * TOL[dtype]
 
 
 @pytest.mark.gpu
