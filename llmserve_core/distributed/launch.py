@@ -133,6 +133,11 @@ def worker_main(config: EngineConfig, rank: int, address: str, parent_pid: int) 
     model_config = ModelConfig.from_hf_dir(config.model)
     tp = join_group(config, model_config, rank, address)
     serve_worker(dataclasses.replace(config, warmup=False), tp)
+    # Told to stop: leave without tearing the process group down. The core tears its side down at the
+    # same moment, and gloo's threads here could then abort the process ("terminate called without an
+    # active exception", exit -6) in destroy_process_group or in the interpreter's finalization.
+    logging.shutdown()
+    os._exit(0)
 
 
 def serve_node(config: EngineConfig) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from llmserve_core.distributed.step_channel import COMPACT, FORWARD, LOGITS, STOP, StepChannel
 
@@ -32,4 +31,3 @@ def serve_worker(config, tp) -> None:
                 break
     except RuntimeError:
         os._exit(1)          # the core is gone or failed a collective: nothing left to serve
-    dist.destroy_process_group()
