@@ -25,6 +25,7 @@ from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
+ROWS_PER_PROGRAM = 8
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def stream_gemv_config(n: int, k: int, block_n: int = 8, sms: int = 132) -> dict | None:
+def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132) -> dict | None:
     """Tiles for an [n, k] weight, or None where no tile width divides K. Measured on the H200
     (benchmarks/pdl_chain_bench.py, bf16 and FP8): 8 rows x 512 columns a program, except where the
     programs would overfill one wave of about four per multiprocessor (qkv's 768 on 132): there half-width

@@ -77,9 +77,9 @@ class Fp8Linear(nn.Module):
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block
-        scales whose rows its 8-row programs do not split."""
-        from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K
-        return self.in_features % MIN_BLOCK_K == 0 and (self.block is None or self.block[0] % 8 == 0)
+        scales whose rows its programs do not split."""
+        from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, ROWS_PER_PROGRAM
+        return self.in_features % MIN_BLOCK_K == 0 and (self.block is None or self.block[0] % ROWS_PER_PROGRAM == 0)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_triton
