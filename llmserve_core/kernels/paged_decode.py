@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.pdl import pdl_launch
-
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
@@ -46,9 +45,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
                    PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # (kernels/pdl.py) q, the lengths and this step's K/V all come from earlier kernels
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_and_release(PDL)      # q, the lengths and this step's K/V all come from earlier kernels
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -8,6 +8,18 @@ programmatic edges.
 """
 from __future__ import annotations
 
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pdl_wait_and_release(PDL: tl.constexpr):
+    """In a kernel launched under PDL: wait for the kernel before (everything read after this sees its
+    writes), then let the kernel after launch. Without PDL, nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
 
 def pdl_launch(pdl: bool) -> dict:
     """The launch keyword a Triton kernel takes to start under PDL (nothing without it, as the CPU

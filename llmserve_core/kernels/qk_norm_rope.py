@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.pdl import pdl_launch
-
 from llmserve_core.kernels.attention_reference import store_kv_reference
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.rmsnorm import rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_reference
 
@@ -53,9 +52,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_p
                                NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
                                PDL: tl.constexpr):
-    if PDL:     # (kernels/pdl.py) qkv, the positions and the slots all come from earlier kernels
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_and_release(PDL)      # qkv, the positions and the slots all come from earlier kernels
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.pdl import pdl_launch
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
 @triton.jit
@@ -20,9 +20,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, strid
     c = tl.arange(0, BLOCK)
     mask = c < n_cols
     w = tl.load(w_ptr + c, mask=mask, other=0.0)
-    if PDL:     # (kernels/pdl.py) the weight is static; x and the residual come from the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_and_release(PDL)      # the weight is static; x and the residual come from the kernel before
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0)

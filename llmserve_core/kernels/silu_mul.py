@@ -6,14 +6,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.pdl import pdl_launch
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # (kernels/pdl.py) everything this kernel reads comes from the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_and_release(PDL)      # everything this kernel reads comes from the kernel before
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < d
@@ -30,8 +28,8 @@ def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     out = torch.empty(n, d, dtype=x.dtype, device=x.device)
     if n:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
-                                                             PDL=pdl, **pdl_launch(pdl))
+        _silu_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+                                                     num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return out
 
 

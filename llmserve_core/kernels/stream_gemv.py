@@ -22,7 +22,7 @@ import triton.language as tl
 
 from llmserve_core.kernels.fp8_format import dequantize_weight
 from llmserve_core.kernels.gemv import num_sms
-from llmserve_core.kernels.pdl import pdl_launch
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
@@ -39,9 +39,7 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
     # The first tile is read before the grid dependency resolves: no kernel before this one writes W.
     w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    if PDL:     # (kernels/pdl.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_and_release(PDL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x.
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn

@@ -135,16 +135,17 @@ class Qwen3ForCausalLM(nn.Module):
         # On CUDA with a fast attention backend, norms, q/k-norm+rotary+K/V store and SiLU-and-mul run as Triton
         # kernels: at decode sizes launch latency, not arithmetic, is what the eager versions cost.
         # The torch backend keeps the whole model eager, as the reference.
-        self.set_fused(fast_path(device, attn_backend), use_pdl(device, attn_backend))
+        chain = use_pdl(device, attn_backend)
+        self.set_fused(fast_path(device, attn_backend), chain=chain, pdl=chain)
 
-    def set_fused(self, fused: bool, chain: bool = False, pdl: bool | None = None) -> None:
+    def set_fused(self, fused: bool, chain: bool = False, pdl: bool = False) -> None:
         """Switch every module between its Triton kernels and its eager torch ops (tests run the fused
         path on the CPU, in Triton's interpreter, against the eager one). chain: a batch-1 decode layer's
-        projections stream through kernels/stream_gemv.py, and (pdl, by default the same as chain) every
-        kernel of the layer launches under PDL; the CPU tests run the chain without PDL."""
+        projections stream through kernels/stream_gemv.py; pdl: every kernel of the layer launches under
+        PDL (the model turns both on together on Hopper; the CPU tests run the chain without PDL). Both
+        need `fused`."""
         self.fused = fused
-        chain = fused and chain
-        pdl = chain if pdl is None else chain and pdl
+        chain, pdl = fused and chain, fused and chain and pdl
         for m in self.model.modules():
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Fp8Linear)):
                 m.fused = fused
