@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels.gemv import MAX_ROWS, gemv, gemv_config, gemv_reference
+from llmserve_core.kernels.gemv import MAX_ROWS, gemv, gemv_argmax, gemv_config, gemv_reference
 from llmserve_core.layers.linear import MAX_ROWS as LINEAR_MAX_ROWS
 from llmserve_core.layers.linear import Linear
 
@@ -88,10 +88,10 @@ def test_split_k_reduces_once_and_rearms(split):
 @pytest.mark.parametrize("rows", [1, 4, MAX_ROWS + 3])
 def test_linear_fast_path_equals_eager(rows):
     torch.manual_seed(rows)
-    lin = Linear(64, 96)
+    lin = Linear(64, 96).to(DEVICE)
     with torch.no_grad():
         lin.weight.normal_(0, 64 ** -0.5)
-    x = torch.randn(rows, 64)
+    x = torch.randn(rows, 64, device=DEVICE)
     eager = (lin(x), lin(x, out_dtype=torch.float64))
     lin.fast_kernel = "gemv"
     fast = (lin(x), lin(x, out_dtype=torch.float64))
@@ -106,3 +106,35 @@ def test_gemv_qwen3_8b_shapes_bf16(m):
     for n, k in [(151936, 4096), (6144, 4096), (4096, 12288)]:
         x, w = inputs(m, n, k, torch.bfloat16, seed=m + n)
         assert rel_err(gemv(x, w, out_dtype=torch.float32), gemv_reference(x.double(), w.double())) < 1e-2
+
+
+@pytest.mark.parametrize("m,n,k,dtype", [(1, 300, 64, torch.float32), (3, 130, 128, torch.float16),
+                                         (16, 77, 64, torch.float32), (2, 1000, 96, torch.bfloat16)])
+def test_gemv_argmax_equals_argmax_of_the_logits(m, n, k, dtype):
+    """The fused argmax picks what torch.argmax picks from the same kernel's float32 logits, call after call
+    (each call re-arms the slots it used)."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's interpreter has no bfloat16 dot")
+    for seed in range(3):
+        x, w = inputs(m, n, k, dtype, seed=seed)
+        got = gemv_argmax(x, w)
+        assert got.dtype == torch.int64 and got.shape == (m,)
+        assert torch.equal(got, gemv(x, w, out_dtype=torch.float32).argmax(-1))
+
+
+def test_gemv_argmax_ties_and_negative_logits():
+    """Every logit negative, the maximum tied across column blocks and within one: the first index wins, as
+    torch.argmax's."""
+    x = torch.ones(3, 64, device=DEVICE)
+    w = torch.full((200, 64), -1.0, device=DEVICE)
+    w[[120, 121, 199]] = -0.5           # 120 and 121 share a block, 199 sits in the last, ragged one
+    x[2] = -1.0                         # row 2: every logit positive, the largest at the most negative rows
+    w[5] = -3.0
+    got = gemv_argmax(x, w)
+    assert got.tolist() == gemv(x, w, out_dtype=torch.float32).argmax(-1).tolist() == [120, 120, 5]
+
+
+def test_gemv_argmax_refuses_more_rows_than_it_has_slots():
+    x, w = inputs(MAX_ROWS + 1, 16, 32, torch.float32, seed=1)
+    with pytest.raises(AssertionError, match="rows"):
+        gemv_argmax(x, w)

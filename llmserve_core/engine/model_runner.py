@@ -21,7 +21,7 @@ from llmserve_core.engine.step_result import StepHandle
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.fast_path import use_cuda_graphs
-from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, sample
+from llmserve_core.layers.sampler import SamplerOutput, SamplingTensors, only_argmax, sample
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
 from llmserve_core.speculative.tree import compact_kv
@@ -36,6 +36,7 @@ class PreparedBatch:
     batch: ForwardBatch
     sample_rows: torch.Tensor        # [S] rows of the packed tokens whose logits are sampled
     sample_requests: list[Request]   # the requests those rows belong to
+    samples_every_row: bool          # a decode: sample_rows is 0..S-1, so hidden[:S] needs no gather
 
 
 class ModelRunner:
@@ -197,7 +198,8 @@ class ModelRunner:
         input_ids = built.input_ids
         if fill_rows:
             input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])
-        return PreparedBatch(input_ids, built.batch, rows, sample_requests)
+        return PreparedBatch(input_ids, built.batch, rows, sample_requests,
+                             samples_every_row=len(sample_rows) == built.batch.num_tokens)
 
     def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
         batch = prepared.batch
@@ -208,6 +210,11 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """Sample one token per row of `hidden` (the rows of `reqs`, in order), with each request's
         sampling parameters, generator and logits processors; device tensors."""
+        if all(only_argmax(r.params) for r in reqs):
+            # A greedy batch that asks for nothing else: the lm_head's kernel takes the argmax itself.
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return SamplerOutput(tokens)
         logits = self.model.compute_logits(hidden)
         st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
                                          pin=self.pin)
@@ -224,7 +231,7 @@ class ModelRunner:
         reqs = prepared.sample_requests
         if not reqs:
             return StepHandle(sched)
-        out = self.sample(hidden[prepared.sample_rows], reqs)
+        out = self.sample(hidden[:len(reqs)] if prepared.samples_every_row else hidden[prepared.sample_rows], reqs)
         self.last_sampled = out.token_ids
         return StepHandle(sched, out.to_host(self.pin), reqs)
 

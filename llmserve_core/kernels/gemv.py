@@ -10,6 +10,10 @@ it beats cuBLAS only on the 152k-row lm_head (4.47 against 4.19 TB/s at one row,
 float32 straight from the accumulator); on the decoder's projections cuBLAS stays ahead (3.3 against
 3.0 TB/s for qkv, 4.07 against 3.70 for gate_up), and fusing RMSNorm or SiLU-and-mul into this kernel's
 prologue lost more than it saved, so layers/linear.py uses it for the lm_head alone.
+
+`gemv_argmax` is the greedy decode's lm_head: each program reduces its tile of logits to a (value, index)
+per row and folds it into one int64 per row with an atomic max, so the logits are never written out and
+no argmax pass reads them back; a one-program kernel then reads each row's winner and re-arms the slot.
 """
 from __future__ import annotations
 
@@ -19,12 +23,13 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16
+EMPTY_BEST = tl.constexpr(-2**63)     # an argmax slot before any program has folded into it
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, best_ptr, M, N, K, stride_x, stride_y, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
+                 EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, ARGMAX: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -52,9 +57,33 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, st
         else:
             acc += tl.dot(w.to(dtype), tl.trans(xv))
 
-    y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
-                  BLOCK_M, BLOCK_N, SPLIT_K)
+    if ARGMAX:     # SPLIT_K == 1: the tile holds finished logits
+        logits = tl.where(n_mask[:, None], acc, float("-inf"))
+        col = tl.argmax(logits, 0, tie_break_left=True)
+        tl.atomic_max(best_ptr + offs_m, pack_value_index(tl.max(logits, 0), pid_n * BLOCK_N + col), mask=m_mask)
+    else:
+        y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+        store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+                      BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@triton.jit
+def pack_value_index(value, index):
+    """A float32 value and its int32 index as one int64 that orders as (value, then the lower index): the
+    value's bits made to order as signed integers (a negative float's magnitude bits flipped) above the
+    index's complement, so an integer max keeps the largest value and, on ties, the first index."""
+    bits = value.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (key.to(tl.int64) << 32) | (0xFFFFFFFF - index.to(tl.int64))
+
+
+@triton.jit
+def _argmax_unpack_kernel(best_ptr, out_ptr, M, BLOCK_M: tl.constexpr):
+    offs = tl.arange(0, BLOCK_M)
+    mask = offs < M
+    packed = tl.load(best_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, 0xFFFFFFFF - (packed & 0xFFFFFFFF), mask=mask)
+    tl.store(best_ptr + offs, tl.full([BLOCK_M], EMPTY_BEST, tl.int64), mask=mask)
 
 
 @triton.jit
@@ -98,6 +127,21 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, block
                 num_stages=num_stages)
 
 
+class _ArgmaxSlots:
+    """One int64 slot per row for gemv_argmax, per device, allocated once (and re-armed by the kernel)."""
+
+    def __init__(self):
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device not in self.buffers:
+            self.buffers[device] = torch.full((MAX_ROWS,), EMPTY_BEST.value, dtype=torch.int64, device=device)
+        return self.buffers[device]
+
+
+_SLOTS = _ArgmaxSlots()
+
+
 class _SplitKScratch:
     """Partial tiles and arrival counters for split-K, one set per device, allocated at the first call and
     never resized, so CUDA graphs keep valid pointers. gemv_config splits only while there are fewer than
@@ -138,9 +182,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     parts, counts = _SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
                                  n_blocks if split > 1 else 0)
     _gemv_kernel[(n_blocks, split)](
-        x, weight, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, SPLIT_K=split,
-        EVEN_K=k % block_k == 0, DOT_IEEE=x.dtype == torch.float32, **cfg)
+        x, weight, y, parts, counts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, SPLIT_K=split,
+        EVEN_K=k % block_k == 0, DOT_IEEE=x.dtype == torch.float32, ARGMAX=False, **cfg)
     return y
+
+
+def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """argmax over N of x @ W^T in float32, for x [M <= MAX_ROWS, K]: int64 [M], the first index on ties
+    (as torch.argmax), without writing the [M, N] product out."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert 0 < m <= MAX_ROWS and x.shape[1] == k, f"gemv_argmax: {m} rows of {x.shape[1]}, weight [{n}, {k}]"
+    assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv_argmax: rows must be contiguous"
+    cfg = dict(config or gemv_config(m, n, k, num_sms(x.device)))
+    cfg.pop("SPLIT_K")          # one program sees a whole column block's K: its logits are final
+    best = _SLOTS.get(x.device)
+    out = torch.empty(m, dtype=torch.int64, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1)](
+        x, weight, best, best, best, best, m, n, k, x.stride(0), 0, k, SPLIT_K=1,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, DOT_IEEE=x.dtype == torch.float32, ARGMAX=True, **cfg)
+    _argmax_unpack_kernel[(1,)](best, out, m, BLOCK_M=MAX_ROWS)
+    return out
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

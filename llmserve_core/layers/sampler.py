@@ -65,6 +65,12 @@ class SamplingTensors:
                                self.need_top_p, self.need_min_p, self.max_num_logprobs)
 
 
+def only_argmax(params) -> bool:
+    """Whether a request's token is the argmax of its raw logits and nothing else is asked of them: greedy,
+    no logprobs, no logits processors (penalties, biases, min_tokens, grammars)."""
+    return params.greedy and params.logprobs is None and not params.processes_logits
+
+
 def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The distribution each row samples from: float32 [N, V] after temperature, top-k, top-p, min-p.
     Greedy rows get a temperature of 1 here; callers take their argmax instead."""

@@ -14,7 +14,7 @@ from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
 from llmserve_core.layers.fp8_linear import Fp8Linear
-from llmserve_core.layers.linear import Linear
+from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
@@ -194,6 +194,15 @@ class Qwen3ForCausalLM(nn.Module):
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax over the vocabulary, int64 [N], straight from the lm_head's kernel
+        (kernels.gemv.gemv_argmax: the logits are never written); None where that kernel does not apply
+        (the fast path off, more than its MAX_ROWS rows, a vocabulary split over ranks): take logits then."""
+        if not self.fused or self.tp is not None or not 0 < hidden.shape[0] <= MAX_ROWS or hidden.stride(-1) != 1:
+            return None
+        from llmserve_core.kernels.gemv import gemv_argmax
+        return gemv_argmax(hidden, self.lm_head_weight)
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embedding, head) over the whole vocabulary, for the draft model to share. Under tensor
