@@ -12,7 +12,7 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
-from test_gemv import CUDA, DEVICE, TOL, rel_err
+from test_gemv import CUDA, TOL, rel_err
 from test_gemv import inputs as gemv_inputs
 
 
@@ -56,35 +56,6 @@ def test_stream_gemv_fp8_weight_with_block_scales(n, k):
         stream_gemv(x, q, scale, (4, 128), config=SMALL_TILE)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gated_stream_gemv_is_silu_and_mul_of_the_plain_one(dtype):
-    """GATED: SiLU(gate) * up from one kernel equals the plain kernel's [gate | up] then SiLU-and-mul
-    (each half rounded to the output dtype in both), with a last program of fewer than 8 outputs."""
-    from llmserve_core.kernels.silu_mul import silu_mul_reference
-    x, w = inputs(2 * 44, 192, dtype, seed=3)
-    y = stream_gemv(x, w, gated=True, config=SMALL_TILE)
-    assert y.shape == (1, 44) and y.dtype == dtype
-    assert rel_err(y, silu_mul_reference(stream_gemv(x, w, config=SMALL_TILE))) < 1e-6
-    assert rel_err(y, stream_gemv_reference(x.double(), w.double(), gated=True)) < TOL[dtype]
-    with pytest.raises(AssertionError, match="gate and up"):
-        stream_gemv(x, w[:-1], gated=True, config=SMALL_TILE)
-
-
-@pytest.mark.parametrize("block", [None, (128, 128)])
-def test_gated_stream_gemv_fp8(block):
-    """FP8 [gate | up] with row or block scales: the up half reads its own scales."""
-    from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel
-    x, w = inputs(256, 256, torch.bfloat16, seed=4)
-    w[128:] *= 3            # the up half's scales differ from the gate half's
-    q, scale = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
-    y = stream_gemv(x, q, scale, block, gated=True, config=SMALL_TILE)
-    assert rel_err(y, stream_gemv_reference(x, q, scale, block, gated=True)) < TOL[torch.bfloat16]
-    if block is not None:   # 2 x 64 rows: the up half would start inside a 128-row scale block
-        q, scale = quantize_per_block(w[:128], block)
-        with pytest.raises(AssertionError, match="up half"):
-            stream_gemv(x, q, scale, block, gated=True, config=SMALL_TILE)
-
-
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1)
     assert stream_gemv_config(6144, 4096)["BLOCK_K"] == 256        # 768 programs: more than 4 per SM
@@ -99,30 +70,12 @@ def test_linear_streams_one_row_and_falls_back_for_more():
     """fast_kernel "stream": one row through the kernel, two rows and an awkward K through F.linear."""
     torch.manual_seed(0)
     for in_features, rows in ((128, 1), (64, 2), (100, 1)):
-        lin = Linear(in_features, 40).to(DEVICE)
+        lin = Linear(in_features, 40)
         lin.weight.normal_(0, in_features ** -0.5)
-        x = torch.randn(rows, in_features, device=DEVICE)
+        x = torch.randn(rows, in_features)
         eager = lin(x)
         lin.fast_kernel = "stream"
         assert rel_err(lin(x), eager) < 1e-5 and rel_err(lin(x, out_dtype=torch.float64), eager) < 1e-5
-
-
-@torch.no_grad()
-def test_gated_stream_only_where_the_stream_kernel_applies():
-    """Linear.gated_stream: SiLU-and-mul of one streamed row; None off the stream path, for two rows and
-    for a K no tile divides (the MLP then runs gate_up and SiLU-and-mul apart)."""
-    from llmserve_core.kernels.silu_mul import silu_mul_reference
-    torch.manual_seed(0)
-    lin = Linear(128, 80).to(DEVICE)
-    lin.weight.normal_(0, 128 ** -0.5)
-    x = torch.randn(1, 128, device=DEVICE)
-    assert lin.gated_stream(x) is None
-    lin.fast_kernel = "stream"
-    assert rel_err(lin.gated_stream(x), silu_mul_reference(lin(x))) < 1e-6
-    assert lin.gated_stream(torch.randn(2, 128, device=DEVICE)) is None
-    odd = Linear(100, 80).to(DEVICE)
-    odd.fast_kernel = "stream"
-    assert odd.gated_stream(torch.randn(1, 100, device=DEVICE)) is None
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
@@ -132,17 +85,12 @@ def test_fp8_linear_streams_one_row(block, monkeypatch):
     calls = []
     monkeypatch.setattr(stream, "stream_gemv", lambda *a, **kw: calls.append(1) or stream_gemv(*a, **kw))
     torch.manual_seed(0)
-    lin = Fp8Linear(256, 136, block).to(DEVICE)
+    lin = Fp8Linear(256, 136, block)
     lin.quantize_rows_(torch.randn(136, 256) / 16)
-    x = torch.randn(1, 256, device=DEVICE)
+    x = torch.randn(1, 256)
     want = lin(x)           # off the fast path: the dequantized reference
     lin.fused, lin.fast_kernel = True, "stream"
     assert rel_err(lin(x), want) < 1e-5 and calls == [1]
-    from llmserve_core.kernels.silu_mul import silu_mul_reference
-    if block is None:
-        assert rel_err(lin.gated_stream(x), silu_mul_reference(want)) < 1e-5 and calls == [1, 1]
-    else:       # 68 gate rows: the up half would start inside a 128-row scale block
-        assert lin.gated_stream(x) is None and calls == [1]
 
 
 @pytest.mark.gpu
@@ -170,30 +118,6 @@ def test_stream_gemv_qwen3_8b_shapes_under_pdl_in_a_graph(dtype):
     torch.cuda.synchronize()
     assert torch.equal(captured, plain)
     assert rel_err(plain, chain(stream_gemv_reference)) < 10 * TOL[dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs PDL (Hopper or later)")
-@pytest.mark.parametrize("fp8_block", ["bf16", None, (128, 128)])
-def test_gated_gate_up_at_the_qwen3_8b_shape_under_pdl_in_a_graph(fp8_block):
-    """gate_up [24576, 4096] with SiLU-and-mul folded in, under PDL in a CUDA graph: bit-equal to the plain
-    kernel followed by the SiLU-and-mul kernel (the same roundings and the same float32 math)."""
-    from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel
-    from llmserve_core.kernels.silu_mul import silu_mul
-    x, w = inputs(24576, 4096, torch.bfloat16, seed=9)
-    if fp8_block == "bf16":
-        args = (w,)
-    else:
-        args = quantize_per_channel(w) if fp8_block is None else quantize_per_block(w, fp8_block)
-        args = (*args, fp8_block)
-    plain = silu_mul(stream_gemv(x, *args))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = stream_gemv(x, *args, pdl=True, gated=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, plain)
-    assert rel_err(plain, stream_gemv_reference(x, *args, gated=True)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -10,10 +10,7 @@ it multiplies the current one in float32 on the CUDA cores (a GEMV has no use fo
 With PDL (programmatic dependent launch, Hopper and later) the kernel starts before the one it follows
 has finished: it loads its first weight tile, which no earlier kernel writes, then waits on the grid
 dependency before it reads x, and lets the kernel after it launch at once. So a decode layer's chain of
-launches overlaps each kernel's ramp with its predecessor's tail. GATED folds the MLP's SiLU-and-mul into
-gate_up: a program owns 8 gate rows and the 8 up rows that pair with them, and writes SiLU(gate) * up,
-so the layer loses a kernel (and its place in the chain) and the [gate | up] row is never stored.
-Weights may be float8_e4m3fn with one
+launches overlaps each kernel's ramp with its predecessor's tail. Weights may be float8_e4m3fn with one
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
 checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x).
 """
@@ -26,7 +23,6 @@ import triton.language as tl
 from llmserve_core.kernels.fp8_format import dequantize_weight
 from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-from llmserve_core.kernels.silu_mul import silu_mul_reference
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
@@ -35,53 +31,31 @@ ROWS_PER_PROGRAM = 8
 @triton.jit
 def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
-    # N: the outputs; with GATED, W is [gate | up] of 2N rows and output i pairs rows i and N + i.
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
-    u_ptrs = w_ptrs + N.to(tl.int64) * K
-    # The first tiles are read before the grid dependency resolves: no kernel before this one writes W.
+    # The first tile is read before the grid dependency resolves: no kernel before this one writes W.
     w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    u = tl.load(u_ptrs, mask=n_mask[:, None] & GATED, other=0.0)
     pdl_wait_and_release(PDL)
-    # Block scales: BLOCK_N divides SCALE_N (and SCALE_N divides N when GATED), so a program's gate rows
-    # share one row of scales, its up rows another, and each column's scale folds into x.
+    # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
+    # column's scale folds into x.
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
-    s_row_u = scale_ptr + ((N + pid * BLOCK_N) // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # K is a multiple of BLOCK_K (stream_gemv_config): only the last prefetch would run past the end.
         nxt = k0 + BLOCK_K
         w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
-        if GATED:
-            u_next = tl.load(u_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
         xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
-        xk_w = xk
         if BLOCK_SCALED:
-            xk_w = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
-        acc += w.to(tl.float32) * xk_w[None, :]
+            xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
+        acc += w.to(tl.float32) * xk[None, :]
         w = w_next
-        if GATED:
-            xk_u = xk
-            if BLOCK_SCALED:
-                xk_u = xk * tl.load(s_row_u + (k0 + rk) // SCALE_K)
-            acc_u += u.to(tl.float32) * xk_u[None, :]
-            u = u_next
     y = tl.sum(acc, 1)
     if ROW_SCALED:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-    if GATED:
-        up = tl.sum(acc_u, 1)
-        if ROW_SCALED:
-            up = up * tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)
-        # Each half rounded to the output dtype first, as the unfused path stores gate_up before SiLU-and-mul.
-        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -102,38 +76,30 @@ def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                 block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None, pdl: bool = False,
-                gated: bool = False, config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None) -> torch.Tensor:
     """x [1, K], weight [N, K] -> [1, N]. The weight is x's dtype, or float8_e4m3fn with float32 scales:
-    one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)]).
-    gated: the weight is [gate | up] (N = 2d) and the result SiLU(x gate^T) * (x up^T), [1, d]."""
+    one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)])."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
-    outputs = n // 2 if gated else n
-    assert not gated or n % 2 == 0, "stream_gemv: a gated weight stacks gate and up, 2d rows"
-    cfg = config or stream_gemv_config(outputs, k, sms=num_sms(x.device))
+    cfg = config or stream_gemv_config(n, k, sms=num_sms(x.device))
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
     if block is not None:
         assert block[0] % cfg["BLOCK_N"] == 0, f"stream_gemv: {cfg['BLOCK_N']} rows a program split a {block} scale block"
-        assert not gated or outputs % block[0] == 0, f"stream_gemv: the up half starts inside a {block} scale block"
         assert scale.shape == (-(-n // block[0]), -(-k // block[1])) and scale.stride(1) == 1, \
             "stream_gemv: block scales must be [ceil(N / bn), ceil(K / bk)], rows contiguous"
     elif scale is not None:
         assert scale.shape == (n,), f"stream_gemv: row scales must be [{n}], got {tuple(scale.shape)}"
-    y = torch.empty(1, outputs, dtype=out_dtype or x.dtype, device=x.device)
-    _stream_gemv_kernel[(triton.cdiv(outputs, cfg["BLOCK_N"]),)](
-        x, weight, scale if scale is not None else weight, y, outputs, k, scale.stride(0) if block else 0,
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    _stream_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, scale if scale is not None else weight, y, n, k, scale.stride(0) if block else 0,
         ROW_SCALED=scale is not None and block is None, BLOCK_SCALED=block is not None,
-        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, GATED=gated, **cfg,
-        **pdl_launch(pdl))
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
 def stream_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                          block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None,
-                          gated: bool = False) -> torch.Tensor:
-    """Widen the weight (times its scales), multiply in float32; gated: then SiLU-and-mul, each half
-    rounded to the output dtype first (as the unfused layer stores gate_up)."""
+                          block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Widen the weight (times its scales), multiply in float32."""
     w = weight.float() if scale is None else dequantize_weight(weight, scale, block)
-    y = (x.float() @ w.t()).to(out_dtype or x.dtype)
-    return silu_mul_reference(y) if gated else y
+    return (x.float() @ w.t()).to(out_dtype or x.dtype)

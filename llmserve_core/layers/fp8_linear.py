@@ -75,23 +75,11 @@ class Fp8Linear(nn.Module):
             out = self._w8a8(x2.contiguous())
         return out.view(*shape[:-1], self.out_features)
 
-    def _streams(self, gated: bool = False) -> bool:
+    def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block
-        scales whose rows its programs do not split (gated: nor the boundary between gate and up)."""
+        scales whose rows its programs do not split."""
         from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, ROWS_PER_PROGRAM
-        if self.in_features % MIN_BLOCK_K:
-            return False
-        return self.block is None or (self.block[0] % ROWS_PER_PROGRAM == 0
-                                      and not (gated and self.out_features // 2 % self.block[0]))
-
-    def gated_stream(self, x: torch.Tensor) -> torch.Tensor | None:
-        """As Linear.gated_stream: SiLU(gate) * up of one row of a [gate | up] layer in one kernel, or None."""
-        x2 = x.reshape(-1, self.in_features)
-        if not (self.fused and self.fast_kernel == "stream" and x2.shape[0] == 1 and self._streams(gated=True)):
-            return None
-        from llmserve_core.kernels.stream_gemv import stream_gemv
-        out = stream_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block, pdl=self.pdl, gated=True)
-        return out.view(*x.shape[:-1], self.out_features // 2)
+        return self.in_features % MIN_BLOCK_K == 0 and (self.block is None or self.block[0] % ROWS_PER_PROGRAM == 0)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_triton

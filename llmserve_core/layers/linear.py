@@ -31,25 +31,12 @@ class Linear(nn.Module):
         if self.fast_kernel == "gemv" and 0 < x.shape[0] <= MAX_ROWS:
             from llmserve_core.kernels.gemv import gemv
             return gemv(x, self.weight, out_dtype=out_dtype)
-        if self._streams(x):
-            from llmserve_core.kernels.stream_gemv import stream_gemv
-            return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
+        if self.fast_kernel == "stream" and x.shape[0] == 1 and x.stride(-1) == 1:
+            from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, stream_gemv
+            if self.in_features % MIN_BLOCK_K == 0:
+                return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
         y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
-
-    def gated_stream(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For a [gate | up] projection: SiLU(gate) * up of one row in one streaming kernel, or None where
-        the stream kernel does not take x (the caller then runs forward and SiLU-and-mul)."""
-        if not self._streams(x):
-            return None
-        from llmserve_core.kernels.stream_gemv import stream_gemv
-        return stream_gemv(x, self.weight, pdl=self.pdl, gated=True)
-
-    def _streams(self, x: torch.Tensor) -> bool:
-        if self.fast_kernel != "stream" or x.shape[0] != 1 or x.stride(-1) != 1:
-            return False
-        from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K
-        return self.in_features % MIN_BLOCK_K == 0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"

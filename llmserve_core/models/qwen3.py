@@ -76,14 +76,11 @@ class Qwen3MLP(nn.Module):
                           RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         if self.fused:
-            # One row on the chain: gate_up's streaming kernel applies SiLU-and-mul itself.
-            h = self.gate_up_proj.gated_stream(x)
-            if h is None:
-                from llmserve_core.kernels.silu_mul import silu_mul
-                h = silu_mul(self.gate_up_proj(x), pdl=self.pdl)
-            return self.down_proj(h)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            from llmserve_core.kernels.silu_mul import silu_mul
+            return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class Qwen3DecoderLayer(nn.Module):
