@@ -219,14 +219,30 @@ class ModelRunner:
     def launch(self, sched: ScheduledBatch) -> StepHandle:
         """Queue one forward over the scheduled tokens and sampling for the requests whose chunk ends
         their sequence; the sampled ids come back asynchronously through the returned handle."""
+        handle = self.launch_forward(sched)
+        self.launch_sample(handle)
+        return handle
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: ScheduledBatch) -> StepHandle:
+        """launch() in two parts: queue the forward here, the sampling in launch_sample(). In between the
+        engine may read the previous step back (its grammar matchers and penalty counts must see that
+        step's tokens before this one samples) while this forward runs on the device."""
         prepared = self.prepare(sched)
         hidden = self._forward(prepared)
         reqs = prepared.sample_requests
-        if not reqs:
-            return StepHandle(sched)
-        out = self.sample(hidden[prepared.sample_rows], reqs)
+        # Gathered now, queued right behind the forward: a captured graph's output is overwritten by its
+        # next replay.
+        return StepHandle(sched, sampled_requests=reqs, to_sample=hidden[prepared.sample_rows] if reqs else None)
+
+    @torch.inference_mode()
+    def launch_sample(self, handle: StepHandle) -> None:
+        """Queue the sampling of a launch_forward() step and the copy of its ids to the host."""
+        if handle.to_sample is None:
+            return
+        out = self.sample(handle.to_sample, handle.sampled_requests)
         self.last_sampled = out.token_ids
-        return StepHandle(sched, out.to_host(self.pin), reqs)
+        handle.set_sampled(out.to_host(self.pin))
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
