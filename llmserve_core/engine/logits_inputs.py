@@ -15,13 +15,18 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
                             ) -> LogitsProcessors | None:
     """For the sampled requests of a step (row i = reqs[i]); None when no row needs any edit. `masks`
     (a grammar.MaskBuilder) fills the grammar rows' bitmask: called after the forward is queued, so on
-    a GPU that host work overlaps the forward."""
+    a GPU that host work overlaps the forward. Grammar and penalty rows need every earlier token's id (no
+    placeholder left): the engine reads the previous step back before it samples such rows."""
     if not any(r.params.processes_logits for r in reqs):
         return None
     out = LogitsProcessors()
     b_rows, b_tok, b_val, k_rows, k_tok = [], [], [], [], []
     pen, grammars = [], []
     for i, r in enumerate(reqs):
+        if r.is_finished:
+            # Ended by the step read back after this one's forward was launched: the engine discards this
+            # row's token, so it gets no edits (its grammar may have terminated and have no next mask).
+            continue
         p = r.params
         for tok, bias in p.logit_bias.items():
             b_rows.append(i)

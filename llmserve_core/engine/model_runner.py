@@ -73,7 +73,9 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None          # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # per layer: views of kv_pool
         self.graphs: StepGraphs | None = None
-        # Grammar bitmasks: one pinned buffer is enough, since steps with grammar rows run synchronously.
+        # Grammar bitmasks: one pinned buffer is enough. A step fills it only once the step before is read
+        # back (the engine completes it before sampling grammar rows), and that readback waited for an
+        # event recorded after every earlier copy out of the buffer.
         self.masks = MaskBuilder(config.max_num_seqs, model_config.vocab_size, self.device, self.pin)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         torch.manual_seed(config.seed)
