@@ -5,8 +5,10 @@
 
 For batch 1 and 64 the engine decodes with every row under the same JSON schema (compiled once, cached)
 and without any, finished requests replaced so the batch stays full; only steps in which all rows decode
-are timed. Steps with grammar rows run synchronously (the mask needs the previous token), so a third run,
-no mask with async scheduling off, separates the cost of the mask itself from that of losing the overlap.
+are timed. Steps with grammar rows keep async scheduling's overlap: their forward is launched before the
+previous step is read back, and only their sampling waits for that readback (the mask needs the previous
+token). So the JSON mask is held against the async step without one (the target); a third run, no mask
+with async scheduling off, is the step with no overlap at all, for reference.
 Components timed alone: filling the bitmask on the host (xgrammar), and applying it on the device
 (xgrammar's kernel vs the torch reference).
 

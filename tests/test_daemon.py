@@ -362,7 +362,7 @@ def test_an_engine_failing_every_step_reaches_every_client_and_exits_1(tiny_mode
     from llmserve_core.server import DaemonConfig, serve
     from llmserve_core.server.busy_loop import MAX_CONSECUTIVE_STEP_FAILURES
     eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=512, num_kv_blocks=64))
-    real_launch, calls = eng.runner.launch, []
+    real_launch, calls = eng.runner.launch_forward, []
 
     def failing_launch(sched):
         calls.append(1)
@@ -370,7 +370,7 @@ def test_an_engine_failing_every_step_reaches_every_client_and_exits_1(tiny_mode
             raise RuntimeError("device lost")
         return real_launch(sched)
 
-    eng.runner.launch = failing_launch
+    eng.runner.launch_forward = failing_launch
     endpoint = f"ipc://{tmp_path}/core.sock"
     codes = []
     t = threading.Thread(target=lambda: codes.append(serve(eng, DaemonConfig(heartbeat_interval=0.2), endpoint)),

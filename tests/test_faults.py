@@ -23,14 +23,14 @@ def faulty_daemon(tiny_model_dir, tmp_path):
     from llmserve_core.server import DaemonConfig, serve
     eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=512, num_kv_blocks=64,
                               max_num_seqs=2))
-    real_launch = eng.runner.launch
+    real_launch = eng.runner.launch_forward
 
     def launch(sched):
         if any(r.prompt_token_ids == POISON for r in sched.requests):
             raise RuntimeError("injected kernel fault")
         return real_launch(sched)
 
-    eng.runner.launch = launch
+    eng.runner.launch_forward = launch
     endpoint = f"ipc://{tmp_path}/core.sock"
     daemon = DaemonConfig(heartbeat_interval=0.2, client_timeout=30.0, log_interval=0)
     codes, stop = [], threading.Event()

@@ -8,6 +8,7 @@ import json
 import math
 import re
 
+import msgspec
 import pytest
 import torch
 
@@ -152,6 +153,142 @@ def test_grammars_always_match_from_random_weights(tiny_model_dir, tok, cfg):
     assert st["used_kv_blocks"] == 0        # every block freed (the prompts stay cached)
 
 
+def mixed_params(greedy: bool) -> list[SamplingParams]:
+    """Grammar, penalty and plain rows that end at different steps: by their grammar (one with ignore_eos,
+    so its matcher terminates on EOS), by EOS, by a stop token, by max_tokens."""
+    def sp(i, **kw):
+        return SamplingParams(**{"temperature": 0.0 if greedy else 1.0, "seed": None if greedy else 100 + i, **kw})
+    guided = [msgspec.structs.replace(p, temperature=0.0 if greedy else 1.0, seed=None if greedy else p.seed)
+              for p in guided_params(5, max_tokens=40)]
+    return guided + [
+        sp(0, max_tokens=30, ignore_eos=True, guided=GuidedDecoding(kind="choice", choices=["yes", "no"])),
+        sp(1, max_tokens=9, presence_penalty=1.5, frequency_penalty=0.5),
+        sp(2, max_tokens=14, repetition_penalty=1.6, ignore_eos=True),
+        sp(3, max_tokens=6, presence_penalty=-0.5, logit_bias={7: 3.0}),
+        sp(4, max_tokens=11, min_tokens=4, logit_bias={2: 50.0}),        # EOS held off 4 tokens, then taken
+        sp(5, max_tokens=5, ignore_eos=True),
+        sp(6, max_tokens=17, stop_token_ids=[300, 301, 302]),
+        sp(7, max_tokens=23, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("cfg", [dict(), dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=9)],
+                         ids=["plain", "chunked-preempting"])
+def test_async_with_grammar_and_penalty_rows_matches_sync(tiny_model_dir, tok, greedy, cfg):
+    """With async scheduling, steps holding grammar and penalty rows launch their forward before the step
+    in flight is read back and sample after it: tokens equal the synchronous engine's, also for requests
+    that finished while the next step's forward ran (their extra row is sampled, then discarded)."""
+    params = mixed_params(greedy)
+    prompts = [tok.encode(f"Write item {i} as requested:") for i in range(len(params))]
+    sync = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", max_model_len=512,
+                               **{"num_kv_blocks": 128, **cfg, "async_scheduling": False}))
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", max_model_len=512,
+                              **{"num_kv_blocks": 128, **cfg, "async_scheduling": True}))
+    finished_rows = []         # rows sampled for requests already finished: what the async engine discards
+    real_sample = eng.runner.launch_sample
+
+    def launch_sample(handle):
+        finished_rows.extend(r for r in handle.sampled_requests if r.is_finished)
+        real_sample(handle)
+
+    eng.runner.launch_sample = launch_sample
+    want = sync.generate(prompts, params)
+    got = eng.generate(prompts, params)
+    for w, g, p in zip(want, got, params):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        if p.guided is not None and g.finish_reason == "stop":
+            check_guided(tok.decode(g.token_ids, skip_special_tokens=True), p.guided)
+    assert len({len(w.token_ids) for w in want}) > 4                    # they end at many different steps
+    choice = got[5]
+    assert choice.finish_reason == "stop" and tok.decode(choice.token_ids, skip_special_tokens=True) in ("yes", "no")
+    assert finished_rows
+    if not cfg:
+        # The grammar that ended early was sampled once more, its matcher terminated (no mask to fill). With
+        # a budget of 9 tokens for 13 requests it may sit the next step out.
+        assert any(r.grammar is not None and r.grammar.matcher.is_terminated() for r in finished_rows)
+    else:
+        assert eng.stats()["num_preemptions"] > 0
+    assert eng.stats()["used_kv_blocks"] == 0
+    eng.block_manager.check_invariants()
+
+
+def test_grammar_steps_keep_the_next_forward_in_flight(tiny_model_dir, tok):
+    """While grammar and penalty rows decode, each step's forward is queued before the step in flight is
+    read back, and its sampling only after that readback (the masks and counts need its tokens). Without
+    async scheduling every step is read back before the next is launched."""
+    params = [p for p in mixed_params(greedy=False) if p.guided is not None or p.has_penalties]
+    prompts = [tok.encode(f"Item {i}:") for i in range(len(params))]
+    for async_scheduling in (True, False):
+        eng = engine(tiny_model_dir, async_scheduling=async_scheduling)
+        events = []
+        real_forward, real_sample, real_complete = eng.runner.launch_forward, eng.runner.launch_sample, eng._complete
+
+        def launch_forward(sched):
+            handle = real_forward(sched)
+            events.append(("forward", handle))
+            return handle
+
+        def launch_sample(handle):
+            events.append(("sample", handle))
+            real_sample(handle)
+
+        def complete(handle):
+            events.append(("complete", handle))
+            real_complete(handle)
+
+        eng.runner.launch_forward, eng.runner.launch_sample, eng._complete = launch_forward, launch_sample, complete
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            eng.add_request(f"r{i}", prompt, p)
+        in_flight_after_step = []
+        while eng.has_unfinished():
+            eng.step()
+            if eng.requests:
+                in_flight_after_step.append(eng._in_flight is not None)
+        where = {e: i for i, e in enumerate((kind, id(h)) for kind, h in events)}
+        handles = [h for kind, h in events if kind == "forward"]
+        pairs = list(zip(handles, handles[1:]))
+        assert len(pairs) > 10
+        for prev, nxt in pairs:
+            forward, done, sample = where["forward", id(nxt)], where["complete", id(prev)], where["sample", id(nxt)]
+            if async_scheduling:
+                assert forward < done < sample
+            else:
+                assert done < forward < sample
+        assert all(in_flight_after_step) if async_scheduling else not any(in_flight_after_step)
+
+
+def test_a_request_finished_by_the_early_readback_survives_a_failing_sampling(tiny_model_dir):
+    """The step in flight is read back in the middle of the next step (before its sampling): if that
+    sampling raises, a request the readback finished still gets its last tokens and finish reason from
+    the next step(), while the failed step's requests end with the error alone."""
+    eng = engine(tiny_model_dir, async_scheduling=True)
+    short_params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, presence_penalty=1.0)
+    eng.add_request("short", [5, 6, 7], short_params)
+    eng.add_request("long", [8, 9], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True,
+                                                   frequency_penalty=1.0))
+    real_sample, fail = eng.runner.launch_sample, []
+
+    def launch_sample(handle):
+        if fail:
+            raise RuntimeError("injected sampling fault")
+        real_sample(handle)
+
+    eng.runner.launch_sample = launch_sample
+    short = []
+    while eng.requests["short"].num_output_tokens < 3:      # its last token in flight
+        short += [t for o in eng.step() if o.request_id == "short" for t in o.new_token_ids]
+    fail.append(True)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    assert eng.fail_step() == ["long"]
+    fail.clear()
+    [out] = eng.step()
+    assert out.request_id == "short" and out.finish_reason == "length"
+    assert short + out.new_token_ids == engine(tiny_model_dir).generate([[5, 6, 7]], short_params)[0].token_ids
+    assert not eng.has_unfinished() and eng.stats()["used_kv_blocks"] == 0
+
+
 def test_grammar_that_cannot_finish_ends_with_length(tiny_model_dir, tok):
     eng = engine(tiny_model_dir)
     [o] = eng.generate([tok.encode("x")], SamplingParams(max_tokens=5, temperature=1.0, seed=0,
@@ -252,10 +389,11 @@ class _AlternatingPolicy(SpecPolicy):
         return Decision(0 if self.calls % 4 == 0 else self.deepest)
 
 
-def test_async_plain_steps_wait_for_tokens_while_logits_processing_requests_run(tiny_model_dir, tok, tmp_path):
-    """An adaptive speculative core launches plain steps ahead, except while a request whose logits depend
-    on its last token (grammar, penalties) runs; such requests still sample through their processors on
-    both the plain step and a drafting step's plain rows, so output equals the plain engine's."""
+def test_async_plain_steps_launch_ahead_while_logits_processing_requests_run(tiny_model_dir, tok, tmp_path):
+    """An adaptive speculative core launches plain steps ahead also while a request whose logits depend on
+    its last token (grammar, penalties) runs: only their sampling waits for the step before. Drafting
+    steps complete the step in flight first; such requests sample through their processors on both the
+    plain step and a drafting step's plain rows, so output equals the plain engine's."""
     draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
     spec = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=128,
                                max_model_len=512, speculative_model=draft, async_scheduling=True))
@@ -269,21 +407,20 @@ def test_async_plain_steps_wait_for_tokens_while_logits_processing_requests_run(
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         spec.add_request(f"r{i}", prompt, p)
     outs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(params))}
-    overlapped_alone = False
+    overlapped_with_sync_rows = False
     while spec.has_unfinished():
         for o in spec.step():
             outs[o.request_id] += o.new_token_ids
-        if any(r.needs_sync for r in spec.requests.values()):
-            assert spec._in_flight is None
-        elif spec._in_flight is not None:
-            overlapped_alone = True
+        if spec._in_flight is not None:
+            assert spec.policy.last.gamma == 0          # drafting steps are synchronous
+            overlapped_with_sync_rows |= any(r.needs_sync for r in spec._in_flight.sampled_requests)
     want = plain.generate(prompts, params)
     for i, (w, p) in enumerate(zip(want, params)):
         assert outs[f"r{i}"] == w.token_ids
         if p.guided is not None:
             check_guided(tok.decode(outs[f"r{i}"], skip_special_tokens=True), p.guided)
     st = spec.stats()
-    assert overlapped_alone         # the plain greedy request ran on alone with async plain steps
+    assert overlapped_with_sync_rows
     assert st["spec_num_drafted_steps"] > 0 and st["spec_num_plain_steps"] > 0 and st["spec_num_draft_tokens"] > 0
 
 # ---- n > 1: copies share the prompt's KV --------------------------------------------------------------

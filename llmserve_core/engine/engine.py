@@ -110,11 +110,14 @@ class Engine:
         self.model_info = ModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
                                     tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
         self.requests: dict[str, Request] = {}
-        self._pending: list[StepOutput] = []     # abort notices, reported by the next step
+        # What the next step() returns: abort notices, and each step's outputs as it completes (kept here at
+        # once, so a failure later in the same step() cannot lose the end of a request it finished).
+        self._pending: list[StepOutput] = []
         self._in_flight = None                   # the launched step whose results are not read yet
         self._step_requests: list[Request] | None = None   # requests the step being run holds
-        # Plain steps launch ahead where the plain engine would; a drafting step needs the previous step's
-        # tokens, so it first completes the plain step in flight (speculative steps are synchronous).
+        # Plain steps launch ahead where the plain engine would (also with grammar or penalty rows: only
+        # their sampling waits for the previous step); a drafting step needs the previous step's tokens,
+        # so it first completes the plain step in flight (speculative steps are synchronous).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self.grammars: GrammarService | None = None     # started by the first guided request
@@ -227,6 +230,8 @@ class Engine:
                 self.scheduler.finish(req)
                 req.finish_reason = "error"
                 failed.append(req.request_id)
+        # Their results of a step completed before the failure: an errored request reports nothing more.
+        self._pending = [o for o in self._pending if o.request_id not in failed]
         return failed
 
     def has_unfinished(self) -> bool:
@@ -234,34 +239,30 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Schedule and launch one batch; return what the last finished step produced.
+        """Schedule and launch one batch; return what the steps completed since the last call produced.
 
         With async scheduling the step launched here runs on the device while the host reads back the
         previous one: requests it sampled hold a PLACEHOLDER token, which the next launch reads on the
-        device, so the host never waits for the GPU between steps. Without it the step completes here.
-        If it raises, fail_step() drops the requests it held and the engine can step on.
+        device, so the host never waits for the GPU between steps. Rows with a grammar or penalties need
+        the previous token on the host before they sample, so such a step launches its forward, reads the
+        previous step back while that forward runs, then samples. Without async scheduling the step
+        completes here. If it raises, fail_step() drops the requests it held and the engine can step on.
         """
         in_flight = self._in_flight.sched.requests if self._in_flight is not None else []
         self._step_requests = list(self.scheduler.running) + in_flight      # what fail_step() drops
-        outputs = self._step()
+        self._step()
         self._step_requests = None
-        pending, self._pending = self._pending, []
-        return pending + outputs
+        outputs, self._pending = self._pending, []
+        return outputs
 
-    def _step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+    def _step(self) -> None:
         self._drop_failed_grammars()
         started = time.perf_counter()
         has_work = self.scheduler.running or self.scheduler.waiting
         decision = self._decide() if self.spec is not None and has_work else None
-        # A grammar mask or a penalty needs the previous token: while such a request runs, read each step
-        # back before scheduling the next (the launched step still overlaps the host's mask filling). A
-        # drafting step needs the previous step's tokens too.
-        sync = self.async_scheduling and any(r.needs_sync for r in self.requests.values())
         drafting = decision is not None and decision.gamma > 0
-        if (sync or drafting) and self._in_flight is not None:
-            done, self._in_flight = self._in_flight, None
-            outputs.extend(self._complete(done))
+        if drafting:         # the executor reads the previous step's tokens on the host
+            self._complete_in_flight()
         sched = self.scheduler.schedule()
         in_flight = self._in_flight.sched.requests if self._in_flight is not None else []
         self._step_requests = list(sched.requests) + in_flight
@@ -275,22 +276,34 @@ class Engine:
                 launched = self.spec.execute(sched, decision.gamma)
                 self.policy.observe(decision, launched.num_accepted)
             else:
-                launched = self.runner.launch(sched)
+                launched = self.runner.launch_forward(sched)
+                # A grammar mask follows every earlier token of its row, penalties count them: read the step
+                # in flight back now, while this forward runs on the device, and sample once its tokens are
+                # accepted. Rows it finished are still sampled; _complete discards their tokens.
+                if any(r.needs_sync for r in launched.sampled_requests):
+                    self._complete_in_flight()
+                    self._step_requests = list(sched.requests)     # the step read back is settled
+                self.runner.launch_sample(launched)
             for req, n in zip(sched.requests, sched.num_new_tokens):
                 if req.num_computed_tokens < req.num_prompt_tokens:
                     self.total_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
                 req.num_computed_tokens += n
             for req in launched.sampled_requests:
-                req.append_placeholder()
-        if self.async_scheduling and not sync and not drafting:
+                if not req.is_finished:      # finished by the step read back above: no token to wait for
+                    req.append_placeholder()
+        if self.async_scheduling and not drafting:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
         if done is not None:
-            outputs.extend(self._complete(done))
+            self._complete(done)
         if decision is not None:
             self._record_step_cost(sched, decision, started)
-        return outputs
+
+    def _complete_in_flight(self) -> None:
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            self._complete(done)
 
     # ---- the speculation policy ------------------------------------------------------------------
     def _decide(self) -> Decision:
@@ -336,9 +349,9 @@ class Engine:
             log.error("request %s: grammar compilation failed: %r", req.request_id, req.grammar.failed)
             self.abort(req.request_id)
 
-    def _complete(self, handle: StepHandle) -> list[StepOutput]:
-        """Append a finished step's results (a plain or a drafting step: one path for both)."""
-        outputs: list[StepOutput] = []
+    def _complete(self, handle: StepHandle) -> None:
+        """Append a finished step's results (a plain or a drafting step: one path for both) and queue
+        its outputs for step() to return."""
         finished: list[Request] = []
         now = time.monotonic()
         for res in handle.results():
@@ -357,13 +370,12 @@ class Engine:
                 if finish is not None:
                     break
             self.total_generated_tokens += len(new)
-            outputs.append(StepOutput(req.request_id, new, finish, res.logprobs, req.num_prompt_tokens,
-                                      req.num_cached_tokens))
+            self._pending.append(StepOutput(req.request_id, new, finish, res.logprobs, req.num_prompt_tokens,
+                                            req.num_cached_tokens))
             if finish is not None:
                 req.finish_reason = finish
                 finished.append(req)
         self._retire(handle.sched.requests, finished)
-        return outputs
 
     def _retire(self, scheduled: list[Request], finished: list[Request]) -> None:
         """After a step: publish the newly full blocks of the step's live requests (with speculation, each

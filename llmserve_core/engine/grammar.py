@@ -8,9 +8,11 @@ continue a grammar, so the tokenizer's vocabulary is loaded here (once, on the c
   compiling against the vocabulary, to a worker thread. Compiled grammars are cached by their spec, so
   repeated schemas compile once per model; the scheduler keeps a request waiting until its grammar is ready.
 - `RequestGrammar` holds the request's matcher: it fills the request's row of the step's token bitmask
-  and advances on every accepted token. Because the mask depends on the previous token, the engine runs
-  steps with grammar requests synchronously (no async overlap), and such requests never draft (EAGLE-3
-  verify rows would need a mask per draft position and a rollback on rejection).
+  and advances on every accepted token. The mask depends on the previous token, so with async scheduling
+  a step with grammar rows launches its forward first, then reads the previous step back (each matcher
+  accepts its token) and fills the masks while that forward runs, then samples (Engine._step). Such
+  requests never draft (EAGLE-3 verify rows would need a mask per draft position and a rollback on
+  rejection).
 """
 from __future__ import annotations
 

@@ -15,13 +15,18 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
                             ) -> LogitsProcessors | None:
     """For the sampled requests of a step (row i = reqs[i]); None when no row needs any edit. `masks`
     (a grammar.MaskBuilder) fills the grammar rows' bitmask: called after the forward is queued, so on
-    a GPU that host work overlaps the forward."""
+    a GPU that host work overlaps the forward. Grammar and penalty rows need every earlier token's id (no
+    placeholder left): the engine reads the previous step back before it samples such rows."""
     if not any(r.params.processes_logits for r in reqs):
         return None
     out = LogitsProcessors()
     b_rows, b_tok, b_val, k_rows, k_tok = [], [], [], [], []
     pen, grammars = [], []
     for i, r in enumerate(reqs):
+        if r.is_finished:
+            # Ended by the step read back after this one's forward was launched: the engine discards this
+            # row's token, so it gets no edits (its grammar may have terminated and have no next mask).
+            continue
         p = r.params
         for tok, bias in p.logit_bias.items():
             b_rows.append(i)
@@ -37,8 +42,12 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
         if r.grammar is not None:
             grammars.append((i, r.grammar))
 
+    # Pinned, so the copies are queued without the host waiting: a pageable one would make it wait for the
+    # forward already queued, which this work is meant to overlap.
+    pin = device.type == "cuda"
+
     def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
     if b_rows:
         out.bias = (dev(b_rows, torch.long), dev(b_tok, torch.long), dev(b_val, torch.float32))
@@ -52,16 +61,16 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
             presence=dev([r.params.presence_penalty for r in preqs], torch.float32),
             frequency=dev([r.params.frequency_penalty for r in preqs], torch.float32),
             repetition=dev([r.params.repetition_penalty for r in preqs], torch.float32),
-            output_ids=_padded([r.output_token_ids for r in preqs], vocab, device),
-            prompt_ids=_padded([r.prompt_token_ids for r in preqs], vocab, device) if need_prompt else None)
+            output_ids=_padded([r.output_token_ids for r in preqs], vocab, device, pin),
+            prompt_ids=_padded([r.prompt_token_ids for r in preqs], vocab, device, pin) if need_prompt else None)
     if grammars:
         out.mask = masks.build(grammars, len(reqs))
     return out
 
 
-def _padded(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
+def _padded(seqs: list[list[int]], pad: int, device, pin: bool) -> torch.Tensor:
     width = max(1, max(len(s) for s in seqs))
-    t = torch.full((len(seqs), width), pad, dtype=torch.long)
+    t = torch.full((len(seqs), width), pad, dtype=torch.long, pin_memory=pin)
     for i, s in enumerate(seqs):
         if s:
             t[i, :len(s)] = torch.tensor(s, dtype=torch.long)

@@ -74,7 +74,9 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None          # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # per layer: views of kv_pool
         self.graphs: StepGraphs | None = None
-        # Grammar bitmasks: one pinned buffer is enough, since steps with grammar rows run synchronously.
+        # Grammar bitmasks: one pinned buffer is enough. A step fills it only once the step before is read
+        # back (the engine completes it before sampling grammar rows), and that readback waited for an
+        # event recorded after every earlier copy out of the buffer.
         self.masks = MaskBuilder(config.max_num_seqs, model_config.vocab_size, self.device, self.pin)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         torch.manual_seed(config.seed)
@@ -226,14 +228,33 @@ class ModelRunner:
     def launch(self, sched: ScheduledBatch) -> StepHandle:
         """Queue one forward over the scheduled tokens and sampling for the requests whose chunk ends
         their sequence; the sampled ids come back asynchronously through the returned handle."""
+        handle = self.launch_forward(sched)
+        self.launch_sample(handle)
+        return handle
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: ScheduledBatch) -> StepHandle:
+        """launch() in two parts: queue the forward here, the sampling in launch_sample(). In between the
+        engine may read the previous step back (its grammar matchers and penalty counts must see that
+        step's tokens before this one samples) while this forward runs on the device."""
         prepared = self.prepare(sched)
         hidden = self._forward(prepared)
         reqs = prepared.sample_requests
-        if not reqs:
-            return StepHandle(sched)
-        out = self.sample(hidden[:len(reqs)] if prepared.samples_every_row else hidden[prepared.sample_rows], reqs)
+        # A view of a captured graph's output is safe: the engine queues this step's sampling before the
+        # next forward (whose replay overwrites it); only a prefill's scattered rows need the gather.
+        to_sample = None
+        if reqs:
+            to_sample = hidden[:len(reqs)] if prepared.samples_every_row else hidden[prepared.sample_rows]
+        return StepHandle(sched, sampled_requests=reqs, to_sample=to_sample)
+
+    @torch.inference_mode()
+    def launch_sample(self, handle: StepHandle) -> None:
+        """Queue the sampling of a launch_forward() step and the copy of its ids to the host."""
+        if handle.to_sample is None:
+            return
+        out = self.sample(handle.to_sample, handle.sampled_requests)
         self.last_sampled = out.token_ids
-        return StepHandle(sched, out.to_host(self.pin), reqs)
+        handle.set_sampled(out.to_host(self.pin))
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

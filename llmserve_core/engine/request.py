@@ -55,8 +55,8 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Its next logits depend on the token just sampled (grammar state, penalty counts), so its steps
-        must not be launched before the previous step's tokens are read back."""
+        """Its next logits depend on the token just sampled (grammar state, penalty counts), so a step may
+        launch its forward before the previous step is read back, but must not sample it until then."""
         return self.grammar is not None or self.params.has_penalties
 
     def __post_init__(self):

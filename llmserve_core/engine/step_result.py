@@ -35,22 +35,35 @@ class StepHandle:
 
     sampled: the sampler's output for `sampled_requests` (one token each), host tensors; on CUDA an event
     recorded after their copies says when they are readable. ready: results known already (a drafting
-    step's verified requests). num_accepted: drafts accepted per verified request (the policy's input)."""
+    step's verified requests). num_accepted: drafts accepted per verified request (the policy's input).
+
+    A plain step is launched in two parts (ModelRunner.launch_forward, then launch_sample), so the engine
+    can read the previous step back in between: until it is sampled, `to_sample` holds the hidden rows
+    of `sampled_requests` whose logits the sampling reads."""
 
     def __init__(self, sched: ScheduledBatch, sampled: SamplerOutput | None = None,
                  sampled_requests: list[Request] | None = None, ready: list[RequestResult] | None = None,
-                 num_accepted: list[int] | None = None):
+                 num_accepted: list[int] | None = None, to_sample: torch.Tensor | None = None):
         self.sched = sched
-        self.sampled = sampled
+        self.sampled = None
         self.sampled_requests = sampled_requests or []
         self.ready = ready or []
         self.num_accepted = num_accepted or []
+        self.to_sample = to_sample
         self.event = None
-        if sampled is not None and sampled.token_ids.is_pinned():
+        if sampled is not None:
+            self.set_sampled(sampled)
+
+    def set_sampled(self, sampled: SamplerOutput) -> None:
+        """The sampler's output for sampled_requests, its copies to the host queued just now."""
+        self.sampled = sampled
+        self.to_sample = None
+        if sampled.token_ids.is_pinned():
             self.event = torch.cuda.Event()
             self.event.record()
 
     def results(self) -> list[RequestResult]:
+        assert self.to_sample is None, "a step is read back only once sampled (ModelRunner.launch_sample)"
         if self.event is not None:
             self.event.synchronize()
         return sampled_results(self.sampled, self.sampled_requests) + self.ready
