@@ -102,7 +102,7 @@ def test_tp2_eagle3_trees_move_every_ranks_kv(tree, graphs, request):
 @pytest.fixture
 def graph_path(monkeypatch):
     """The step graphs' bookkeeping on (capture off: the CPU's stand-in for CUDA graphs), on rank 0 and,
-    through the environment, on the spawned workers; yields the (graph, live sequences, bucket) of each
+    through the environment, on the spawned workers; returns the (graph, live sequences, bucket) of each
     replay rank 0 makes (the workers are fresh processes: the spy is rank 0's alone)."""
     from llmserve_core.engine.step_graphs import StepGraphs
     monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
@@ -123,7 +123,7 @@ def test_tp2_decode_graphs_greedy_equal_one_rank(gqa_dir, graph_path, monkeypatc
     padded rows) meet. Token-identical to one rank without graphs, with decode batches of 3 padded to
     bucket 4 and prefill chunks beside decoding rows (mixed steps, eager on every rank)."""
     from llmserve_core.engine.model_runner import ModelRunner
-    monkeypatch.delenv("LLMSERVE_CPU_STEP_GRAPHS")
+    monkeypatch.delenv("LLMSERVE_CPU_STEP_GRAPHS")       # the reference: one rank, every forward eager
     want, _ = run(gqa_dir, 1)
     monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
     steps = []
