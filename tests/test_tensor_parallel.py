@@ -79,19 +79,81 @@ def test_tp2_eagle3_greedy_equals_plain(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("tree", [dict(speculative_tree="eagle-small"),
                                   dict(speculative_num_steps=4, speculative_eagle_topk=2, speculative_num_draft_tokens=8)],
                          ids=["static", "dynamic"])
-def test_tp2_eagle3_trees_move_every_ranks_kv(tree):
+def test_tp2_eagle3_trees_move_every_ranks_kv(tree, graphs, request):
     """A tree's accepted path is moved in the KV pool after the verify, and every rank moves its own shard.
-    The trained pair accepts deep paths off the first branch, so paths move KV on most steps."""
+    The trained pair accepts deep paths off the first branch, so paths move KV on most steps. With the
+    graph path on, the tree's mask reaches each worker's verify graph through the step broadcast (a
+    dynamic tree's differs per request and step)."""
     pair = Path(__file__).resolve().parents[1] / "llmserve_core/data/trained_pair"
     target, draft = str(pair / "target"), str(pair / "draft")
     want, _ = run(target, 1)
+    replays = request.getfixturevalue("graph_path") if graphs else []
     got, stats = run(target, 2, speculative_model=draft, speculative_policy="always", num_kv_blocks=60,
                      speculative_gamma=None if "speculative_num_steps" in tree else 3, **tree)
     assert got == want
     assert stats["spec_mean_acceptance_length"] > 1.5, stats
+    assert any(name == "verify" for name, _, _ in replays) == graphs
+
+
+@pytest.fixture
+def graph_path(monkeypatch):
+    """The step graphs' bookkeeping on (capture off: the CPU's stand-in for CUDA graphs), on rank 0 and,
+    through the environment, on the spawned workers; returns the (graph, live sequences, bucket) of each
+    replay rank 0 makes (the workers are fresh processes: the spy is rank 0's alone)."""
+    from llmserve_core.engine.step_graphs import StepGraphs
+    monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
+    replays = []
+    real = StepGraphs.replay
+
+    def replay(self, n):
+        replays.append((self.name, n, self.bucket_for(n)))
+        return real(self, n)
+    monkeypatch.setattr(StepGraphs, "replay", replay)
+    return replays
+
+
+@pytest.mark.slow
+def test_tp2_decode_graphs_greedy_equal_one_rank(gqa_dir, graph_path, monkeypatch):
+    """Rank 0 replays decode steps through its graph and announces each replay naming the graph; the worker
+    loads the same inputs into its own copy and replays the same bucket, so their all-reduces (over the
+    padded rows) meet. Token-identical to one rank without graphs, with decode batches of 3 padded to
+    bucket 4 and prefill chunks beside decoding rows (mixed steps, eager on every rank)."""
+    from llmserve_core.engine.model_runner import ModelRunner
+    monkeypatch.delenv("LLMSERVE_CPU_STEP_GRAPHS")       # the reference: one rank, every forward eager
+    want, _ = run(gqa_dir, 1)
+    monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
+    steps = []
+    real = ModelRunner._forward
+
+    def forward(self, prepared):
+        steps.append(prepared.batch.query_lens_cpu)
+        return real(self, prepared)
+    monkeypatch.setattr(ModelRunner, "_forward", forward)
+    got, stats = run(gqa_dir, 2)
+    assert got == want
+    assert stats["num_preemptions"] > 0 and stats["prefix_hits"] > 0
+    assert {name for name, _, _ in graph_path} == {"decode"}
+    assert any(n < bucket for _, n, bucket in graph_path), graph_path          # padding rows on every rank
+    assert any(min(q) == 1 < max(q) for q in steps)                              # decode rows beside a chunk
+
+
+@pytest.mark.slow
+def test_tp2_eagle3_verify_graphs_greedy_equal_plain(tiny_model_dir, tmp_path, graph_path):
+    """With the graph path on, EAGLE-3 under TP 2 drafts through rank 0's draft graphs and verifies through
+    the verify graph, which every worker replays with the drafts from the step broadcast; the fused step
+    (whose verify reads drafts the workers never see) stays off."""
+    draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
+    want, _ = run(tiny_model_dir, 1)
+    got, stats = run(tiny_model_dir, 2, speculative_model=draft, speculative_gamma=2, speculative_policy="always",
+                     num_kv_blocks=40)
+    assert got == want
+    assert stats["spec_num_drafted_steps"] > 0
+    names = {name for name, _, _ in graph_path}
+    assert {"verify", "catch-up", "draft step"} <= names and "fused step" not in names, names
 
 
 def test_start_up_errors_name_the_field(tiny_model_dir):

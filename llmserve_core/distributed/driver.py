@@ -1,16 +1,20 @@
 """Rank 0's side of tensor parallelism: the model it steps wraps its own shard and announces each
 forward and logits call to the workers, which run the same call on theirs.
 
-Start-up (weight loading, the memory profile, CUDA-graph capture) runs the same code on every rank in
-lockstep, so nothing is announced until `live` is set; calls made while a CUDA graph is being captured
-are not announced either (every rank is capturing the same graph).
+Start-up (weight loading, the memory profile, CUDA-graph capture with its warm-up calls) runs the same
+code on every rank in lockstep, so nothing is announced until `live` is set: every rank captures the same
+graphs, in the same order, with the model's all-reduces inside. Graphs are only ever captured then.
+
+A forward rank 0 runs through one of its step graphs is announced once, naming the graph (run_graph):
+each worker replays its own copy over the same inputs. On the GPU the replay makes no Python call; on
+the CPU the graphs run their forward eagerly (capture off), and those model calls are part of the
+announced step, not announced again.
 """
 from __future__ import annotations
 
 import logging
 import threading
 
-import torch
 import torch.distributed as dist
 
 from llmserve_core.distributed.step_channel import StepChannel
@@ -28,13 +32,28 @@ class DrivenModel:
 
     def __init__(self, model, driver: "Driver"):
         self._model, self._driver = model, driver
+        self._in_graph_step = False
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
     def _announce(self) -> bool:
         self._driver.check()
-        return self._driver.live and not (self._driver.tp.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        return self._driver.live and not self._in_graph_step
+
+    def run_graph(self, index: int, graphs, input_ids, batch):
+        """graphs.run(input_ids, None, batch), announced as a replay of the runner's mirrored graph `index`,
+        which each worker then replays over the same inputs (the same bucket, the same padding)."""
+        announce = self._announce()
+        try:
+            if announce:
+                self._driver.channel.send_forward(input_ids, batch, graph=index)
+            self._in_graph_step = True
+            return graphs.run(input_ids, None, batch)
+        except RuntimeError as e:
+            raise self._driver.lost(e) from e
+        finally:
+            self._in_graph_step = False
 
     def __call__(self, input_ids, batch, kv_caches, aux_layer_ids=()):
         announce = self._announce()

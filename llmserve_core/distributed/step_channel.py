@@ -3,6 +3,10 @@
 A message is one fixed-size int64 header over the gloo `cpu_group` (the op, the sizes, and the host-side
 lengths the attention backends read, so no worker ever copies them back from its device), then at most
 one packed tensor over the `model_group` (NCCL on GPUs: it stays on the device).
+
+A forward that rank 0 runs through one of its step graphs (ModelRunner.mirrored) names that graph in the
+header: the worker loads the same inputs into its own copy and replays the same bucket, so the
+all-reduces captured in the two graphs meet.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ def _even(part: torch.Tensor) -> torch.Tensor:
     return torch.cat([part, part.new_zeros(1)]) if part.numel() % 2 else part
 
 
-_FIXED = 10     # op, T, B, W, max_query_len, max_seq_len, uniform_query_len, has_tree_mask, num_aux, payload numel
+# op, T, B, W, max_query_len, max_seq_len, uniform_query_len, has_tree_mask, num_aux, payload numel, graph + 1
+# (0: run the model eagerly)
+_FIXED = 11
 MAX_AUX = 8
 
 
@@ -35,7 +41,8 @@ class StepChannel:
         self.max_seqs = max_seqs
 
     # ---- rank 0 ----------------------------------------------------------------------------------
-    def send_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, aux_layer_ids=()) -> None:
+    def send_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, aux_layer_ids=(), graph: int | None = None) -> None:
+        """graph: the index of the step graphs (ModelRunner.mirrored) rank 0 replays this forward through."""
         b = batch.num_seqs
         if b > self.max_seqs or len(aux_layer_ids) > MAX_AUX:
             raise ValueError(f"step broadcast: {b} sequences exceed the {self.max_seqs} it was sized for")
@@ -48,7 +55,7 @@ class StepChannel:
         h.zero_()
         h[:_FIXED] = torch.tensor([FORWARD, batch.num_tokens, b, batch.block_tables.shape[1], batch.max_query_len,
                                    batch.max_seq_len, batch.uniform_query_len, batch.tree_mask is not None,
-                                   len(aux_layer_ids), payload.numel()])
+                                   len(aux_layer_ids), payload.numel(), 0 if graph is None else graph + 1])
         h[_FIXED:_FIXED + len(aux_layer_ids)] = torch.tensor(aux_layer_ids, dtype=torch.int64)
         at = _FIXED + MAX_AUX
         h[at:at + b] = torch.tensor(batch.query_lens_cpu, dtype=torch.int64)
@@ -76,8 +83,8 @@ class StepChannel:
 
     # ---- workers ---------------------------------------------------------------------------------
     def recv(self, hidden_size: int, dtype: torch.dtype):
-        """-> (op, args): FORWARD (input_ids, ForwardBatch, aux_layer_ids), LOGITS (hidden,), COMPACT (src
-        slots, dst slots), STOP ()."""
+        """-> (op, args): FORWARD (input_ids, ForwardBatch, aux_layer_ids, graph index or None), LOGITS
+        (hidden,), COMPACT (src slots, dst slots), STOP ()."""
         h = self.header
         dist.broadcast(h, 0, group=self.tp.cpu_group)
         op = int(h[0])
@@ -92,7 +99,7 @@ class StepChannel:
             return op, tuple(slots.chunk(2))
         if op != FORWARD:
             return op, ()
-        t, b, w, max_q, max_s, uniform, has_mask, num_aux, numel = h[1:_FIXED].tolist()
+        t, b, w, max_q, max_s, uniform, has_mask, num_aux, numel, graph = h[1:_FIXED].tolist()
         aux = tuple(h[_FIXED:_FIXED + num_aux].tolist())
         at = _FIXED + MAX_AUX
         query_lens, seq_lens = h[at:at + b].tolist(), h[at + b:at + 2 * b].tolist()
@@ -107,4 +114,4 @@ class StepChannel:
         batch = ForwardBatch(positions, slots, qsl.to(i32), sl.to(i32), tables.view(b, w).to(i32), max_query_len=max_q,
                              max_seq_len=max_s, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
                              tree_mask=rest.view(t, -1).bool() if has_mask else None, uniform_query_len=uniform)
-        return op, (ids, batch, aux)
+        return op, (ids, batch, aux, graph - 1 if graph else None)

@@ -1,5 +1,7 @@
-"""A worker rank: build the same engine as the core (start-up runs in lockstep with it), then run each
-forward, logits call and tree KV move the core announces on this rank's shard, until told to stop."""
+"""A worker rank: build the same engine as the core (start-up runs in lockstep with it, CUDA-graph capture
+included), then run each forward, logits call and tree KV move the core announces on this rank's shard,
+until told to stop. A forward the core replayed through a step graph is replayed here through this rank's
+copy of that graph, over the same inputs."""
 from __future__ import annotations
 
 import os
@@ -21,8 +23,11 @@ def serve_worker(config, tp) -> None:
         while True:
             op, args = channel.recv(hidden_size, runner.dtype)
             if op == FORWARD:
-                ids, batch, aux = args
-                model(ids, batch, runner.kv_caches, aux_layer_ids=aux)
+                ids, batch, aux, graph = args
+                if graph is None:
+                    model(ids, batch, runner.kv_caches, aux_layer_ids=aux)
+                else:
+                    runner.run_announced(graph, ids, batch)
             elif op == LOGITS:
                 model.compute_logits(args[0])
             elif op == COMPACT:

@@ -167,8 +167,10 @@ class EagleExecutor:
         self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
         # Greedy chain drafts and trees need nothing from the host between the catch-up and the verify, so
         # a whole steady step (catch-up, draft forwards, verify) can be one graph; sampled chain drafts draw
-        # from per-request generators and keep the step by step path.
-        self.fused = not self.sample_drafts
+        # from per-request generators and keep the step by step path. So does tensor parallelism: that
+        # graph's verify reads drafts only rank 0's draft computes, so no worker could replay it (and meet
+        # its all-reduces); the verify's own graph, its drafts sent in the step broadcast, replays on all.
+        self.fused = not self.sample_drafts and runner.tp is None
         self.verify_offsets = torch.arange(max(self.verify_width, self.catchup_rows, self.lookahead + 1), device=self.device)
         self.graphs = self._capture_graphs() if runner.use_graphs else {}
         log.info("EAGLE-3 draft %s: aux layers %s, %s, accept mode %s", config.speculative_model,
@@ -183,12 +185,14 @@ class EagleExecutor:
     def _capture_graphs(self) -> dict[str, StepGraphs]:
         """Every fixed-shape forward of a drafting step, keyed by name: the catch-up, the chain's draft
         steps, each tree level's draft forward, the verify. On the CPU (tests) they run eagerly through
-        the same buffers and padding."""
+        the same buffers and padding. Under tensor parallelism every rank builds them all, so the ranks reach
+        the verify's capture (collective) together; only the verify, the target's forward, replays on the
+        workers (the draft runs on rank 0)."""
         dcfg, runner = self.draft.cfg, self.runner
         common = dict(max_batch=min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
                       max_blocks_per_seq=runner.max_blocks_per_seq, max_seq_len=self.max_model_len + self.lookahead,
-                      device=self.device, dtype=runner.dtype, capture=self.device.type == "cuda")
-        draft_rows = dict(hidden_size=dcfg.hidden_size, **common)
+                      device=self.device, dtype=runner.dtype)
+        draft_rows = dict(hidden_size=dcfg.hidden_size, capture=self.device.type == "cuda", **common)
         graphs = {"catch-up": StepGraphs("catch-up", self._catchup_forward, self.catchup_rows, **draft_rows)}
         if self.shape.kind == "chain" and self.gamma > 1:
             graphs["draft step"] = StepGraphs("draft step", self._draft_step, 1, **draft_rows)
@@ -217,7 +221,8 @@ class EagleExecutor:
         # A dynamic tree's mask changes every step: the graph takes it as an input (this is its initial value).
         mask = (self.tree_mask if self.tree is not None else
                 torch.ones(self.verify_width, self.verify_width, dtype=torch.bool).tril() if self.dynamic else None)
-        graphs["verify"] = StepGraphs("verify", self._verify_forward, self.verify_width, tree_mask=mask, **common)
+        graphs["verify"] = runner.model_graphs("verify", self._verify_forward, self.verify_width, tree_mask=mask,
+                                               **common)
         return graphs
 
     def _forward(self, name: str, fn, ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch):
@@ -583,7 +588,7 @@ class EagleExecutor:
         if len(drafting) == len(sched.requests) and width == self.verify_width and "verify" in self.graphs \
                 and self.graphs["verify"].fits(batch):
             # A pure verify batch (the steady state of decoding): logits come out of the graph.
-            logits, *aux = self.graphs["verify"].run(ids, None, batch)
+            logits, *aux = self.runner.run_graphs(self.graphs["verify"], ids, batch)
             return None, aux, layout, logits
         hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
         return hidden, aux, layout, None

@@ -5,7 +5,6 @@ The daemon drives the same object from its busy loop; tests and embedders call i
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -69,9 +68,6 @@ class Engine:
     def __init__(self, config: EngineConfig, tp=None):
         """tp: given to worker ranks of tensor parallelism; the core starts its own group here."""
         config.validate()
-        if config.tensor_parallel_size > 1:
-            # Graph replays are not announced to the workers: every forward runs eagerly.
-            config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
         self.model_config = ModelConfig.from_hf_dir(config.model)
         max_len = self.model_config.max_position_embeddings
@@ -127,6 +123,8 @@ class Engine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op on one device); the engine cannot step afterwards."""
         if self.tp is not None and self.tp.driver is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()
             self.tp.driver.shutdown()
 
     def reset_counters(self) -> None:

@@ -74,6 +74,9 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None          # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # per layer: views of kv_pool
         self.graphs: StepGraphs | None = None
+        # Every StepGraphs over a forward of this model (the decode's, the speculative verify's), in the
+        # order they were built: the same on every tensor-parallel rank, so an index names one to the workers.
+        self.mirrored: list[StepGraphs] = []
         # Grammar bitmasks: one pinned buffer is enough. A step fills it only once the step before is read
         # back (the engine completes it before sampling grammar rows), and that readback waited for an
         # event recorded after every earlier copy out of the buffer.
@@ -156,11 +159,40 @@ class ModelRunner:
     def _capture_graphs(self) -> StepGraphs | None:
         if not self.use_graphs:
             return None
-        return StepGraphs("decode", self._decode_forward, 1, self.config.max_num_seqs, self.max_blocks_per_seq,
-                          self.max_model_len, self.device, capture=self.device.type == "cuda")
+        return self.model_graphs("decode", self._decode_forward, 1, self.config.max_num_seqs, self.max_blocks_per_seq,
+                                 self.max_model_len, self.device)
 
     def _decode_forward(self, input_ids, _hidden, batch):
         return (self.model(input_ids, batch, self.kv_caches),)
+
+    # ---- graphs over this model's forward: under tensor parallelism, every rank replays them ---------
+    def model_graphs(self, name: str, fn, rows: int, *args, **kwargs) -> StepGraphs:
+        """StepGraphs over a forward that calls this model (no hidden input), captured where the device can
+        (elsewhere the same bookkeeping runs eagerly). Under tensor parallelism every rank builds the same
+        ones in the same order, at start-up and in lockstep: each capture's warm-up calls and the
+        all-reduces captured inside are collectives that the other ranks' identical captures meet."""
+        graphs = StepGraphs(name, fn, rows, *args, capture=self.device.type == "cuda", **kwargs)
+        self.mirrored.append(graphs)
+        return graphs
+
+    def run_graphs(self, graphs: StepGraphs, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """graphs.run over this batch. On rank 0 of tensor parallelism the step is announced naming the graph,
+        so every worker loads the same inputs into its own copy and replays the same bucket (run_announced)."""
+        if self.tp is None or self.tp.driver is None:
+            return graphs.run(input_ids, None, batch)
+        return self.model.run_graph(self.mirrored.index(graphs), graphs, input_ids, batch)
+
+    def run_announced(self, index: int, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
+        """A worker's side of run_graphs: the same graph, the inputs rank 0 broadcast (its outputs are
+        rank 0's to use)."""
+        self.mirrored[index].run(input_ids, None, batch)
+
+    def release_graphs(self) -> None:
+        """Free every captured graph of this model. Before tearing a process group down: graphs holding
+        captured NCCL collectives can hang destroy_process_group (pytorch/pytorch#115388)."""
+        for graphs in self.mirrored:
+            graphs.release()
+        self.graphs = None
 
     def move_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every layer's K and V from src to dst slots (a tree's accepted path moving into place). Under
@@ -206,7 +238,7 @@ class ModelRunner:
     def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
         batch = prepared.batch
         if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
-            return self.graphs.run(prepared.input_ids, None, batch)[0]
+            return self.run_graphs(self.graphs, prepared.input_ids, batch)[0]
         return self.model(prepared.input_ids, batch, self.kv_caches)
 
     def sample(self, hidden: torch.Tensor, reqs: list[Request]) -> SamplerOutput:

@@ -105,6 +105,12 @@ class StepGraphs:
         torch.cuda.synchronize()
         log.info("captured %s CUDA graphs for batch sizes %s", self.name, self.buckets)
 
+    def release(self) -> None:
+        """Free the captured graphs (and what they captured); the bucket cannot be replayed afterwards."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 

@@ -25,4 +25,12 @@ def use_pdl(device, attn_backend) -> bool:
 
 
 def use_cuda_graphs(device, attn_backend, enforce_eager: bool) -> bool:
-    return fast_path(device, attn_backend) and not enforce_eager
+    """Whether the runners replay their fixed-shape forwards from graphs (engine/step_graphs.py). On a device
+    that cannot capture, LLMSERVE_CPU_STEP_GRAPHS=1 turns on the same bookkeeping with the forwards run
+    eagerly (StepGraphs' capture=False): the tests' way to check the graph path without a GPU. It is read
+    from the environment so that spawned tensor-parallel workers see it too."""
+    if enforce_eager:
+        return False
+    if torch.device(device).type != "cuda":
+        return os.environ.get("LLMSERVE_CPU_STEP_GRAPHS") == "1"
+    return fast_path(device, attn_backend)
