@@ -128,6 +128,38 @@ def timed_steps(engine, batch: int, params, steps: int, warmup: int, prompt_len:
     return times[warmup:]
 
 
+def profile_steps(engine, batch: int, params, prompt_len: int, vocab: int, name: str, steps: int = 20) -> dict:
+    """Where a step's time goes: the host's functions over `steps` steps (cProfile, printed) and the GPU's
+    busy time against the wall clock (torch profiler kernel intervals, merged)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+    prof = cProfile.Profile()
+    prof.enable()
+    timed_steps(engine, batch, params, steps, 2, prompt_len, vocab)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+    print(f"== host profile, {name}, batch {batch}, {steps} steps\n" + text.getvalue()[:6000], flush=True)
+    if not torch.cuda.is_available():
+        return {}
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        timed_steps(engine, batch, params, steps, 2, prompt_len, vocab)
+        wall = (time.perf_counter() - t0) * 1000
+    spans = sorted((e.time_range.start, e.time_range.end) for e in p.events() if e.device_type.name == "CUDA")
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    out = {"wall_ms": wall, "gpu_busy_ms": busy / 1000, "busy_fraction": busy / 1000 / wall}
+    print(f"== GPU, {name}, batch {batch}: {json.dumps(out)}", flush=True)
+    return out
+
+
 def component_times(engine, batch: int, vocab: int, reps: int) -> dict:
     """Host bitmask fill (xgrammar), and the device mask apply: xgrammar's kernel vs the torch reference."""
     import xgrammar as xgr
@@ -175,6 +207,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON results path")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script runs)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile steps at the largest batch: host functions (cProfile) and GPU busy vs wall")
     args = ap.parse_args()
 
     from llmserve_core import Engine, EngineConfig
@@ -209,6 +243,8 @@ def main() -> None:
             row[f"{name}_steps"] = len(times)
             if name == "json_schema":
                 row.update(component_times(engine, batch, vocab, reps=50))
+            if args.profile and batch == batches[-1] and name != "none_sync":
+                row[f"{name}_profile"] = profile_steps(engine, batch, params, prompt_len, vocab, name)
             if engine.grammars is not None:
                 engine.grammars.shutdown()
             del engine
