@@ -68,14 +68,20 @@ def test_tp2_and_tp4_greedy_equal_one_rank(gqa_dir):
         assert stats["prefix_hits"] > 0
 
 
-@pytest.mark.slow
-def test_tp2_eagle3_greedy_equals_plain(tiny_model_dir, tmp_path):
+def eagle3_tp2_equals_plain(tiny_model_dir, tmp_path) -> dict:
+    """EAGLE-3 drafting every step under TP 2, greedy, against plain decoding on one rank; its stats."""
     draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
     want, _ = run(tiny_model_dir, 1)
     got, stats = run(tiny_model_dir, 2, speculative_model=draft, speculative_gamma=2, speculative_policy="always",
                      num_kv_blocks=40)
     assert got == want
     assert stats["spec_num_drafted_steps"] > 0
+    return stats
+
+
+@pytest.mark.slow
+def test_tp2_eagle3_greedy_equals_plain(tiny_model_dir, tmp_path):
+    eagle3_tp2_equals_plain(tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
@@ -146,12 +152,7 @@ def test_tp2_eagle3_verify_graphs_greedy_equal_plain(tiny_model_dir, tmp_path, g
     """With the graph path on, EAGLE-3 under TP 2 drafts through rank 0's draft graphs and verifies through
     the verify graph, which every worker replays with the drafts from the step broadcast; the fused step
     (whose verify reads drafts the workers never see) stays off."""
-    draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
-    want, _ = run(tiny_model_dir, 1)
-    got, stats = run(tiny_model_dir, 2, speculative_model=draft, speculative_gamma=2, speculative_policy="always",
-                     num_kv_blocks=40)
-    assert got == want
-    assert stats["spec_num_drafted_steps"] > 0
+    eagle3_tp2_equals_plain(tiny_model_dir, tmp_path)
     names = {name for name, _, _ in graph_path}
     assert {"verify", "catch-up", "draft step"} <= names and "fused step" not in names, names
 
