@@ -9,7 +9,7 @@ import torch
 
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.step_graphs import batch_buckets
-from llmserve_core.engine.warmup import decode_sizes, prefill_lengths, warmup_plan
+from llmserve_core.engine.warmup import decode_sizes, grammar_rounds, prefill_lengths, warmup_plan
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits
 from llmserve_core.models.eagle3 import make_tiny_draft
@@ -177,3 +177,9 @@ def test_gpu_nothing_compiles_after_start_up_while_drafting(make_random_qwen3_di
             prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
             engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"
+
+
+def test_grammar_rounds_meet_each_row_count_class_of_the_mask_kernel():
+    assert [r.num_requests for r in grammar_rounds(256)] == [1, 8, 16]
+    assert [r.num_requests for r in grammar_rounds(4)] == [1, 4]
+    assert all(r.guided for r in grammar_rounds(256))

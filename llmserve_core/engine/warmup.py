@@ -126,7 +126,9 @@ def draft_rounds(engine, plan: list[Round]) -> list[tuple[int, Round]]:
 
 
 def grammar_rounds(max_num_seqs: int) -> list[Round]:
-    return [Round(n, 2, 3, guided=True) for n in sorted({1, min(8, max_num_seqs)})]
+    """Masked decode batches of 1, 8 and 16 rows: xgrammar's bitmask kernel specializes its row count as
+    Triton does an integer argument (1, a multiple of 16, anything else)."""
+    return [Round(n, 2, 3, guided=True) for n in sorted({1, min(8, max_num_seqs), min(16, max_num_seqs)})]
 
 
 def grammars_available(engine) -> bool:
