@@ -9,6 +9,7 @@ import torch
 
 from llmserve_core.engine.request import Request
 from llmserve_core.layers.logits_processors import LogitsProcessors, Penalties
+from llmserve_core.layers.sampler import host_values_to
 
 
 def build_logits_processors(reqs: list[Request], vocab: int, device: torch.device, masks=None
@@ -42,12 +43,10 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
         if r.grammar is not None:
             grammars.append((i, r.grammar))
 
-    # Pinned, so the copies are queued without the host waiting: a pageable one would make it wait for the
-    # forward already queued, which this work is meant to overlap.
-    pin = device.type == "cuda"
+    pin = device.type == "cuda"     # the copies must not wait for the forward this work overlaps
 
     def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+        return host_values_to(values, dtype, device, pin)
 
     if b_rows:
         out.bias = (dev(b_rows, torch.long), dev(b_tok, torch.long), dev(b_val, torch.float32))

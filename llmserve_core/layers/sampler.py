@@ -18,6 +18,12 @@ import torch
 from llmserve_proto.sampling import GREEDY_EPSILON
 
 
+def host_values_to(values, dtype: torch.dtype, device, pin: bool) -> torch.Tensor:
+    """A list of host values as a device tensor. Pinned + non_blocking: a pageable copy would make the host
+    wait for the device to drain (the forward it queued just before)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters, built once per step by the model runner."""
@@ -41,8 +47,7 @@ class SamplingTensors:
         min_ps = [p.min_p for p in params_list]
         logprobs = [p.logprobs for p in params_list if p.logprobs is not None]
         def dev(values, dtype):
-            # Pinned + non_blocking: a pageable copy would make the host wait for the device to drain.
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+            return host_values_to(values, dtype, device, pin)
         return cls(
             temperature=dev(temps, torch.float32),
             top_k=dev(top_ks, torch.int64),
