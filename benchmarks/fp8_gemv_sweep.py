@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
-from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import (fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config,  # noqa: E402
+                                             fp8_gemv_reference)
+from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SMOKE_SHAPES = {"qkv": (192, 256), "down": (128, 384)}
@@ -41,6 +43,10 @@ CANDIDATES = (("dot", 64, 256, 4, 4, 4), ("dot", 64, 256, 8, 4, 4), ("dot", 128,
               ("fma", 32, 256, 4, 3, 4), ("fma", 16, 512, 4, 3, 4), ("fma", 32, 512, 8, 3, 4),
               ("fma_late", 16, 512, 4, 3, 4))
 FMA_MAX_ROWS = 4
+# --a8: the W8A8 tiles (x quantized per 1 x BLOCK_K piece in the kernel, FP8 x FP8 on the tensor cores),
+# beside the tree's defaults and, at one row, the stream kernel the engine runs today (plain and under PDL)
+A8_CANDIDATES = (("a8", 64, 128, 4, 3, 4), ("a8", 64, 128, 4, 5, 4), ("a8", 64, 128, 4, 8, 4),
+                 ("a8", 128, 128, 4, 4, 2), ("a8", 128, 128, 8, 4, 2), ("a8", 64, 128, 4, 4, 8))
 
 
 def split_for(n, k, block_n, block_k, sms, per_sm):
@@ -81,6 +87,16 @@ def time_us(launches, reps=7):
     return times[len(times) // 2]
 
 
+def kernel_call(label, cfg):
+    """x, weight, scale, block -> y for one row of the sweep: fp8_gemv in a config, or the stream kernel."""
+    if cfg is None:
+        pdl = label == "stream_pdl"
+        return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl)
+    cfg = dict(cfg)
+    pdl = cfg.pop("PDL", False)
+    return lambda x, q, s, b: fp8_gemv(x, q, s, b, config=cfg, pdl=pdl)
+
+
 def wall_us(fn):
     t0 = time.perf_counter()
     fn()
@@ -101,6 +117,7 @@ def main():
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--budget-s", type=float, default=90.0, help="stop starting new timings after this many seconds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes through the CPU interpreter")
+    p.add_argument("--a8", action="store_true", help="the W8A8 tiles against the defaults and the stream kernel")
     args = p.parse_args()
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -113,6 +130,8 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     candidates = (CANDIDATES[3], CANDIDATES[4], CANDIDATES[-1]) if args.smoke else CANDIDATES
+    if args.a8:
+        candidates = A8_CANDIDATES[:1] if args.smoke else A8_CANDIDATES
     for name, (n, k) in shapes.items():
         copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
         w = [torch.randn(n, k, device=dev, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
@@ -122,29 +141,37 @@ def main():
         for scale, ws in weights.items():
             for m in ROWS:
                 x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
-                ref = fp8_gemv_reference(x, *ws[0])
+                refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
+                        "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
                 case = {}
                 configs = {"current": fp8_gemv_config(m, n, k, ws[0][2], sms)}
+                if args.a8 and m == 1 and cuda:     # (PDL launches need the GPU)
+                    configs["stream"] = configs["stream_pdl"] = None
                 for kernel, bn, bk, warps, stages, per_sm in candidates:
-                    if kernel == "dot" and scale == "block" and BLOCK[1] % bk:
+                    if kernel in ("dot", "a8") and scale == "block" and BLOCK[1] % bk:
                         continue    # the tensor-core kernel's K tile must not straddle a scale block
                     if kernel != "dot" and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
                         continue    # (late reduction holds BLOCK_M times the registers: one row only)
                     split = split_for(n, k, bn, bk, sms, per_sm)
-                    configs[f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"] = dict(
-                        KERNEL=kernel, BLOCK_M=16 if kernel == "dot" else 1 << (m - 1).bit_length(), BLOCK_N=bn,
-                        BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                    label = f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"
+                    configs[label] = dict(
+                        KERNEL=kernel, BLOCK_M=1 << (m - 1).bit_length() if kernel.startswith("fma") else 16,
+                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                    if kernel == "a8" and cuda:
+                        configs[label + "_pdl"] = dict(configs[label], PDL=True)
                 for label, cfg in configs.items():
                     if time.time() - t_start > args.budget_s and label != "current":
                         case[label] = {"skipped": "time budget"}
                         continue
                     try:
-                        err = rel_err(fp8_gemv(x, *ws[0], config=cfg), ref)
+                        call = kernel_call(label, cfg)
+                        ref = refs["a8" if cfg and cfg["KERNEL"] == "a8" else "weight_only"]
+                        err = rel_err(call(x, *ws[0]), ref)
                         row = {"config": cfg, "rel_err": err}
                         if err > 2e-2:
                             row["error"] = "mismatch against the reference"
                         else:   # (on the CPU: one interpreted call's wall time, which only checks the report)
-                            launches = [lambda q=q, s=s, b=b: fp8_gemv(x, q, s, b, config=cfg) for q, s, b in ws]
+                            launches = [lambda q=q, s=s, b=b: call(x, q, s, b) for q, s, b in ws]
                             us = time_us(launches * 2) if cuda else wall_us(launches[0])
                             tb = (n * k) / us / 1e6
                             row.update(us=us, tb_s=tb, fraction_of_copy=tb / bw)
@@ -169,6 +196,7 @@ def main():
     table = {}
     for key, case in res["cases"].items():
         timed = {lbl: r for lbl, r in case.items() if "us" in r}
+        timed = {lbl: r for lbl, r in timed.items() if r["config"] is not None}    # the stream kernel has no entry
         if timed:
             best = min(timed, key=lambda c: timed[c]["us"])
             name, rows, scale = key.split("_m")[0], int(key.split("_m")[1].split("_")[0]), key.rsplit("_", 1)[1]

@@ -495,6 +495,9 @@ def main():
     ap.add_argument("--commit", default="", help="git commit the numbers belong to")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only prefill / extend shapes, Triton against FA4 (skips decode and small ops)")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="only decode at batch 64 and 256 (512 and 640 keys, the step benchmarks' contexts), "
+                         "the default tiles against a sweep of splits, key tiles, warps and stages")
     ap.add_argument("--verify-only", action="store_true",
                     help="only speculative verify shapes (rows per sequence, causal and tree-masked), the "
                          "decode kernel's rows path in several tile configs against the prefill kernel")
@@ -522,6 +525,17 @@ def main():
         step("extend", b.prefill, "extend", [9, 5], [30, 12], 4, True)
         step("small ops", b.small_ops, 8, 64, 96)
         step("torch reference", b.torch_reference_attention)
+    elif args.decode_sweep:
+        def dv(s, bn, w=4, st=2):
+            return dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st)
+        tiles = {64: [dv(1, 64), dv(2, 64), dv(4, 64), dv(4, 32), dv(8, 32), dv(1, 64, 4, 3), dv(1, 32, 4, 3),
+                      dv(1, 64, 4, 4), dv(2, 64, 4, 3), dv(2, 32, 4, 3), dv(1, 128, 8), dv(2, 64, 8, 3),
+                      dv(1, 32, 2, 3), dv(2, 32, 2, 3), dv(4, 32, 2, 2)],
+                 256: [dv(1, 64, 4, 3), dv(1, 64, 4, 4), dv(1, 32, 4, 3), dv(1, 128, 8), dv(1, 64, 8, 3),
+                       dv(2, 64), dv(1, 32, 2, 3), dv(1, 64, 2, 3)]}
+        for batch in (64, 256):
+            for ctx in (512, 640):
+                step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False, sweep=tiles[batch])
     elif args.verify_only:
         # Chain verifies (4 rows), static trees (~10), dynamic trees (32): GROUP 4 makes 16-128 tile rows.
         # The merge of a split's pieces grows with the rows, so fewer, longer pieces may pay for verifies.

@@ -68,11 +68,11 @@ def _fix_interpreter_downcasts() -> None:
 
 
 def _fix_interpreter_bf16_dot() -> None:
-    """Multiply bfloat16 operands of tl.dot as the numbers they are.
+    """Multiply bfloat16 and float8_e4m3fn operands of tl.dot as the numbers they are.
 
-    Triton 3.6's interpreter keeps bfloat16 as raw uint16 bits and hands them to np.matmul unconverted,
-    so every bf16 dot is garbage on the CPU. Widening to float32 is exact; the GPU accumulates the exact
-    products in float32 too.
+    Triton 3.6's interpreter keeps both as raw bits (uint16, uint8) and hands them to np.matmul
+    unconverted, so every bf16 or FP8 dot is garbage on the CPU. Widening to float32 is exact; the GPU
+    accumulates the exact products in float32 too.
     """
     import numpy as np
     from triton import language as tl
@@ -84,13 +84,16 @@ def _fix_interpreter_bf16_dot() -> None:
         return
 
     def widen(handle):
+        if handle.dtype.scalar == tl.float8e4nv:
+            bits = torch.from_numpy(np.ascontiguousarray(handle.data).astype(np.uint8))
+            return interpreter.TensorHandle(bits.view(torch.float8_e4m3fn).float().numpy(), tl.float32)
         bits = handle.data.astype(np.uint32) << 16
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16:
+        if a.dtype.scalar in (tl.bfloat16, tl.float8e4nv):
             a = widen(a)
-        if b.dtype.scalar == tl.bfloat16:
+        if b.dtype.scalar in (tl.bfloat16, tl.float8e4nv):
             b = widen(b)
         return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
-from llmserve_core.kernels.fp8_format import dequantize_weight
+from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, dequantize_weight
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
 @triton.jit
@@ -27,7 +28,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
                      stride_sn, stride_sk,
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
+                     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait_and_release(PDL)      # x comes from the kernel before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -48,7 +51,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
         else:
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
-        if DOT_IEEE:    # float32 models: full-precision products, never tf32
+        if QUANT_X:
+            # W8A8: each row's K tile is quantized on the fly with its own scale (one per 1 x BLOCK_K
+            # piece), so the FP8 weight meets the tensor cores as it was loaded, never widened.
+            xf = xv.to(tl.float32)
+            x_s = tl.maximum(tl.max(tl.abs(xf), 1) / FP8_MAX, MIN_SCALE)
+            xq = (xf / x_s[:, None]).to(w.dtype)
+            part = tl.dot(w, tl.trans(xq)) * x_s[None, :]
+        elif DOT_IEEE:    # float32 models: full-precision products, never tf32
             part = tl.dot(w.to(dtype), tl.trans(xv), input_precision="ieee")
         else:
             part = tl.dot(w.to(dtype), tl.trans(xv))
@@ -142,8 +152,11 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-             config: dict | None = None) -> torch.Tensor:
-    """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype."""
+             config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
+
+    config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
+    FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead."""
     m, k = x.shape
     n = w.shape[0]
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
@@ -151,8 +164,9 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device)))
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     kernel = cfg.pop("KERNEL", "dot")
-    assert kernel in ("dot", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
-    fma = kernel != "dot"
+    assert kernel in ("dot", "a8", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
+    fma = kernel.startswith("fma")
+    assert not pdl or kernel == "a8", "fp8_gemv: only the a8 kernel launches under PDL"
     assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
     if block is not None:
         if fma:
@@ -175,7 +189,9 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     if fma:
         _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
-        _fp8_gemv_kernel[(n_blocks, split)](*args, **common, DOT_IEEE=x.dtype == torch.float32, **cfg)
+        _fp8_gemv_kernel[(n_blocks, split)](*args, **common, DOT_IEEE=x.dtype == torch.float32,
+                                            QUANT_X=kernel == "a8", FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                                            PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
@@ -183,3 +199,13 @@ def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                        block: tuple[int, int] | None = None) -> torch.Tensor:
     """Dequantize the weight, multiply in float32."""
     return (x.float() @ dequantize_weight(w, scale, block).t()).to(x.dtype)
+
+
+def fp8_gemv_a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int] | None = None, group: int = 128) -> torch.Tensor:
+    """The "a8" kernel's arithmetic: x quantized per 1 x group piece of each row (dequantized again),
+    times the dequantized weight, in float32."""
+    from llmserve_core.kernels.fp8_quant import quantize_activation_reference
+    q, s = quantize_activation_reference(x, group)
+    x_deq = q.float() * s.repeat_interleave(group, 1)[:, :x.shape[1]]
+    return (x_deq @ dequantize_weight(w, scale, block).t()).to(x.dtype)
