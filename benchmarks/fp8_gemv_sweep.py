@@ -165,7 +165,7 @@ def main():
                         continue
                     try:
                         call = kernel_call(label, cfg)
-                        ref = refs["a8" if cfg and cfg["KERNEL"] == "a8" else "weight_only"]
+                        ref = refs["a8" if cfg and cfg.get("KERNEL") == "a8" else "weight_only"]
                         err = rel_err(call(x, *ws[0]), ref)
                         row = {"config": cfg, "rel_err": err}
                         if err > 2e-2:

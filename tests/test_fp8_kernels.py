@@ -8,7 +8,7 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
-from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config, fp8_gemv_reference
+from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config, fp8_gemv_reference
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
 from llmserve_core.kernels.paged_decode import paged_decode
@@ -133,6 +133,29 @@ def test_fp8_gemv_fma(kernel, m, n, k, block, dtype, block_m, block_n, block_k, 
         assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < OUT_TOL[dtype]
 
 
+@pytest.mark.parametrize("m,n,k,block,dtype,block_n,split_k", [
+    (1, 48, 256, None, torch.float32, 16, 1),
+    (3, 40, 200, None, torch.float32, 16, 3),                # ragged N and K; the last split runs past K
+    (16, 64, 384, (32, 32), torch.float16, 32, 2),           # a K tile per scale block, split-K
+    (5, 50, 160, (16, 32), torch.float32, 16, 1),            # ragged blocks at both edges
+])
+def test_fp8_gemv_a8(m, n, k, block, dtype, block_n, split_k):
+    """W8A8 at 1-16 rows: against its own arithmetic (each row's K tile quantized with its own scale) to
+    float precision, and within e4m3's rounding of the activations against the weight-only reference."""
+    gen = torch.Generator().manual_seed(m * 5 + n + k)
+    w, s = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    x[0, :7] = 0.0                   # a tile piece of zeros keeps a finite scale
+    block_k = 32
+    config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+                  num_stages=1)
+    for _ in range(2):                  # twice: the split-K counters must re-arm themselves
+        out = fp8_gemv(x, w, s, block, config=config)
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert rel_err(out, fp8_gemv_a8_reference(x, w, s, block, group=block_k)) < max(OUT_TOL[dtype], 1e-4)
+        assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 4e-2
+
+
 def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
     gen = torch.Generator().manual_seed(5)
     w, s = random_fp8_weight(64, 128, (32, 32), gen)
@@ -147,15 +170,25 @@ def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
 
 
 def test_gemv_config_fills_the_gpu_at_qwen3_8b_shapes():
+    """The rule (cards the table does not name): every tile fills the GPU and fits the scratch; the
+    measured table's tiles fit the scratch, and "stream" is named for one row only."""
     for n, k in QWEN3_8B_LINEARS:
         for block in (None, (128, 128)):
             for m in (1, 4, 16):
-                cfg = fp8_gemv_config(m, n, k, block)
+                measured = fp8_gemv_config(m, n, k, block, fp8_dot=True, stream=True)
+                if measured["KERNEL"] == "stream":
+                    assert m == 1 and fp8_gemv_config(m, n, k, block, fp8_dot=True)["KERNEL"] == "a8"
+                else:
+                    n_blocks = -(-n // measured["BLOCK_N"])
+                    assert n_blocks * measured["SPLIT_K"] * measured["BLOCK_N"] * 16 <= 8 * 132 * 64 * 16
+                    assert block is None or block[1] % measured["BLOCK_K"] == 0
+                assert fp8_gemv_config(m, n, k, block, sms=78, fp8_dot=True)["KERNEL"] == "a8"
+                cfg = fp8_gemv_config(m, n, k, block, sms=78)
                 n_blocks = -(-n // cfg["BLOCK_N"])
-                assert n_blocks * cfg["SPLIT_K"] >= 2 * 132
+                assert n_blocks * cfg["SPLIT_K"] >= 2 * 78
                 # the split-K scratch bounds every split call (kernels/gemv.py)
                 assert cfg["SPLIT_K"] == 1 or (n_blocks * cfg["SPLIT_K"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]
-                                               <= 8 * 132 * 64 * 16 and n_blocks <= 8 * 132)
+                                               <= 8 * 78 * 64 * 16 and n_blocks <= 8 * 78)
                 if cfg.get("KERNEL", "dot") == "dot":
                     assert block is None or block[1] % cfg["BLOCK_K"] == 0
                 else:
@@ -166,11 +199,12 @@ def test_gemv_config_reads_the_measured_table(monkeypatch):
     entry = dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
     monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (4096, 4096, 4, "block"), entry)
     for m in (2, 3, 4):
-        assert fp8_gemv_config(m, 4096, 4096, (128, 128)) == entry
-    assert fp8_gemv_config(1, 4096, 4096, (128, 128)) != entry               # another rows class
-    assert fp8_gemv_config(4, 4096, 4096, None) != entry                     # another scale kind
-    assert fp8_gemv_config(4, 4096, 4096, (128, 128), sms=78) != entry       # another card: the rule
-    fp8_gemv_config(4, 4096, 4096, (128, 128))["BLOCK_N"] = 1                # callers get a copy
+        assert fp8_gemv_config(m, 4096, 4096, (128, 128), fp8_dot=True) == entry
+    assert fp8_gemv_config(1, 4096, 4096, (128, 128), fp8_dot=True) != entry          # another rows class
+    assert fp8_gemv_config(4, 4096, 4096, None, fp8_dot=True) != entry                # another scale kind
+    assert fp8_gemv_config(4, 4096, 4096, (128, 128), sms=78, fp8_dot=True) != entry  # another card: the rule
+    assert fp8_gemv_config(4, 4096, 4096, (128, 128))["KERNEL"] == "dot"             # no FP8 products: widen
+    fp8_gemv_config(4, 4096, 4096, (128, 128), fp8_dot=True)["BLOCK_N"] = 1           # callers get a copy
     assert entry["BLOCK_N"] == 32
 
 
@@ -264,7 +298,15 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
     w, ws = random_fp8_weight(n, k, block, gen, "cuda")
     for m in (1, 4, 16):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-        assert rel_err(fp8_gemv(x, w, ws, block), fp8_gemv_reference(x, w, ws, block)) < 1e-2
+        # the card's default (the "a8" kernel from the measured table on an H200), then widening the weight
+        a8 = fp8_gemv_config(m, n, k, block, torch.cuda.get_device_properties(0).multi_processor_count, True)
+        assert a8["KERNEL"] == "a8"
+        for pdl in (False, True):
+            out = fp8_gemv(x, w, ws, block, config=a8, pdl=pdl)
+            assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=a8["BLOCK_K"])) < 8e-3
+            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < 4e-2
+        dot = fp8_gemv_config(m, n, k, block)
+        assert rel_err(fp8_gemv(x, w, ws, block, config=dot), fp8_gemv_reference(x, w, ws, block)) < 1e-2
         if m <= 4:      # the CUDA-core kernel, K tiles spanning two scale blocks, split-K
             fma = dict(KERNEL="fma", BLOCK_M=m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3)
             assert rel_err(fp8_gemv(x, w, ws, block, config=fma), fp8_gemv_reference(x, w, ws, block)) < 1e-2
@@ -286,8 +328,8 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
         out = layer(x)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
-        if m:    # W8A8 also rounds the activations to e4m3: a looser bound than the weight-only GEMV's
-            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < (1e-2 if m <= 16 else 8e-2)
+        if m:    # W8A8 also rounds the activations to e4m3: a looser bound than a weight-only GEMV's
+            assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < 8e-2
 
 
 @gpu

@@ -1,8 +1,12 @@
-"""Weight-only FP8 GEMV for 1-16 rows: out [M, N] = x [M, K] @ dequant(w [N, K] fp8)^T.
+"""FP8 GEMV for 1-16 rows: out [M, N] = x [M, K] @ dequant(w [N, K] fp8)^T.
 
 At decode sizes the whole cost of a linear layer is streaming its weight from HBM, so the kernel reads
-each FP8 weight byte once, widens it to the activation dtype in registers and multiplies on the tensor
-cores; activations stay in their dtype (quantizing them would cost a launch and buy nothing here).
+each FP8 weight byte once. Widening every byte to the activation dtype on the CUDA cores costs about as
+much as the bytes ("dot", "fma": 1.2-2.3 TB/s of FP8 weight on the H200), so where FP8 products exist
+(Ada, Hopper) the "a8" kernel quantizes x instead: each K tile of each row gets its own scale (amax /
+448, one per 1 x BLOCK_K piece) in the kernel, the tile meets the loaded FP8 weight on the FP8 tensor
+cores as it is, and the partial product is scaled back as it is accumulated (2.3-3.7 TB/s). No extra
+launch: x is only ever a few rows.
 
 The layout is kernels/gemv.py's, measured there on the H200 for bf16: one program owns BLOCK_N output
 columns over a slice of K, the weight tile is the dot's wide left operand against one 16-row tile of x
@@ -12,6 +16,8 @@ the same launch, using gemv.py's graph-safe scratch. Scales are one per output r
 split) or one per scale block (applied per K tile, which never straddles a block: BLOCK_K divides it).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
@@ -127,9 +133,24 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 
 
 # Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows) or 16 (5-16 rows), scale
-# kind "channel" or "block" (128x128). Filled from benchmarks/results/fp8_gemv_sweep_h200.json, the "best"
-# table benchmarks/fp8_gemv_sweep.py prints; a shape or card it does not name gets gemv.py's rule below.
-DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {}
+# kind "channel" or "block" (128x128). From benchmarks/results/fp8_gemv_sweep_h200_f3f7a22.json (`--a8`,
+# each tile timed under PDL, as the decode chain launches it), TB/s of FP8 weight at one row, copy 4.22:
+# qkv 2.31 / 2.41 (the stream kernel 1.80 / 1.77), o_proj's stream kernel 2.16 / 2.14 (a8 1.87 / 1.75),
+# gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
+# read 1.2-2.3. The 16-row class was not timed and takes the 4-row tiles (the tile holds 16 rows either way).
+# {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it.
+_A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
+_A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
+_A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
+               "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
+_A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
+DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
+    **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
+    **{(4096, 4096, 1, kind): dict(KERNEL="stream") for kind in ("channel", "block")},
+    **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
+    **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
+    **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
+}
 TABLE_SMS = 132     # the table's K splits assume the H200's multiprocessor count
 
 
@@ -137,18 +158,25 @@ def rows_class(m: int) -> int:
     return 1 if m == 1 else 4 if m <= 4 else 16
 
 
+@lru_cache(maxsize=None)
+def fp8_dot_supported(device: torch.device) -> bool:
+    """FP8 x FP8 tensor-core products (the "a8" kernel): Ada (sm_89) and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
-                    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> dict:
-    """The measured table's entry for this shape on a card like the one measured; otherwise gemv.py's
-    tiles and K split (the tensor-core kernel), a block-scaled weight capping BLOCK_K at the scale
-    block's K side."""
+                    fp8_dot: bool = False, stream: bool = False) -> dict:
+    """The measured table's entry for this shape on a card like the one measured (fp8_dot: one with FP8
+    tensor cores; stream: the caller can run kernels/stream_gemv.py); otherwise gemv.py's tiles and K
+    split, in the "a8" kernel where FP8 products run, else widening the weight ("dot"). A block-scaled
+    weight caps BLOCK_K at the scale block's K side."""
     scale_kind = "channel" if block is None else "block" if tuple(block) == (128, 128) else None
-    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), scale_kind)) if sms == TABLE_SMS else None
-    if measured is not None:
+    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), scale_kind)) if sms == TABLE_SMS and fp8_dot else None
+    if measured is not None and (stream or measured["KERNEL"] != "stream"):
         return dict(measured)
-    if block is not None:
-        block_k = min(block_k, block[1])
-    return gemv_config(m, n, k, sms, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    block_k = 128 if block is None else min(128, block[1])
+    cfg = gemv_config(m, n, k, sms, block_n=64, block_k=block_k, num_warps=4, num_stages=3 if fp8_dot else 4)
+    return dict(cfg, KERNEL="a8" if fp8_dot else "dot")
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
@@ -156,17 +184,18 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
 
     config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
-    FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead."""
+    FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead. pdl: launch
+    under PDL (the tensor-core kernels), as a link of the decode chain."""
     m, k = x.shape
     n = w.shape[0]
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
-    cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device)))
+    cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device), fp8_dot_supported(x.device)))
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     kernel = cfg.pop("KERNEL", "dot")
     assert kernel in ("dot", "a8", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
     fma = kernel.startswith("fma")
-    assert not pdl or kernel == "a8", "fp8_gemv: only the a8 kernel launches under PDL"
+    assert not (pdl and fma), "fp8_gemv: the CUDA-core kernel does not launch under PDL"
     assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
     if block is not None:
         if fma:

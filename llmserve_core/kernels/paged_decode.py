@@ -241,7 +241,7 @@ MAX_TILE_ROWS = 128
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
-                 block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
                  pdl: bool = False) -> torch.Tensor:
@@ -279,6 +279,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if block_n is None:
         block_n = (tile_n or choose_block_n(num_splits)) if q.is_cuda else 16
     num_warps = num_warps if num_warps is not None else warps
+    if num_stages is None:
+        # One piece per (sequence, KV head), 64-key tiles: a third K/V tile in flight read 3-6% faster at
+        # batch 64 and 256, 512 and 640 keys (36.7 against 37.8 us, 160.6 against 170.2; kernels_bench.py
+        # --decode-sweep, benchmarks/results/decode_sweep_h200_f3f7a22.md). Split decodes keep 2.
+        num_stages = 3 if num_splits == 1 and rows_per_seq == 1 else 2
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
         cfg = decode_config(block_g, block_n, triton.next_power_of_2(head_dim), q.element_size(),

@@ -2,9 +2,11 @@
 
 `weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
-weight-only GEMV (the weight stream is the whole cost; on Hopper one row takes kernels/stream_gemv.py,
-chained under PDL with the kernels around it); more rows quantize the activations dynamically (per
-token, or per 1 x bk piece for block scales) and run a W8A8 GEMM on the FP8 tensor cores. Off the
+GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost): on Ada and Hopper its "a8" kernel
+quantizes each row per 1 x 128 piece as it reads it and multiplies FP8 by FP8, and one row of o_proj's
+shape takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it; more
+rows quantize the activations dynamically (per token, or per 1 x bk piece for block scales) in a launch
+of their own and run a W8A8 GEMM on the FP8 tensor cores. Off the
 fast path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference,
 the dequantized weight times the input in float32.
 """
@@ -65,15 +67,25 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
-        elif self.fast_kernel == "stream" and x2.shape[0] == 1 and self._streams():
-            from llmserve_core.kernels.stream_gemv import stream_gemv
-            out = stream_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block, pdl=self.pdl)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
-            from llmserve_core.kernels.fp8_gemv import fp8_gemv   # CUDA only: a CPU install may lack Triton
-            out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, self.block)
+            out = self._gemv(x2.contiguous())
         else:
             out = self._w8a8(x2.contiguous())
         return out.view(*shape[:-1], self.out_features)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """1-16 rows: the kernel and tiles kernels/fp8_gemv.py's measured table names for this shape (on
+        Hopper the W8A8 "a8" kernel, or for one row the stream kernel where it was faster), launched
+        under PDL on the decode chain."""
+        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, fp8_gemv_config, num_sms
+        stream = self.fast_kernel == "stream" and x.shape[0] == 1 and self._streams()
+        cfg = fp8_gemv_config(x.shape[0], self.out_features, self.in_features, self.block, num_sms(x.device),
+                              fp8_dot_supported(x.device), stream=stream)
+        if cfg["KERNEL"] == "stream":
+            from llmserve_core.kernels.stream_gemv import stream_gemv
+            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl)
+        return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=cfg,
+                        pdl=self.pdl and not cfg["KERNEL"].startswith("fma"))
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block
