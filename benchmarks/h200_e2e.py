@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -260,7 +261,7 @@ def pick(summary):
 def closed_loop(args, model_dir, tmp):
     endpoint = f"ipc://{tmp}/core.sock"
     core = start_core(model_dir, endpoint, ["--max-model-len", "4096", "--max-num-seqs", "256",
-                                            "--gpu-memory-utilization", "0.85"])
+                                            "--gpu-memory-utilization", "0.85"] + shlex.split(args.core_args))
     out = {}
     try:
         for conc in args.concurrency:
@@ -402,7 +403,10 @@ def main():
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--inprocess-concurrency", type=int, nargs="+", default=[64])
     ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--core-args", default="",
+                    help="more flags for the closed loops' core, e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'")
     args = ap.parse_args()
+    RESULTS["core_args"] = args.core_args
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="llmserve-bench-")
     model_dir = write_qwen3_8b_dir(os.path.join(tmp, "qwen3-8b-dummy"))

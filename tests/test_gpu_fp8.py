@@ -46,12 +46,27 @@ def test_fp8_graphs_equal_eager(mid_model, block_fp8, case):
 
 
 def test_fp8_checkpoint_tracks_its_bf16_twin(block_fp8):
+    """FP8 quantizes the activations too (per 1 x 128 piece at 1-16 rows, per token group beyond): tokens
+    agree with the dequantized bf16 twin up to the first near-tie, where the FP8 token is one the twin
+    ranked almost as high, and the logprobs before it are close."""
     path, twin = block_fp8
-    _, got = run(path, dtype="bfloat16")
-    _, want = run(twin, dtype="bfloat16")
-    first = sum(a[:8] == b[:8] for a, b in zip(got, want))
-    print(f"fp8 block checkpoint vs bf16 twin: {first}/{len(got)} agree on the first 8 tokens")
-    assert first >= len(got) - 2         # W8A8 also rounds the activations: near-ties may flip
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = {}
+    for name, model in (("fp8", path), ("twin", twin)):
+        engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=256,
+                                     max_model_len=1024, max_num_seqs=8))
+        outs[name] = engine.generate(prompts(engine.model_info.vocab_size), params)
+    agree = []
+    for got, want in zip(outs["fp8"], outs["twin"]):
+        j = next((j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), len(got.token_ids))
+        agree.append(j)
+        for i in range(j):
+            assert abs(got.logprobs[i].logprob - want.logprobs[i].logprob) < 0.3, (i, got.logprobs[i], want.logprobs[i])
+        if j < len(got.token_ids):
+            top = dict(want.logprobs[j].top)
+            a, b = got.token_ids[j], want.token_ids[j]
+            assert a in top and top[b] - top[a] < 0.5, (j, a, b, want.logprobs[j].top)
+    print(f"fp8 block checkpoint vs bf16 twin: tokens agree for {agree} of {len(got.token_ids)}")
 
 
 def test_fp8_kv_triton_token_exact_against_torch_in_float32(mid_model):
@@ -61,9 +76,9 @@ def test_fp8_kv_triton_token_exact_against_torch_in_float32(mid_model):
 
 
 def test_fp8_block_checkpoint_decodes_alone_as_in_a_batch(block_fp8):
-    """Alone, a sequence decodes one row a step (on Hopper the stream GEMV under PDL, block scales
-    folded into x); in a batch its rows take the FP8 GEMV. Both are weight-only, so the tokens agree up
-    to the first near-tie, and the logprobs before it are close."""
+    """Alone, a sequence decodes one row a step; in a batch its rows share each FP8 GEMV (on Hopper both
+    quantize the activations per 1 x 128 piece, and one row of o_proj's shape streams weight-only), so
+    the tokens agree up to the first near-tie, and the logprobs before it are close."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
     engine = Engine(EngineConfig(model=block_fp8[0], device="cuda", dtype="bfloat16", num_kv_blocks=256,
                                  max_model_len=1024, max_num_seqs=8))
