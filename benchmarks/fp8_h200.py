@@ -310,6 +310,8 @@ def engine_section(ctx, model_dir, bandwidth):
     budgets, restore = kv_budget_recorder()
     try:
         for name, kw in ENGINES.items():
+            if ctx.args.engines and name not in ctx.args.engines:
+                continue
             if ctx.time_left() < 45:
                 out[name] = {"skipped": "time budget"}
                 continue
@@ -411,6 +413,8 @@ def main():
     p.add_argument("--skip", nargs="*", default=[], choices=["gemv", "gemm", "engine"])
     p.add_argument("--commit", default=None, help="the commit to name (default: git rev-parse, where there is a .git)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing real")
+    p.add_argument("--engines", nargs="*", default=[], choices=list(ENGINES),
+                   help="the engine section's weight / KV dtypes to run (default: all four)")
     args = p.parse_args()
     ctx = Ctx(args)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
