@@ -44,11 +44,9 @@ CANDIDATES = (("dot", 64, 256, 4, 4, 4), ("dot", 64, 256, 8, 4, 4), ("dot", 128,
               ("fma_late", 16, 512, 4, 3, 4))
 FMA_MAX_ROWS = 4
 # --a8: the W8A8 tiles (x quantized per 1 x BLOCK_K piece in the kernel, FP8 x FP8 on the tensor cores),
-# each under PDL with and without an L2 prefetch of its first 2 / 4 weight tiles before the PDL wait,
-# beside the card's default tiles and, at one row, the stream kernel (plain and under PDL)
-A8_CANDIDATES = (("a8", 64, 128, 4, 3, 4), ("a8", 64, 128, 4, 5, 4), ("a8", 128, 128, 4, 4, 2),
-                 ("a8", 128, 128, 8, 4, 2), ("a8", 64, 128, 4, 4, 8), ("a8", 64, 128, 4, 3, 2))
-A8_PREFETCH = (0, 2, 4)
+# beside the tree's defaults and, at one row, the stream kernel the engine runs today (plain and under PDL)
+A8_CANDIDATES = (("a8", 64, 128, 4, 3, 4), ("a8", 64, 128, 4, 5, 4), ("a8", 64, 128, 4, 8, 4),
+                 ("a8", 128, 128, 4, 4, 2), ("a8", 128, 128, 8, 4, 2), ("a8", 64, 128, 4, 4, 8))
 
 
 def split_for(n, k, block_n, block_k, sms, per_sm):
@@ -96,8 +94,6 @@ def kernel_call(label, cfg):
         return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl)
     cfg = dict(cfg)
     pdl = cfg.pop("PDL", False)
-    if cfg.get("KERNEL") == "a8" and not torch.cuda.is_available():
-        cfg.pop("PREFETCH", None)
     return lambda x, q, s, b: fp8_gemv(x, q, s, b, config=cfg, pdl=pdl)
 
 
@@ -143,7 +139,7 @@ def main():
                    "block": [quantize_per_block(t, BLOCK) + (BLOCK,) for t in w]}
         del w
         for scale, ws in weights.items():
-            for m in (1,) if args.a8 else ROWS:     # (2-4 rows read as one does: the tile holds 16 either way)
+            for m in ROWS:
                 x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
                 refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
                         "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
@@ -161,10 +157,8 @@ def main():
                     configs[label] = dict(
                         KERNEL=kernel, BLOCK_M=1 << (m - 1).bit_length() if kernel.startswith("fma") else 16,
                         BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
-                    if kernel == "a8" and cuda:     # timed as the decode chain launches it
-                        base = configs.pop(label)
-                        for pf in A8_PREFETCH:
-                            configs[f"{label}_pdl_pf{pf}"] = dict(base, PDL=True, PREFETCH=pf)
+                    if kernel == "a8" and cuda:
+                        configs[label + "_pdl"] = dict(configs[label], PDL=True)
                 for label, cfg in configs.items():
                     if time.time() - t_start > args.budget_s and label != "current":
                         case[label] = {"skipped": "time budget"}

@@ -30,23 +30,13 @@ from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
 @triton.jit
-def _prefetch_l2(row_ptrs, row_mask, BYTES: tl.constexpr):
-    """prefetch.global.L2 for the first BYTES bytes of each masked-in row (row_ptrs [R, 1], byte-sized
-    elements or wider: the offsets step 128 bytes)."""
-    lines = tl.arange(0, triton.next_power_of_2(max(1, BYTES // 128)))
-    elem = row_ptrs.dtype.element_ty.primitive_bitwidth // 8
-    ptrs = row_ptrs + (lines * (128 // elem))[None, :]
-    ptrs = tl.where(row_mask[:, None] & (lines[None, :] * 128 < BYTES), ptrs, row_ptrs)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
                      stride_sn, stride_sk,
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait_and_release(PDL)      # x comes from the kernel before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -59,12 +49,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = pid_k * k_per_split
-    if PREFETCH > 0:
-        # Ask L2 for this program's first PREFETCH weight tiles (one request per 128-byte line) before
-        # waiting on the kernel before: no earlier kernel writes W, and under PDL the wait would otherwise
-        # leave the start of every program's stream serial with its predecessor's tail.
-        _prefetch_l2(w_rows + k_lo, n_mask, PREFETCH * BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    pdl_wait_and_release(PDL)      # x comes from the kernel before
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
@@ -155,11 +139,11 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 # gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
 # read 1.2-2.3. The 16-row class was not timed and takes the 4-row tiles (the tile holds 16 rows either way).
 # {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it.
-_A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3, PREFETCH=2)
-_A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4, PREFETCH=2)
-_A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5, PREFETCH=2),
-               "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4, PREFETCH=2)}
-_A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4, PREFETCH=2)
+_A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
+_A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
+_A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
+               "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
+_A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 4096, 1, kind): dict(KERNEL="stream") for kind in ("channel", "block")},
@@ -234,10 +218,9 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     if fma:
         _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
-        prefetch = cfg.pop("PREFETCH", 0) * x.is_cuda      # (inline PTX: not in the interpreter)
         _fp8_gemv_kernel[(n_blocks, split)](*args, **common, DOT_IEEE=x.dtype == torch.float32,
                                             QUANT_X=kernel == "a8", FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                                            PREFETCH=prefetch, PDL=pdl, **cfg, **pdl_launch(pdl))
+                                            PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
