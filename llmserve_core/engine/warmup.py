@@ -12,7 +12,8 @@ shapes a served step can have are met here first:
   the budget (chunked: an extend);
 - a decode batch of every size 1..16, every CUDA-graph bucket and the first size of every split count;
 - the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs, the logits edits:
-  penalties, logit_bias, min_tokens) on mixed batches;
+  penalties, logit_bias, min_tokens) on mixed batches of 1, 8, 16 and the most rows: these write the
+  lm_head's logits, where a greedy-only batch of up to 16 rows takes the argmax inside the lm_head;
 - where the model has a tokenizer and xgrammar imports, grammar-masked decoding (the bitmask kernel, and
   the grammar compiler with the vocabulary, which a first structured request would otherwise build);
 - a step that mixes decode rows with a prefill chunk;
@@ -101,7 +102,10 @@ def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     for n in decode_sizes(max_num_seqs, buckets, num_kv_heads):
         # Prompts of 2 tokens: n rows decode together after a short prefill of 2n tokens (if it fits).
         rounds.append(Round(n, 2, new_tokens))
-    for n in sorted({1, min(8, max_num_seqs), max_num_seqs}):
+    # The sampler's paths at 1, 16 and some other row count under 16 (the classes a small-M kernel
+    # specializes on: the lm_head writes logits for them, where a greedy-only batch takes its argmax), and
+    # at the largest batch.
+    for n in sorted({1, min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs}):
         rounds.append(Round(n, 2, new_tokens, mixed=True))
     late = min(budget // 2, longest - 5)        # the late round decodes 8 tokens, not 3
     if max_num_seqs > 1 and late > 1:
@@ -149,7 +153,8 @@ def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
                            msgspec.structs.replace(params, max_tokens=rnd.new_tokens))
 
     for i in range(rnd.num_requests):
-        add(i, rnd.prompt_len, GUIDED if rnd.guided else MIXED[i % len(MIXED)] if rnd.mixed else GREEDY)
+        # (a mixed round of one request samples: plain greedy rows are the decode rounds')
+        add(i, rnd.prompt_len, GUIDED if rnd.guided else MIXED[(i + 1) % len(MIXED)] if rnd.mixed else GREEDY)
     if rnd.late_prompt_len:
         for _ in range(3):                        # the short prompts are past their prefill: decoding
             engine.step()
