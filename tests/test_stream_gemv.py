@@ -80,17 +80,34 @@ def test_linear_streams_one_row_and_falls_back_for_more():
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @torch.no_grad()
-def test_fp8_linear_streams_one_row(block, monkeypatch):
+def test_fp8_linear_takes_the_kernel_its_table_names(block, monkeypatch):
+    """On a card like the measured one (FP8 products, 132 multiprocessors; faked here), one row of a
+    shape the table gives the stream kernel streams on the decode chain, and the W8A8 kernel's rows take
+    it elsewhere; off the chain, or where the table names nothing, the card's rule applies."""
+    import llmserve_core.kernels.fp8_gemv as fp8_gemv_module
     import llmserve_core.kernels.stream_gemv as stream
+    from llmserve_core.kernels.fp8_gemv import fp8_gemv_a8_reference
     calls = []
     monkeypatch.setattr(stream, "stream_gemv", lambda *a, **kw: calls.append(1) or stream_gemv(*a, **kw))
+    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
+    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
+    kind = "channel" if block is None else "block"
+    a8 = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=8, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (136, 256, 1, kind), dict(KERNEL="stream"))
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (136, 256, 4, kind), a8)
     torch.manual_seed(0)
     lin = Fp8Linear(256, 136, block)
     lin.quantize_rows_(torch.randn(136, 256) / 16)
-    x = torch.randn(1, 256)
+    x = torch.randn(3, 256)
     want = lin(x)           # off the fast path: the dequantized reference
     lin.fused, lin.fast_kernel = True, "stream"
-    assert rel_err(lin(x), want) < 1e-5 and calls == [1]
+    assert rel_err(lin(x[:1]), want[:1]) < 1e-5 and calls == [1]
+    got = lin(x)                                        # 2-4 rows: the W8A8 kernel, x quantized per 64 columns
+    assert calls == [1] and rel_err(got, fp8_gemv_a8_reference(x, lin.weight, lin.weight_scale, block, 64)) < 1e-5
+    assert rel_err(got, want) < 4e-2
+    lin.fast_kernel = None                              # off the chain: no stream kernel, the rule's a8 tiles
+    assert rel_err(lin(x[:1]), fp8_gemv_a8_reference(x[:1], lin.weight, lin.weight_scale, block, 128)) < 1e-5
+    assert calls == [1]
 
 
 @pytest.mark.gpu
