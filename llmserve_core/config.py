@@ -104,8 +104,6 @@ class EngineConfig:
             host, _, port = self.dist_init_addr.rpartition(":")
             need(bool(host) and port.isdigit() and 0 < int(port) < 65536, "dist_init_addr", "must be HOST:PORT")
         need(0.0 < self.distributed_timeout <= 86400.0, "distributed_timeout", "must be in (0, 86400]")
-        if self.tensor_parallel_size > 1:
-            need(self.quantization is None, "quantization", "fp8 is not supported with tensor_parallel_size > 1")
         self.draft_shape()                # raises naming the speculative_* field at fault
         self.resolved_dtype()
 

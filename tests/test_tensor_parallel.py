@@ -18,6 +18,7 @@ from llmserve_core.distributed.sharding import ShardSpec
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.eagle3 import make_tiny_draft
 from llmserve_proto import SamplingParams
+from test_fp8_loading import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 SHARED = list(range(40, 75))
@@ -66,6 +67,56 @@ def test_tp2_and_tp4_greedy_equal_one_rank(gqa_dir):
         got, stats = run(gqa_dir, tp)
         assert got == want, f"tensor_parallel_size {tp}"
         assert stats["prefix_hits"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["qwen-block16", "compressed-tensors-channel"])
+def test_fp8_checkpoint_tp2_greedy_equals_one_rank(gqa_dir, tmp_path, fmt):
+    """An FP8 checkpoint split over ranks: weights and their scales sliced alike (block scales by whole
+    blocks, per-channel ones by row where a layer splits its rows and whole where it splits K)."""
+    qc = qwen_fp8_config((16, 16)) if fmt == "qwen-block16" else compressed_tensors_config()
+    path, _ = write_fp8_checkpoint(gqa_dir, tmp_path / fmt, qc)
+    want, _ = run(path, 1)
+    got, stats = run(path, 2)
+    assert got == want and stats["prefix_hits"] > 0
+
+
+def leading_agreement(a: list[list[int]], b: list[list[int]]) -> int:
+    """Tokens two runs agree on before their first difference, summed over the sequences."""
+    return sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b))
+
+
+@pytest.mark.slow
+def test_online_fp8_under_tp2_tracks_one_rank(gqa_dir):
+    """--quantization fp8 under TP quantizes each rank's slice: a row-parallel layer's per-row scales come
+    from the rank's part of K, so the weights are not bit-identical to one rank's. The split must move the
+    tokens less than FP8 itself does: TP 2 agrees with one rank's FP8 at least as long as one rank's FP8
+    agrees with the float model (the random model's near-ties make both short of the whole output)."""
+    exact, _ = run(gqa_dir, 1)
+    want, _ = run(gqa_dir, 1, quantization="fp8")
+    got, _ = run(gqa_dir, 2, quantization="fp8")
+    split, fp8 = leading_agreement(got, want), leading_agreement(want, exact)
+    print(f"online fp8: TP 2 and one rank agree on {split} leading tokens, one rank and float32 on {fp8}")
+    assert split >= fp8 and got[0][0] == want[0][0]
+
+
+def test_fp8_scales_slice_with_their_weights():
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    rank1 = ShardSpec.of(cfg, 1, 2)
+    per_row = torch.arange(64.0)
+    assert torch.equal(rank1.slice_weight_scale("model.layers.0.self_attn.q_proj.weight_scale", per_row, cfg, None),
+                       per_row[32:])                                           # column-parallel: its rows
+    assert torch.equal(rank1.slice_weight_scale("model.layers.0.self_attn.o_proj.weight_scale", per_row, cfg, None),
+                       per_row)                                                # row-parallel: every row's scale
+    one = torch.tensor(0.5)
+    assert rank1.slice_weight_scale("model.layers.0.mlp.down_proj.weight_scale", one, cfg, None) is one
+    blocks = torch.arange(8.0 * 8).view(8, 8)                                  # [128 / 16, 128 / 16]
+    up = rank1.slice_weight_scale("model.layers.0.mlp.up_proj.weight_scale_inv", blocks, cfg, (16, 16))
+    down = rank1.slice_weight_scale("model.layers.0.mlp.down_proj.weight_scale_inv", blocks, cfg, (16, 16))
+    assert torch.equal(up, blocks[4:]) and torch.equal(down, blocks[:, 4:])
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks split .*k_proj.*48-wide scale blocks"):
+        rank1.slice_weight_scale("model.layers.0.self_attn.k_proj.weight_scale_inv", blocks[:1], cfg, (48, 48))
 
 
 def eagle3_tp2_equals_plain(tiny_model_dir, tmp_path) -> dict:

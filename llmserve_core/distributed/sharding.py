@@ -53,28 +53,50 @@ class ShardSpec:
         return dataclasses.replace(cfg, num_attention_heads=self.q_heads[1], num_key_value_heads=self.kv_heads[1],
                                    intermediate_size=self.intermediate[1])
 
+    def _weight_ranges(self, hf_name: str, cfg: ModelConfig) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """(rows, cols) as (first, count) of a decoder linear's weight this rank holds: rows for the
+        column-parallel q/k/v and gate/up, columns for the row-parallel o_proj and down; (None, None) else."""
+        d = cfg.head_dim
+        if ".self_attn.q_proj." in hf_name:
+            return (self.q_heads[0] * d, self.q_heads[1] * d), None
+        if ".self_attn.k_proj." in hf_name or ".self_attn.v_proj." in hf_name:
+            return (self.kv_heads[0] * d, self.kv_heads[1] * d), None
+        if ".self_attn.o_proj." in hf_name:
+            return None, (self.q_heads[0] * d, self.q_heads[1] * d)
+        if ".mlp.gate_proj." in hf_name or ".mlp.up_proj." in hf_name:
+            return self.intermediate, None
+        if ".mlp.down_proj." in hf_name:
+            return None, self.intermediate
+        return None, None
+
     def slice_checkpoint(self, hf_name: str, tensor, cfg: ModelConfig) -> torch.Tensor:
         """This rank's part of checkpoint tensor `hf_name` (full-model config `cfg`); `tensor` is a
         safetensors slice or a tensor, read only where it is indexed."""
-        d = cfg.head_dim
-        rows = cols = None
-        if ".self_attn.q_proj." in hf_name:
-            rows = (self.q_heads[0] * d, self.q_heads[1] * d)
-        elif ".self_attn.k_proj." in hf_name or ".self_attn.v_proj." in hf_name:
-            rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
-        elif ".self_attn.o_proj." in hf_name:
-            cols = (self.q_heads[0] * d, self.q_heads[1] * d)
-        elif ".mlp.gate_proj." in hf_name or ".mlp.up_proj." in hf_name:
-            rows = self.intermediate
-        elif ".mlp.down_proj." in hf_name:
-            cols = self.intermediate
-        elif hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             first, count = self.vocab
             part = tensor[first:min(first + count, self.vocab_size)]
             pad = count - part.shape[0]          # the last ranks' padding rows: zeros, cut from the logits
             return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
+        rows, cols = self._weight_ranges(hf_name, cfg)
         if rows is not None:
             return tensor[rows[0]:rows[0] + rows[1]]
         if cols is not None:
             return tensor[:, cols[0]:cols[0] + cols[1]]
         return tensor[:]                          # norms: replicated
+
+    def slice_weight_scale(self, hf_name: str, scale: torch.Tensor, cfg: ModelConfig,
+                           block: tuple[int, int] | None) -> torch.Tensor:
+        """This rank's part of an FP8 weight's scale `hf_name`. One per tensor: whole. One per output row:
+        the rank's rows where the layer splits its rows, all of them where it splits K (each row's scale
+        covers the whole row). One per bn x bk block: the rank's whole blocks, so its slice of the weight
+        must start on a block edge."""
+        rows, cols = self._weight_ranges(hf_name, cfg)
+        if scale.numel() == 1 or (rows is None and (cols is None or block is None)):
+            return scale
+        if block is None:
+            return scale[rows[0]:rows[0] + rows[1]]
+        (first, count), side, axis = (rows, block[0], 0) if rows is not None else (cols, block[1], 1)
+        if first % side:
+            raise ValueError(f"tensor_parallel_size: {self.size} ranks split {hf_name!r}'s {side}-wide scale "
+                             f"blocks (rank {self.rank}'s {'rows' if axis == 0 else 'columns'} start at {first})")
+        return scale.narrow(axis, first // side, -(-count // side))

@@ -44,8 +44,6 @@ def load_model(cfg: ModelConfig, path, load_format: str = "auto", dtype: torch.d
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     device = torch.device(device)
     fp8 = resolve_quantization(cfg.quantization_config, quantization)
-    if fp8 is not None and tp is not None:
-        raise ValueError("quantization: FP8 weights are not supported with tensor_parallel_size > 1")
     local_cfg = cfg if tp is None else tp.shard.local_config(cfg)
     model = Qwen3ForCausalLM(local_cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8, tp=tp)
     if load_format == "dummy":
@@ -143,7 +141,13 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                 module_name, _, suffix = name.rpartition(".")
                 module = modules.get(module_name)
                 if isinstance(module, Fp8Linear):
-                    load_fp8_tensor(module, suffix, hf_name, f.get_tensor(hf_name), offset, rows, fp8)
+                    if shard is None:
+                        tensor = f.get_tensor(hf_name)
+                    elif suffix == "weight":
+                        tensor = shard.slice_checkpoint(hf_name, f.get_slice(hf_name), full_cfg)
+                    else:
+                        tensor = shard.slice_weight_scale(hf_name, f.get_tensor(hf_name), full_cfg, module.block)
+                    load_fp8_tensor(module, suffix, hf_name, tensor, offset, rows, fp8)
                     done.add(hf_name)
                     continue
                 if name not in params:
