@@ -70,15 +70,21 @@ def test_tp2_and_tp4_greedy_equal_one_rank(gqa_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["qwen-block16", "compressed-tensors-channel"])
-def test_fp8_checkpoint_tp2_greedy_equals_one_rank(gqa_dir, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,tp,graphs", [("qwen-block16", 2, False), ("compressed-tensors-channel", 2, True),
+                                           ("qwen-block16", 4, False)],
+                         ids=["block-tp2", "channel-tp2-graphs", "block-tp4"])
+def test_fp8_checkpoint_under_tp_greedy_equals_one_rank(gqa_dir, tmp_path, fmt, tp, graphs, request):
     """An FP8 checkpoint split over ranks: weights and their scales sliced alike (block scales by whole
-    blocks, per-channel ones by row where a layer splits its rows and whole where it splits K)."""
+    blocks, per-channel ones by row where a layer splits its rows and whole where it splits K); at TP 4
+    the two KV heads are replicated, each on two ranks, scales included; with the graph path on, decode
+    steps replay on every rank."""
     qc = qwen_fp8_config((16, 16)) if fmt == "qwen-block16" else compressed_tensors_config()
     path, _ = write_fp8_checkpoint(gqa_dir, tmp_path / fmt, qc)
     want, _ = run(path, 1)
-    got, stats = run(path, 2)
+    replays = request.getfixturevalue("graph_path") if graphs else []
+    got, stats = run(path, tp)
     assert got == want and stats["prefix_hits"] > 0
+    assert bool(replays) == graphs
 
 
 def leading_agreement(a: list[list[int]], b: list[list[int]]) -> int:
