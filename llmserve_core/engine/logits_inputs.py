@@ -12,11 +12,12 @@ from llmserve_core.layers.logits_processors import LogitsProcessors, Penalties
 from llmserve_core.layers.sampler import host_values_to
 
 
-def build_logits_processors(reqs: list[Request], vocab: int, device: torch.device, masks=None
+def build_logits_processors(reqs: list[Request], vocab: int, device: torch.device, masks=None, pin: bool = False
                             ) -> LogitsProcessors | None:
     """For the sampled requests of a step (row i = reqs[i]); None when no row needs any edit. `masks`
     (a grammar.MaskBuilder) fills the grammar rows' bitmask: called after the forward is queued, so on
-    a GPU that host work overlaps the forward. Grammar and penalty rows need every earlier token's id (no
+    a GPU that host work overlaps the forward; pin (the runner's choice) stages the inputs in pinned
+    memory, so their copies do not wait for that forward. Grammar and penalty rows need every earlier token's id (no
     placeholder left): the engine reads the previous step back before it samples such rows."""
     if not any(r.params.processes_logits for r in reqs):
         return None
@@ -42,8 +43,6 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
             pen.append(i)
         if r.grammar is not None:
             grammars.append((i, r.grammar))
-
-    pin = device.type == "cuda"     # the copies must not wait for the forward this work overlaps
 
     def dev(values, dtype):
         return host_values_to(values, dtype, device, pin)

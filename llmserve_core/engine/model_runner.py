@@ -253,7 +253,8 @@ class ModelRunner:
         st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
                                          pin=self.pin)
         # Built after the forward is queued: on a GPU the host fills grammar masks while it runs.
-        processors = build_logits_processors(reqs, self.model_config.vocab_size, self.device, self.masks)
+        processors = build_logits_processors(reqs, self.model_config.vocab_size, self.device, self.masks,
+                                             pin=self.pin)
         return sample(logits, st, processors)
 
     @torch.inference_mode()
