@@ -89,6 +89,12 @@ def decode_sizes(max_num_seqs: int, buckets: list[int], num_kv_heads: int) -> li
     return sorted(sizes)
 
 
+def small_row_classes(max_num_seqs: int) -> list[int]:
+    """1, 8 and 16 rows (as many as fit): a kernel that specializes a row count as Triton does an integer
+    argument (1, a multiple of 16, anything else) meets each class once."""
+    return sorted({1, min(8, max_num_seqs), min(16, max_num_seqs)})
+
+
 def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, chunked: bool,
                 buckets: list[int], num_kv_heads: int, lookahead: int = 0) -> list[Round]:
     # Room for the new tokens and the speculative lookahead past them.
@@ -102,10 +108,9 @@ def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     for n in decode_sizes(max_num_seqs, buckets, num_kv_heads):
         # Prompts of 2 tokens: n rows decode together after a short prefill of 2n tokens (if it fits).
         rounds.append(Round(n, 2, new_tokens))
-    # The sampler's paths at 1, 16 and some other row count under 16 (the classes a small-M kernel
-    # specializes on: the lm_head writes logits for them, where a greedy-only batch takes its argmax), and
-    # at the largest batch.
-    for n in sorted({1, min(8, max_num_seqs), min(16, max_num_seqs), max_num_seqs}):
+    # The sampler's paths at each small row class (the lm_head writes logits for them, where a greedy-only
+    # batch takes its argmax) and at the largest batch.
+    for n in sorted(set(small_row_classes(max_num_seqs)) | {max_num_seqs}):
         rounds.append(Round(n, 2, new_tokens, mixed=True))
     late = min(budget // 2, longest - 5)        # the late round decodes 8 tokens, not 3
     if max_num_seqs > 1 and late > 1:
@@ -130,9 +135,8 @@ def draft_rounds(engine, plan: list[Round]) -> list[tuple[int, Round]]:
 
 
 def grammar_rounds(max_num_seqs: int) -> list[Round]:
-    """Masked decode batches of 1, 8 and 16 rows: xgrammar's bitmask kernel specializes its row count as
-    Triton does an integer argument (1, a multiple of 16, anything else)."""
-    return [Round(n, 2, 3, guided=True) for n in sorted({1, min(8, max_num_seqs), min(16, max_num_seqs)})]
+    """Masked decode batches of each small row class: xgrammar's bitmask kernel specializes its row count."""
+    return [Round(n, 2, 3, guided=True) for n in small_row_classes(max_num_seqs)]
 
 
 def grammars_available(engine) -> bool:
