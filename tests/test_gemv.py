@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels.gemv import MAX_ROWS, gemv, gemv_argmax, gemv_config, gemv_reference
-from llmserve_core.layers.linear import MAX_ROWS as LINEAR_MAX_ROWS
+from llmserve_core.kernels import gemv as gemv_module
+from llmserve_core.kernels.gemv import (MAX_ROWS, MEASURED_CONFIGS, PROJECTION_MAX_ROWS, gemv, gemv_argmax, gemv_config,
+                                        gemv_reference, projection_config, row_tile)
+from llmserve_core.layers import linear as linear_module
 from llmserve_core.layers.linear import Linear
 
 CUDA = torch.cuda.is_available()
@@ -34,11 +36,12 @@ def inputs(m, n, k, dtype, seed):
 
 
 def test_limits_agree():
-    assert MAX_ROWS == LINEAR_MAX_ROWS
+    assert (MAX_ROWS, PROJECTION_MAX_ROWS) == (linear_module.MAX_ROWS, linear_module.PROJECTION_MAX_ROWS)
 
 
 @pytest.mark.parametrize("m,shape,dtype", list(itertools.product(
-    [1, 2, 3, 5, 16], [(48, 64), (37, 80), (130, 512)], [torch.float32, torch.float16, torch.bfloat16])))
+    [1, 2, 3, 5, 16, 17, 40, 64], [(48, 64), (37, 80), (130, 512)],
+    [torch.float32, torch.float16, torch.bfloat16])))
 def test_gemv_matches_reference(m, shape, dtype):
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("Triton's interpreter has no bfloat16 dot")
@@ -66,9 +69,9 @@ def test_gemv_refuses_what_it_cannot_do():
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (151936, 4096), (48, 64)])
 def test_config_fills_the_device_and_splits_k_evenly(n, k):
-    for m in (1, 7, MAX_ROWS):
+    for m in (1, 7, 16, 17, 33, MAX_ROWS):
         cfg = gemv_config(m, n, k, sms=132)
-        assert cfg["BLOCK_M"] >= m
+        assert cfg["BLOCK_M"] == row_tile(m) >= m and (row_tile(m) == 16 or row_tile(m) // 2 < m)
         programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
         assert cfg["SPLIT_K"] == 1 or (programs <= 8 * 132 and k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]) == 0)
         if k >= 4096:
@@ -85,7 +88,41 @@ def test_split_k_reduces_once_and_rearms(split):
     assert rel_err(first, ref) < 1e-5 and rel_err(second, 2 * ref) < 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 4, MAX_ROWS + 3])
+def test_projection_config_only_where_measured():
+    """The decoder's projections leave cuBLAS only for 2..16 rows, at a shape the H200 table has, on a card
+    with the H200's multiprocessor count."""
+    for (n, k, tile), cfg in MEASURED_CONFIGS.items():
+        for m in (1, 2, 9, 16, 17, 64):
+            got = projection_config(m, n, k, sms=132)
+            assert got == (cfg if 1 < m <= PROJECTION_MAX_ROWS and row_tile(m) == tile else None), (n, k, m)
+        assert projection_config(4, n, k, sms=114) is None
+    assert projection_config(4, 5120, 5120, sms=132) is None
+
+
+def test_linear_projection_dispatch(monkeypatch):
+    """fast_kernel "stream": one row streams, 2..16 rows take gemv with the measured tiles, more rows and
+    unmeasured shapes F.linear; every path equals the eager layer."""
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    monkeypatch.setitem(MEASURED_CONFIGS, (96, 64, 16),
+                        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2))
+    calls = []
+    real_gemv = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(kw["config"]) or real_gemv(*a, **kw))
+    torch.manual_seed(0)
+    lin = Linear(64, 96).to(DEVICE)
+    with torch.no_grad():
+        lin.weight.normal_(0, 64 ** -0.5)
+    for rows, through_gemv in ((1, False), (2, True), (16, True), (17, False)):
+        x = torch.randn(rows, 64, device=DEVICE)
+        lin.fast_kernel = None
+        eager = lin(x)
+        lin.fast_kernel = "stream"
+        calls.clear()
+        assert rel_err(lin(x), eager) < 1e-5
+        assert bool(calls) == through_gemv and all(c["SPLIT_K"] == 2 for c in calls), rows
+
+
+@pytest.mark.parametrize("rows", [1, 4, 33, MAX_ROWS + 3])
 def test_linear_fast_path_equals_eager(rows):
     torch.manual_seed(rows)
     lin = Linear(64, 96).to(DEVICE)
@@ -101,15 +138,25 @@ def test_linear_fast_path_equals_eager(rows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 32, 40, 64])
 def test_gemv_qwen3_8b_shapes_bf16(m):
-    for n, k in [(151936, 4096), (6144, 4096), (4096, 12288)]:
+    """Every shape of the measured table (and its row tiles) on the GPU, plainly and under PDL, and the
+    lm_head's argmax."""
+    for n, k in [(151936, 4096), (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
         x, w = inputs(m, n, k, torch.bfloat16, seed=m + n)
-        assert rel_err(gemv(x, w, out_dtype=torch.float32), gemv_reference(x.double(), w.double())) < 1e-2
+        ref = gemv_reference(x.double(), w.double())
+        assert rel_err(gemv(x, w, out_dtype=torch.float32), ref) < 1e-2
+        assert rel_err(gemv(x, w, out_dtype=torch.float32, pdl=True), ref) < 1e-2
+        cfg = projection_config(m, n, k, gemv_module.num_sms(x.device))
+        if cfg is not None:
+            assert rel_err(gemv(x, w, config=cfg, pdl=True), ref) < 1e-2
+        if n == 151936:
+            assert torch.equal(gemv_argmax(x, w, pdl=True), gemv(x, w, out_dtype=torch.float32).argmax(-1))
 
 
 @pytest.mark.parametrize("m,n,k,dtype", [(1, 300, 64, torch.float32), (3, 130, 128, torch.float16),
-                                         (16, 77, 64, torch.float32), (2, 1000, 96, torch.bfloat16)])
+                                         (16, 77, 64, torch.float32), (2, 1000, 96, torch.bfloat16),
+                                         (40, 150, 64, torch.float32), (64, 90, 32, torch.float16)])
 def test_gemv_argmax_equals_argmax_of_the_logits(m, n, k, dtype):
     """The fused argmax picks what torch.argmax picks from the same kernel's float32 logits, call after call
     (each call re-arms the slots it used)."""

@@ -28,7 +28,7 @@ def test_plan_covers_small_rows_tile_edges_every_bucket_and_split_count():
     sizes = {r.num_requests for r in plan if r.prompt_len == 2 and not r.mixed and not r.late_prompt_len}
     assert set(range(1, 17)) | set(buckets) <= sizes
     assert {choose_num_splits(n, 8) for n in sizes} == {choose_num_splits(n, 8) for n in range(1, 257)}
-    assert {r.num_requests for r in plan if r.mixed} == {1, 8, 16, 256}   # the logits path's row classes
+    assert {r.num_requests for r in plan if r.mixed} == {1, 8, 16, 17, 32, 33, 64, 256}   # the logits path's row classes
     assert any(r.late_prompt_len for r in plan)
     for r in plan:                                               # every round fits the model and the pool
         assert max(r.prompt_len, r.late_prompt_len) + r.new_tokens <= 4096 and 1 <= r.num_requests <= 256
@@ -182,6 +182,6 @@ def test_gpu_nothing_compiles_after_start_up_while_drafting(make_random_qwen3_di
 
 
 def test_grammar_rounds_meet_each_row_count_class_of_the_mask_kernel():
-    assert [r.num_requests for r in grammar_rounds(256)] == [1, 8, 16]
+    assert [r.num_requests for r in grammar_rounds(256)] == [1, 8, 16, 17, 32, 33, 64]
     assert [r.num_requests for r in grammar_rounds(4)] == [1, 4]
     assert all(r.guided for r in grammar_rounds(256))

@@ -12,8 +12,9 @@ shapes a served step can have are met here first:
   the budget (chunked: an extend);
 - a decode batch of every size 1..16, every CUDA-graph bucket and the first size of every split count;
 - the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs, the logits edits:
-  penalties, logit_bias, min_tokens) on mixed batches of 1, 8, 16 and the most rows: these write the
-  lm_head's logits, where a greedy-only batch of up to 16 rows takes the argmax inside the lm_head;
+  penalties, logit_bias, min_tokens) on mixed batches of every small row class (1, 8, 16, 17, 32, 33, 64)
+  and the most rows: these write the lm_head's logits, where a greedy-only batch of up to 64 rows takes
+  the argmax inside the lm_head;
 - where the model has a tokenizer and xgrammar imports, grammar-masked decoding (the bitmask kernel, and
   the grammar compiler with the vocabulary, which a first structured request would otherwise build);
 - a step that mixes decode rows with a prefill chunk;
@@ -90,9 +91,10 @@ def decode_sizes(max_num_seqs: int, buckets: list[int], num_kv_heads: int) -> li
 
 
 def small_row_classes(max_num_seqs: int) -> list[int]:
-    """1, 8 and 16 rows (as many as fit): a kernel that specializes a row count as Triton does an integer
-    argument (1, a multiple of 16, anything else) meets each class once."""
-    return sorted({1, min(8, max_num_seqs), min(16, max_num_seqs)})
+    """Row counts (as many as fit) that meet each variant of a small-M kernel once: Triton specializes an
+    integer argument as 1, a multiple of 16 or anything else, and kernels/gemv.py picks a 16-, 32- or
+    64-row tile, so 1, 8 and 16 rows, then 17 and 32, then 33 and 64."""
+    return sorted({min(n, max_num_seqs) for n in (1, 8, 16, 17, 32, 33, 64)})
 
 
 def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, chunked: bool,

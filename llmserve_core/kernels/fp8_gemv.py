@@ -23,10 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.gemv import MAX_ROWS, gemv_config, num_sms, store_split_k
+from llmserve_core.kernels.gemv import TABLE_SMS, gemv_config, num_sms, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
 from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, dequantize_weight
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
+
+MAX_ROWS = 16     # the measured tables' row classes; layers/fp8_linear.py quantizes x for a W8A8 GEMM past it
 
 
 @triton.jit
@@ -151,7 +153,6 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
 }
-TABLE_SMS = 132     # the table's K splits assume the H200's multiprocessor count
 
 
 def rows_class(m: int) -> int:

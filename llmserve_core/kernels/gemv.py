@@ -1,9 +1,12 @@
-"""Skinny matmul y = x @ W^T for 1-16 rows: the lm_head of a decode or small verify step.
+"""Skinny matmul y = x @ W^T for 1-64 rows: the lm_head of a decode or small verify step, and on Hopper
+the decoder's projections for 2-64 rows.
 
 At these sizes a linear layer only streams its weight once. One program owns BLOCK_N output columns over
-a slice of K; every row count runs as one 16-row tensor-core tile with the weight tile as the wide
+a slice of K; the rows run as one 16-, 32- or 64-row tensor-core tile with the weight tile as the wide
 operand (rows past M are masked, so they cost no memory traffic), and K is split across programs when
-there are too few column blocks to keep every multiprocessor streaming.
+there are too few column blocks to keep every multiprocessor streaming. Under PDL (kernels/pdl.py) a
+call waits for the kernel before it first thing and releases the one after, so a decode layer's chain
+of launches overlaps each launch with the tail of the kernel before.
 
 Measured on the H200 inside CUDA graphs (benchmarks/gemv_bench.py, benchmarks/results/gemv_h200.json),
 it beats cuBLAS only on the 152k-row lm_head (4.47 against 4.19 TB/s at one row, logits written as
@@ -22,14 +25,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
+
+MAX_ROWS = 64
+ROW_TILES = (16, 32, 64)      # the tensor-core tile a call's rows run in
 EMPTY_BEST = tl.constexpr(-2**63)     # an argmax slot before any program has folded into it
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, best_ptr, M, N, K, stride_x, stride_y, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, ARGMAX: tl.constexpr):
+                 EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait_and_release(PDL)      # x (and the split-K scratch) come from the kernels before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -114,17 +121,55 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def row_tile(m: int) -> int:
+    """The smallest tensor-core row tile that holds m rows."""
+    return next(t for t in ROW_TILES if m <= t)
+
+
+TABLE_SMS = 132     # the measured tables' K splits assume the H200's multiprocessor count
+# (N, K, row tile) -> tiles, measured on the H200 at the Qwen3-8B shape (benchmarks/skinny_gemm_bench.py,
+# benchmarks/results/skinny_gemm_h200.md): the best of 30-odd tiles per shape, timed in CUDA graphs over
+# weights larger than L2. The decoder's projections are here only where the kernel beat cuBLAS in a
+# decode layer's chain of launches: at 2-16 rows under PDL (108.6 against 115.5 us a layer); at 32 and
+# 64 rows cuBLAS stays ahead (qkv 3.08 against 2.33 TB/s at 64). The lm_head's 64-row tile wants wider
+# column blocks than the rule below gives (296 against 328 us; cuBLAS 298).
+MEASURED_CONFIGS: dict[tuple[int, int, int], dict] = {
+    (6144, 4096, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
+    (4096, 4096, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=3),
+    (24576, 4096, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
+    (4096, 12288, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=3),
+    (151936, 4096, 64): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4),
+}
+PROJECTION_MAX_ROWS = 16      # the decoder's projections take this kernel for 2..16 rows (see above)
+
+
 def gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                num_stages: int = 4) -> dict:
-    """Tiles for m <= 16 rows: one 16-row tile, column blocks of the weight, and K split until about
-    four programs per multiprocessor are streaming (fewer would leave bandwidth unused). The tile
-    defaults come from the H200 sweep in benchmarks/gemv_bench.py (results in benchmarks/results/)."""
+                num_stages: int = 4, programs_per_sm: int = 4) -> dict:
+    """Tiles for m <= MAX_ROWS rows: one row tile, column blocks of the weight, and K split until about
+    programs_per_sm programs per multiprocessor are streaming (fewer would leave bandwidth unused). The
+    tile defaults come from the H200 sweep in benchmarks/gemv_bench.py (results in benchmarks/results/)."""
     n_blocks = -(-n // block_n)
     split = 1
-    while n_blocks * split < 4 * sms and k % (2 * split * block_k) == 0 and split < 16:
+    while n_blocks * split < programs_per_sm * sms and k % (2 * split * block_k) == 0 and split < 16:
         split *= 2
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps,
+    return dict(BLOCK_M=row_tile(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=num_warps,
                 num_stages=num_stages)
+
+
+def default_config(m: int, n: int, k: int, sms: int) -> dict:
+    """The measured table's tiles for this shape and row tile on a card like the one measured, else
+    gemv_config's rule."""
+    measured = MEASURED_CONFIGS.get((n, k, row_tile(m))) if sms == TABLE_SMS else None
+    return dict(measured) if measured is not None else gemv_config(m, n, k, sms)
+
+
+def projection_config(m: int, n: int, k: int, sms: int) -> dict | None:
+    """Tiles for a decoder projection of m rows where this kernel measured faster than cuBLAS in the decode
+    chain (2..PROJECTION_MAX_ROWS rows, the measured shapes, a card like the H200); None: use cuBLAS."""
+    if not 1 < m <= PROJECTION_MAX_ROWS or sms != TABLE_SMS:
+        return None
+    measured = MEASURED_CONFIGS.get((n, k, row_tile(m)))
+    return dict(measured) if measured is not None else None
 
 
 class _ArgmaxSlots:
@@ -144,9 +189,10 @@ _SLOTS = _ArgmaxSlots()
 
 class _SplitKScratch:
     """Partial tiles and arrival counters for split-K, one set per device, allocated at the first call and
-    never resized, so CUDA graphs keep valid pointers. gemv_config splits only while there are fewer than
-    4 programs per multiprocessor, so a split call never has more than 8 per multiprocessor: that bounds
-    both buffers. The kernel re-arms the counters to zero itself."""
+    never resized, so CUDA graphs keep valid pointers. A split call has at most 8 programs per
+    multiprocessor (gemv_config splits only while there are fewer than 4; the measured tables stay under
+    8), each parking at most a 128-column x MAX_ROWS tile: that bounds both buffers. The kernel re-arms
+    the counters to zero itself."""
 
     def __init__(self):
         self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -154,7 +200,7 @@ class _SplitKScratch:
     def get(self, device: torch.device, part_elems: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self.buffers:
             programs = 8 * num_sms(device)
-            self.buffers[device] = (torch.empty(programs * 64 * MAX_ROWS, dtype=torch.float32, device=device),
+            self.buffers[device] = (torch.empty(programs * 128 * MAX_ROWS, dtype=torch.float32, device=device),
                                     torch.zeros(programs, dtype=torch.int32, device=device))
         parts, counts = self.buffers[device]
         if part_elems > parts.numel() or n_blocks > counts.numel():
@@ -167,15 +213,17 @@ _SCRATCH = _SplitKScratch()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-         config: dict | None = None) -> torch.Tensor:
-    """x [M, K], weight [N, K] -> y [M, N] (in out_dtype, default x's). M must be at most MAX_ROWS."""
+         config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K], weight [N, K] -> y [M, N] (in out_dtype, default x's). M must be at most MAX_ROWS.
+    pdl: launch under PDL, as a link of the decode chain."""
     m = x.shape[0]
     n, k = weight.shape
     assert 0 < m <= MAX_ROWS, f"gemv: {m} rows, at most {MAX_ROWS}"
     assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv: rows must be contiguous"
     assert x.shape[1] == k, "gemv: x does not match the weight"
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = dict(config or gemv_config(m, n, k, num_sms(x.device)))
+    cfg = dict(config or default_config(m, n, k, num_sms(x.device)))
+    assert cfg["BLOCK_M"] >= m, f"gemv: {m} rows for a {cfg['BLOCK_M']}-row tile"
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     n_blocks = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -183,24 +231,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
                                  n_blocks if split > 1 else 0)
     _gemv_kernel[(n_blocks, split)](
         x, weight, y, parts, counts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, SPLIT_K=split,
-        EVEN_K=k % block_k == 0, DOT_IEEE=x.dtype == torch.float32, ARGMAX=False, **cfg)
+        EVEN_K=k % block_k == 0, DOT_IEEE=x.dtype == torch.float32, ARGMAX=False, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
-def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """argmax over N of x @ W^T in float32, for x [M <= MAX_ROWS, K]: int64 [M], the first index on ties
     (as torch.argmax), without writing the [M, N] product out."""
     m = x.shape[0]
     n, k = weight.shape
     assert 0 < m <= MAX_ROWS and x.shape[1] == k, f"gemv_argmax: {m} rows of {x.shape[1]}, weight [{n}, {k}]"
     assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv_argmax: rows must be contiguous"
-    cfg = dict(config or gemv_config(m, n, k, num_sms(x.device)))
+    cfg = dict(config or default_config(m, n, k, num_sms(x.device)))
+    assert cfg["BLOCK_M"] >= m, f"gemv_argmax: {m} rows for a {cfg['BLOCK_M']}-row tile"
     cfg.pop("SPLIT_K")          # one program sees a whole column block's K: its logits are final
     best = _SLOTS.get(x.device)
     out = torch.empty(m, dtype=torch.int64, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1)](
         x, weight, best, best, best, best, m, n, k, x.stride(0), 0, k, SPLIT_K=1,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, DOT_IEEE=x.dtype == torch.float32, ARGMAX=True, **cfg)
+        EVEN_K=k % cfg["BLOCK_K"] == 0, DOT_IEEE=x.dtype == torch.float32, ARGMAX=True, PDL=pdl, **cfg,
+        **pdl_launch(pdl))
     _argmax_unpack_kernel[(1,)](best, out, m, BLOCK_M=MAX_ROWS)
     return out
 

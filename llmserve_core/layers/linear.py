@@ -1,10 +1,10 @@
 """A bias-free linear layer whose decode-sized forward can stream its weight through a Triton GEMV.
 
 `Linear` holds a weight [out, in] under the checkpoint's name. The model picks its fast kernel: the
-lm_head takes kernels.gemv for 1-16 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
-projections take kernels.stream_gemv for a single row (a batch-1 decode), chained under PDL with the
-kernels around them. Everywhere else it is F.linear, which is also the reference the fast paths are
-tested against.
+lm_head takes kernels.gemv for 1-64 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
+projections take kernels.stream_gemv for a single row (a batch-1 decode) and kernels.gemv for 2-16 rows
+where its measured table has the shape, chained under PDL with the kernels around them. Everywhere else
+it is F.linear, which is also the reference the fast paths are tested against.
 """
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# kernels.gemv.MAX_ROWS, repeated so that a CPU-only install without Triton never imports the kernels.
-MAX_ROWS = 16
+# kernels.gemv's MAX_ROWS and PROJECTION_MAX_ROWS, repeated so that a CPU-only install without Triton never
+# imports the kernels.
+MAX_ROWS = 64
+PROJECTION_MAX_ROWS = 16
 
 
 class Linear(nn.Module):
-    # Set by the model on the fast path: "gemv" (the lm_head: kernels/gemv.py for 1-16 rows) or "stream"
-    # (the decoder's projections: kernels/stream_gemv.py for one row, launched under PDL when `pdl`).
+    # Set by the model on the fast path: "gemv" (the lm_head: kernels/gemv.py for 1-64 rows) or "stream"
+    # (the decoder's projections: kernels/stream_gemv.py for one row, kernels/gemv.py for 2-16 rows at a
+    # measured shape, launched under PDL when `pdl`).
     fast_kernel: str | None = None
     pdl = False
 
@@ -31,10 +34,16 @@ class Linear(nn.Module):
         if self.fast_kernel == "gemv" and 0 < x.shape[0] <= MAX_ROWS:
             from llmserve_core.kernels.gemv import gemv
             return gemv(x, self.weight, out_dtype=out_dtype)
-        if self.fast_kernel == "stream" and x.shape[0] == 1 and x.stride(-1) == 1:
-            from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, stream_gemv
-            if self.in_features % MIN_BLOCK_K == 0:
-                return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
+        if self.fast_kernel == "stream" and 0 < x.shape[0] <= PROJECTION_MAX_ROWS and x.stride(-1) == 1:
+            if x.shape[0] == 1:
+                from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, stream_gemv
+                if self.in_features % MIN_BLOCK_K == 0:
+                    return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
+            else:
+                from llmserve_core.kernels.gemv import gemv, num_sms, projection_config
+                cfg = projection_config(x.shape[0], self.out_features, self.in_features, num_sms(x.device))
+                if cfg is not None:
+                    return gemv(x, self.weight, out_dtype=out_dtype, config=cfg, pdl=self.pdl)
         y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
 
