@@ -196,13 +196,17 @@ class Qwen3ForCausalLM(nn.Module):
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax over the vocabulary, int64 [N], straight from the lm_head's kernel
-        (kernels.gemv.gemv_argmax: the logits are never written); None where that kernel does not apply
-        (the fast path off, more than its MAX_ROWS rows, a vocabulary split over ranks): take logits then."""
-        if not self.fused or self.tp is not None or not 0 < hidden.shape[0] <= MAX_ROWS or hidden.stride(-1) != 1:
+        """Each row's argmax over the vocabulary, int64 [N], without float32 logits: up to MAX_ROWS rows
+        straight from the lm_head's kernel (kernels.gemv.gemv_argmax: the logits are never written), more
+        rows as the argmax of the model-dtype logits (widening them is exact, so this is the float32
+        logits' argmax, ties included, without the widened copy). None where the model's logits must be
+        taken (the fast path off: the eager reference; a vocabulary split over ranks)."""
+        if not self.fused or self.tp is not None or hidden.shape[0] == 0:
             return None
-        from llmserve_core.kernels.gemv import gemv_argmax
-        return gemv_argmax(hidden, self.lm_head_weight)
+        if hidden.shape[0] <= MAX_ROWS and hidden.stride(-1) == 1:
+            from llmserve_core.kernels.gemv import gemv_argmax
+            return gemv_argmax(hidden, self.lm_head_weight)
+        return F.linear(hidden, self.lm_head_weight).argmax(-1)
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embedding, head) over the whole vocabulary, for the draft model to share. Under tensor
