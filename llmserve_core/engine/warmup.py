@@ -92,8 +92,8 @@ def decode_sizes(max_num_seqs: int, buckets: list[int], num_kv_heads: int) -> li
 
 def small_row_classes(max_num_seqs: int) -> list[int]:
     """Row counts (as many as fit) that meet each variant of a small-M kernel once: Triton specializes an
-    integer argument as 1, a multiple of 16 or anything else, and kernels/gemv.py picks a 16-, 32- or
-    64-row tile, so 1, 8 and 16 rows, then 17 and 32, then 33 and 64."""
+    integer argument as 1, a multiple of 16 or anything else (xgrammar's bitmask kernel), and
+    kernels/gemv.py picks a 16-, 32- or 64-row tile: 1, 8 and 16 rows, then 17 and 32, then 33 and 64."""
     return sorted({min(n, max_num_seqs) for n in (1, 8, 16, 17, 32, 33, 64)})
 
 

@@ -32,7 +32,9 @@ ROW_TILES = (16, 32, 64)      # the tensor-core tile a call's rows run in
 EMPTY_BEST = tl.constexpr(-2**63)     # an argmax slot before any program has folded into it
 
 
-@triton.jit
+# M is not specialized: a row count compiles no variant of its own (only its row tile does), so the
+# warm-up meets every variant a served step can reach with one row count per tile.
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, best_ptr, M, N, K, stride_x, stride_y, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr):
