@@ -95,6 +95,48 @@ def shapes_part() -> dict:
     return out
 
 
+def layer_chain(hidden: torch.Tensor, layers: list[dict], lin, pdl: bool = False, reference: bool = False):
+    """Decoder layers without their attention, one after another: add + RMSNorm, qkv, o_proj (reading the q
+    slice), add + RMSNorm, gate_up, SiLU-and-mul, down. lin(x, layer, name) runs a projection; each layer
+    holds its norm weights "n1", "n2"; reference: the torch norm and activation."""
+    h = hidden.shape[1]
+    residual = torch.zeros_like(hidden)
+    for layer in layers:
+        if reference:
+            x, residual = rmsnorm_reference(hidden, layer["n1"], EPS, residual)
+        else:
+            x, residual = rmsnorm(hidden, layer["n1"], EPS, residual, pdl=pdl)
+        qkv = lin(x, layer, "qkv")
+        o = lin(qkv[:, :h], layer, "o_proj")
+        if reference:
+            x, residual = rmsnorm_reference(o, layer["n2"], EPS, residual)
+            act = silu_mul_reference(lin(x, layer, "gate_up"))
+        else:
+            x, residual = rmsnorm(o, layer["n2"], EPS, residual, pdl=pdl)
+            act = silu_mul(lin(x, layer, "gate_up"), pdl=pdl)
+        hidden = lin(act, layer, "down")
+    return hidden
+
+
+def graph_us(run, per: int, replays: int = 20) -> tuple[float, torch.Tensor]:
+    """(median microseconds per `per` units of one CUDA-graph replay of run(), the captured output)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per)
+    del graph
+    return sorted(times)[len(times) // 2], captured
+
+
 def chain_part() -> dict:
     """LAYERS decoder layers without attention in one graph; microseconds per layer."""
     dev, dt = "cuda", torch.bfloat16
@@ -110,7 +152,6 @@ def chain_part() -> dict:
     def run(kind: str):
         pdl = kind.endswith("pdl")
         fp8 = kind.startswith("fp8")
-        hidden, residual = hidden0, torch.zeros_like(hidden0)
 
         def lin(x, layer, name):
             if kind == "cublas":
@@ -122,45 +163,17 @@ def chain_part() -> dict:
                 return stream_gemv(x, w, s, pdl=pdl)
             return stream_gemv(x, layer["w"][name], pdl=pdl)
 
-        for layer in layers:
-            if kind == "reference":
-                x, residual = rmsnorm_reference(hidden, layer["n1"], EPS, residual)
-            else:
-                x, residual = rmsnorm(hidden, layer["n1"], EPS, residual, pdl=pdl)
-            qkv = lin(x, layer, "qkv")
-            o = lin(qkv[:, :h], layer, "o_proj")
-            if kind == "reference":
-                x, residual = rmsnorm_reference(o, layer["n2"], EPS, residual)
-                act = silu_mul_reference(lin(x, layer, "gate_up"))
-            else:
-                x, residual = rmsnorm(o, layer["n2"], EPS, residual, pdl=pdl)
-                act = silu_mul(lin(x, layer, "gate_up"), pdl=pdl)
-            hidden = lin(act, layer, "down")
-        return hidden
+        return layer_chain(hidden0, layers, lin, pdl=pdl, reference=kind == "reference")
 
     ref = run("reference")
     row = {}
     for kind in ("cublas", "stream", "stream_pdl", "fp8_stream", "fp8_stream_pdl"):
         eager = run(kind)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run(kind)
-        graph.replay()
-        torch.cuda.synchronize()
+        row[f"{kind}_us_per_layer"], captured = graph_us(lambda: run(kind), LAYERS)
         if not kind.startswith("fp8"):
             row[f"{kind}_rel_err"] = rel_err(eager, ref)
             assert row[f"{kind}_rel_err"] < 5e-2, (kind, row[f"{kind}_rel_err"])
         assert rel_err(captured, eager) < 1e-3, f"{kind}: graph replay differs from eager"
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(20):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-        row[f"{kind}_us_per_layer"] = sorted(times)[len(times) // 2]
-        del graph
     print("chain, one row: " + " ".join(f"{a}={b:.4g}" for a, b in row.items()), flush=True)
     return {"m1": row}
 

@@ -33,13 +33,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemv_bench import SHAPES, bench, copy_bandwidth  # noqa: E402
 from llmserve_core.kernels.gemv import gemv, gemv_argmax, gemv_config, gemv_reference  # noqa: E402
-from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
-from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
+from pdl_chain_bench import graph_us, layer_chain  # noqa: E402
 
 ROWS = (16, 32, 64)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 LAYERS = 8
-EPS = 1e-6
 SMS = 132
 
 
@@ -117,7 +115,7 @@ def sweep_part(shapes: list[str]) -> dict:
             out[f"{name}_m{m}"] = row
             print(f"{name:8s} m={m:2d} " + " ".join(f"{a}={b:.4g}" for a, b in row.items() if isinstance(b, float)),
                   best, flush=True)
-        del ws
+        ws.clear()
         torch.cuda.empty_cache()
     return out
 
@@ -136,54 +134,23 @@ def chain_part(configs: dict) -> dict:
         hidden0 = torch.randn(m, h, device=dev, dtype=dt)
 
         def run(kind: str):
-            pdl = kind == "gemv_pdl"
-            hidden, residual = hidden0, torch.zeros_like(hidden0)
-
             def lin(x, layer, name):
                 if kind == "cublas":
                     return F.linear(x, layer["w"][name])
                 if kind == "reference":
                     return gemv_reference(x.float(), layer["w"][name].float()).to(dt)
-                return gemv(x, layer["w"][name], config=dict(configs[f"{name}_m{m}"]), pdl=pdl)
+                return gemv(x, layer["w"][name], config=dict(configs[f"{name}_m{m}"]), pdl=kind == "gemv_pdl")
 
-            for layer in layers:
-                if kind == "reference":
-                    x, residual = rmsnorm_reference(hidden, layer["n1"], EPS, residual)
-                else:
-                    x, residual = rmsnorm(hidden, layer["n1"], EPS, residual, pdl=pdl)
-                qkv = lin(x, layer, "qkv")
-                o = lin(qkv[:, :h].contiguous() if kind == "reference" else qkv[:, :h], layer, "o_proj")
-                if kind == "reference":
-                    x, residual = rmsnorm_reference(o, layer["n2"], EPS, residual)
-                    act = silu_mul_reference(lin(x, layer, "gate_up"))
-                else:
-                    x, residual = rmsnorm(o, layer["n2"], EPS, residual, pdl=pdl)
-                    act = silu_mul(lin(x, layer, "gate_up"), pdl=pdl)
-                hidden = lin(act, layer, "down")
-            return hidden
+            return layer_chain(hidden0, layers, lin, pdl=kind == "gemv_pdl", reference=kind == "reference")
 
         ref = run("reference")
         row = {}
         for kind in ("cublas", "gemv", "gemv_pdl"):
             eager = run(kind)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = run(kind)
-            graph.replay()
-            torch.cuda.synchronize()
+            row[f"{kind}_us_per_layer"], captured = graph_us(lambda: run(kind), LAYERS)
             row[f"{kind}_rel_err"] = rel_err(eager, ref)
             assert row[f"{kind}_rel_err"] < 5e-2, (kind, m, row[f"{kind}_rel_err"])
             assert rel_err(captured, eager) < 1e-3, f"{kind} m={m}: graph replay differs from eager"
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(20):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-            row[f"{kind}_us_per_layer"] = sorted(times)[len(times) // 2]
-            del graph
         out[f"m{m}"] = row
         print(f"chain m={m}: " + " ".join(f"{a}={b:.4g}" for a, b in row.items()), flush=True)
     return out

@@ -29,10 +29,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemv_bench import SHAPES, bench  # noqa: E402
+from pdl_chain_bench import graph_us, layer_chain  # noqa: E402
 from llmserve_core.kernels.gemv import _SCRATCH, store_split_k  # noqa: E402
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release  # noqa: E402
-from llmserve_core.kernels.rmsnorm import rmsnorm  # noqa: E402
-from llmserve_core.kernels.silu_mul import silu_mul  # noqa: E402
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -170,24 +169,15 @@ if __name__ == "__main__":
                "n1": torch.rand(h, device="cuda", dtype=torch.bfloat16) + .5, "n2": torch.rand(h, device="cuda", dtype=torch.bfloat16) + .5} for _ in range(8)]
     h0 = torch.randn(64, h, device="cuda", dtype=torch.bfloat16)
     def run(kind, pdl):
-        hid, res_ = h0, torch.zeros_like(h0)
-        lin = (lambda x, L, p: F.linear(x, L["w"][p])) if kind == "cublas" else (lambda x, L, p: candidate_gemv(kind, x, L["w"][p], best[(p, kind)], pdl))
-        for L in layers:
-            x, res_ = rmsnorm(hid, L["n1"], 1e-6, res_, pdl=pdl)
-            qkv = lin(x, L, "qkv"); o = lin(qkv[:, :h], L, "o_proj")
-            x, res_ = rmsnorm(o, L["n2"], 1e-6, res_, pdl=pdl)
-            hid = lin(silu_mul(lin(x, L, "gate_up"), pdl=pdl), L, "down")
-        return hid
+        lin = ((lambda x, L, p: F.linear(x, L["w"][p])) if kind == "cublas" else
+               (lambda x, L, p: candidate_gemv(kind, x, L["w"][p], best[(p, kind)], pdl)))
+        return layer_chain(h0, layers, lin, pdl=pdl)
+
     chain = {}
     refc = run("cublas", False)
     for kind, pdl in (("cublas", False), ("xa", False), ("xa", True), ("prefetch", False), ("prefetch", True)):
-        e = run(kind, pdl); g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g): c = run(kind, pdl)
-        g.replay(); torch.cuda.synchronize()
+        us, c = graph_us(lambda: run(kind, pdl), len(layers))
         err = ((c.float() - refc.float()).norm() / refc.float().norm()).item()
-        s, t_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); ts = []
-        for _ in range(20):
-            s.record(); g.replay(); t_.record(); t_.synchronize(); ts.append(s.elapsed_time(t_) * 1e3 / 8)
-        chain[f"{kind}_pdl{int(pdl)}"] = (sorted(ts)[10], err)
-        print("chain m64", kind, pdl, f"{sorted(ts)[10]:.1f} us/layer err {err:.3g}", flush=True)
+        chain[f"{kind}_pdl{int(pdl)}"] = (us, err)
+        print("chain m64", kind, pdl, f"{us:.1f} us/layer err {err:.3g}", flush=True)
     json.dump({"sweep": res, "chain": chain}, open(sys.argv[1], "w"), indent=1, default=str)
