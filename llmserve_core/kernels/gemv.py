@@ -1,5 +1,5 @@
-"""Skinny matmul y = x @ W^T for 1-64 rows: the lm_head of a decode or small verify step, and on Hopper
-the decoder's projections for 2-64 rows.
+"""Skinny matmul y = x @ W^T for 1-64 rows: the lm_head of a decode or small verify step, and on the H200
+the decoder's projections for 2-16 rows.
 
 At these sizes a linear layer only streams its weight once. One program owns BLOCK_N output columns over
 a slice of K; the rows run as one 16-, 32- or 64-row tensor-core tile with the weight tile as the wide
@@ -9,10 +9,10 @@ call waits for the kernel before it first thing and releases the one after, so a
 of launches overlaps each launch with the tail of the kernel before.
 
 Measured on the H200 inside CUDA graphs (benchmarks/gemv_bench.py, benchmarks/results/gemv_h200.json),
-it beats cuBLAS only on the 152k-row lm_head (4.47 against 4.19 TB/s at one row, logits written as
-float32 straight from the accumulator); on the decoder's projections cuBLAS stays ahead (3.3 against
-3.0 TB/s for qkv, 4.07 against 3.70 for gate_up), and fusing RMSNorm or SiLU-and-mul into this kernel's
-prologue lost more than it saved, so layers/linear.py uses it for the lm_head alone.
+it beats cuBLAS alone only on the 152k-row lm_head (4.47 against 4.19 TB/s at one row, logits written as
+float32 straight from the accumulator); on the decoder's projections cuBLAS is ahead kernel for kernel
+(3.3 against 3.0 TB/s for qkv), but a decode layer of 2-16 rows chained under PDL runs faster with it
+(MEASURED_CONFIGS below). Fusing RMSNorm or SiLU-and-mul into its prologue lost more than it saved.
 
 `gemv_argmax` is the greedy decode's lm_head: each program reduces its tile of logits to a (value, index)
 per row and folds it into one int64 per row with an atomic max, so the logits are never written out and
