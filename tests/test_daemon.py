@@ -314,7 +314,8 @@ def test_sigkill_of_the_core_makes_every_waiting_call_raise(tiny_model_dir, tmp_
             for _ in s:
                 pass
         t.join(15)
-        assert raised and time.monotonic() - t0 < 3.0
+        # The bound is the heartbeat timeout (2 s) plus the transport's poll; slack for a busy machine.
+        assert raised and time.monotonic() - t0 < 2.0 + 8.0
         with pytest.raises(EngineDeadError):
             c.generate([1], max_tokens=2)
         with pytest.raises(EngineDeadError):
