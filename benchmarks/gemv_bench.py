@@ -47,16 +47,11 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / (ms / 1e3)
 
 
-def bench(fn_for, copies: int, replays: int = 10) -> float:
-    """Milliseconds per call inside a CUDA graph of GRAPH_CALLS back-to-back calls cycling over the weight
-    copies: launch gaps count as they do in a captured decode step, and no call finds its weight in L2."""
-    for i in range(copies):
-        fn_for(i)
-    torch.cuda.synchronize()
+def graph_us(run, per: int, replays: int = 20) -> tuple[float, object]:
+    """(median microseconds per `per` units of one CUDA-graph replay of run(), the captured output)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for j in range(GRAPH_CALLS):
-            fn_for(j % copies)
+        captured = run()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -66,9 +61,19 @@ def bench(fn_for, copies: int, replays: int = 10) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / GRAPH_CALLS)
+        times.append(start.elapsed_time(end) * 1e3 / per)
     del graph
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], captured
+
+
+def bench(fn_for, copies: int, replays: int = 10) -> float:
+    """Milliseconds per call inside a CUDA graph of GRAPH_CALLS back-to-back calls cycling over the weight
+    copies: launch gaps count as they do in a captured decode step, and no call finds its weight in L2."""
+    for i in range(copies):
+        fn_for(i)
+    torch.cuda.synchronize()
+    us, _ = graph_us(lambda: [fn_for(j % copies) for j in range(GRAPH_CALLS)], GRAPH_CALLS, replays)
+    return us / 1e3
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemv_bench import SHAPES, bench, copy_bandwidth  # noqa: E402
+from gemv_bench import SHAPES, bench, copy_bandwidth, graph_us  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
@@ -116,25 +116,6 @@ def layer_chain(hidden: torch.Tensor, layers: list[dict], lin, pdl: bool = False
             act = silu_mul(lin(x, layer, "gate_up"), pdl=pdl)
         hidden = lin(act, layer, "down")
     return hidden
-
-
-def graph_us(run, per: int, replays: int = 20) -> tuple[float, torch.Tensor]:
-    """(median microseconds per `per` units of one CUDA-graph replay of run(), the captured output)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per)
-    del graph
-    return sorted(times)[len(times) // 2], captured
 
 
 def chain_part() -> dict:

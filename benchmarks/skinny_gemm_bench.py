@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemv_bench import SHAPES, bench, copy_bandwidth  # noqa: E402
+from gemv_bench import SHAPES, bench, copy_bandwidth, graph_us  # noqa: E402
 from llmserve_core.kernels.gemv import gemv, gemv_argmax, gemv_config, gemv_reference  # noqa: E402
-from pdl_chain_bench import graph_us, layer_chain  # noqa: E402
+from pdl_chain_bench import layer_chain  # noqa: E402
 
 ROWS = (16, 32, 64)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")

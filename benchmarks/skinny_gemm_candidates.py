@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemv_bench import SHAPES, bench  # noqa: E402
-from pdl_chain_bench import graph_us, layer_chain  # noqa: E402
+from gemv_bench import SHAPES, bench, graph_us  # noqa: E402
+from pdl_chain_bench import layer_chain  # noqa: E402
 from llmserve_core.kernels.gemv import _SCRATCH, store_split_k  # noqa: E402
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release  # noqa: E402
 
