@@ -25,7 +25,6 @@ from torch import nn
 
 from llmserve_core.kernels.fp8_format import FP8
 from llmserve_core.layers.fp8_linear import Fp8Linear
-from llmserve_core.layers.parallel import RowParallelFp8Linear, RowParallelLinear
 from llmserve_core.models.config import ModelConfig
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -173,11 +172,7 @@ def apply_fp8(model: nn.Module, cfg: ModelConfig, scheme: Fp8Scheme) -> None:
             old = getattr(parent, attr)
             if scheme.block is not None:
                 _check_block_packing(cfg, ours, names, scheme.block)
-            if isinstance(old, RowParallelLinear):      # a tensor-parallel shard keeps its all-reduce
-                new = RowParallelFp8Linear(old.in_features, old.out_features, scheme.block, old.tp)
-            else:
-                new = Fp8Linear(old.in_features, old.out_features, scheme.block)
-            new = new.to(old.weight.device)
+            new = Fp8Linear(old.in_features, old.out_features, scheme.block).to(old.weight.device)
             setattr(parent, attr, new)
 
 

@@ -15,7 +15,7 @@ from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import MAX_ROWS, Linear
-from llmserve_core.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from llmserve_core.layers.parallel import VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import ModelConfig
@@ -37,8 +37,10 @@ class Qwen3Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
-        # Under tensor parallelism cfg holds this rank's heads; o_proj sums their partial products.
-        self.o_proj = Linear(self.q_size, cfg.hidden_size) if tp is None else RowParallelLinear(self.q_size, cfg.hidden_size, tp)
+        # Under tensor parallelism cfg holds this rank's heads: o_proj's product is a partial sum over the
+        # ranks, all-reduced here (not in the linear, so any linear, FP8 included, can take its place).
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.tp = tp
         # Qwen3 normalizes each head of q and k before rotary.
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -62,7 +64,8 @@ class Qwen3Attention(nn.Module):
             k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
             out = attn_backend.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), k_cache, v_cache, batch,
                                        self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = self.o_proj(out.reshape(T, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Qwen3MLP(nn.Module):
@@ -72,15 +75,19 @@ class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = (Linear(cfg.intermediate_size, cfg.hidden_size) if tp is None else
-                          RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
+        # Under tensor parallelism this rank holds a slice of the intermediate features: down_proj's product
+        # is a partial sum, all-reduced here as o_proj's is.
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
-            return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
-        return self.down_proj(silu_and_mul(gate_up))
+            out = self.down_proj(silu_mul(gate_up, pdl=self.pdl))
+        else:
+            out = self.down_proj(silu_and_mul(gate_up))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Qwen3DecoderLayer(nn.Module):
