@@ -348,9 +348,8 @@ def test_stream_disconnect_aborts_in_core(server, core):
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
     assert any(line.startswith("data: {") for line in got)
-    t0 = time.monotonic()
-    stats = wait_idle(core[1])           # 400 tokens would take many seconds; the abort takes a step or two
-    assert time.monotonic() - t0 < 4.0
+    stats = wait_idle(core[1])
+    # Both aborted, not run to their 400 tokens (a count, not a time: a busy machine steps slowly either way)
     assert stats["requests_aborted_by_client"] == before + 2
 
 
