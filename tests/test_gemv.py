@@ -15,6 +15,7 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels import gemv as gemv_module
 from llmserve_core.kernels.gemv import (MAX_ROWS, MEASURED_CONFIGS, PROJECTION_MAX_ROWS, gemv, gemv_argmax, gemv_config,
                                         gemv_reference, projection_config, row_tile)
+from llmserve_core.kernels.tiling import fit_gemv_config, gemv_smem_bytes
 from llmserve_core.layers import linear as linear_module
 from llmserve_core.layers.linear import Linear
 
@@ -88,6 +89,28 @@ def test_split_k_reduces_once_and_rearms(split):
     assert rel_err(first, ref) < 1e-5 and rel_err(second, 2 * ref) < 1e-5
 
 
+H200_SMEM = 232_448
+
+
+def test_measured_tiles_fit_the_h200_as_measured_and_float32_is_fitted():
+    """Every measured (bf16) tile fits the H200 unchanged; in float32 the fit gives up stages first, keeps
+    within the limit, and reaches a tile for any row tile of any table shape; past the smallest tile it
+    says so."""
+    for cfg in MEASURED_CONFIGS.values():
+        assert fit_gemv_config(cfg, 2, 2, H200_SMEM) == cfg
+        fitted = fit_gemv_config(cfg, 4, 4, H200_SMEM)
+        assert gemv_smem_bytes(fitted, 4, 4) <= H200_SMEM
+        assert fitted["BLOCK_M"] == cfg["BLOCK_M"] and fitted["num_stages"] <= cfg["num_stages"]
+    lm_head = MEASURED_CONFIGS[(151936, 4096, 64)]
+    assert gemv_smem_bytes(lm_head, 4, 4) > H200_SMEM
+    assert fit_gemv_config(lm_head, 4, 4, H200_SMEM) == dict(lm_head, num_stages=2)
+    for m in (16, 32, 64):            # a card with 100 KB: narrower tiles, never over
+        small = fit_gemv_config(gemv_config(m, 151936, 4096), 4, 4, 100 * 1024)
+        assert gemv_smem_bytes(small, 4, 4) <= 100 * 1024 and small["BLOCK_M"] == row_tile(m)
+    with pytest.raises(ValueError, match="does not fit"):
+        fit_gemv_config(gemv_config(64, 4096, 4096), 4, 4, 16 * 1024)
+
+
 def test_projection_config_only_where_measured():
     """The decoder's projections leave cuBLAS only for 2..16 rows, at a shape the H200 table has, on a card
     with the H200's multiprocessor count."""
@@ -152,6 +175,20 @@ def test_gemv_qwen3_8b_shapes_bf16(m):
             assert rel_err(gemv(x, w, config=cfg, pdl=True), ref) < 1e-2
         if n == 151936:
             assert torch.equal(gemv_argmax(x, w, pdl=True), gemv(x, w, out_dtype=torch.float32).argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [16, 33, 64])
+def test_gemv_float32_every_row_tile_on_the_gpu(m):
+    """float32 doubles every tile: the defaults are fitted to the device, so the lm_head's 64-row tile (425,984
+    bytes at its measured 4 stages) still runs, as does its argmax."""
+    for n, k in [(151936, 4096), (4096, 12288)]:
+        x, w = inputs(m, n, k, torch.float32, seed=m + n)
+        ref = gemv_reference(x.double(), w.double())
+        assert rel_err(gemv(x, w), ref) < 1e-5
+        if n == 151936:
+            assert torch.equal(gemv_argmax(x, w), gemv(x, w).argmax(-1))
 
 
 @pytest.mark.parametrize("m,n,k,dtype", [(1, 300, 64, torch.float32), (3, 130, 128, torch.float16),

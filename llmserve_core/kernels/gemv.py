@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
+from llmserve_core.kernels.tiling import fit_gemv_config, smem_limit_for
 
 MAX_ROWS = 64
 ROW_TILES = (16, 32, 64)      # the tensor-core tile a call's rows run in
@@ -165,6 +166,19 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(measured) if measured is not None else gemv_config(m, n, k, sms)
 
 
+def launch_config(x: torch.Tensor, weight: torch.Tensor, config: dict | None) -> dict:
+    """The tiles a call runs: the caller's as given, or the default fitted to the device."""
+    if config is not None:
+        return dict(config)
+    return fit_to_device(default_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device)), x, weight)
+
+
+def fit_to_device(cfg: dict, x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """cfg fitted to the device's shared memory for these element sizes (the tables were measured in bf16;
+    float32 doubles every tile)."""
+    return fit_gemv_config(cfg, weight.element_size(), x.element_size(), smem_limit_for(x)) if x.is_cuda else cfg
+
+
 def projection_config(m: int, n: int, k: int, sms: int) -> dict | None:
     """Tiles for a decoder projection of m rows where this kernel measured faster than cuBLAS in the decode
     chain (2..PROJECTION_MAX_ROWS rows, the measured shapes, a card like the H200); None: use cuBLAS."""
@@ -172,6 +186,12 @@ def projection_config(m: int, n: int, k: int, sms: int) -> dict | None:
         return None
     measured = MEASURED_CONFIGS.get((n, k, row_tile(m)))
     return dict(measured) if measured is not None else None
+
+
+def projection_launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """projection_config for this call, fitted to the device; None: use cuBLAS."""
+    cfg = projection_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device))
+    return None if cfg is None else fit_to_device(cfg, x, weight)
 
 
 class _ArgmaxSlots:
@@ -224,7 +244,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv: rows must be contiguous"
     assert x.shape[1] == k, "gemv: x does not match the weight"
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = dict(config or default_config(m, n, k, num_sms(x.device)))
+    cfg = launch_config(x, weight, config)
     assert cfg["BLOCK_M"] >= m, f"gemv: {m} rows for a {cfg['BLOCK_M']}-row tile"
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     n_blocks = triton.cdiv(n, block_n)
@@ -244,7 +264,7 @@ def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, config: dict | None = Non
     n, k = weight.shape
     assert 0 < m <= MAX_ROWS and x.shape[1] == k, f"gemv_argmax: {m} rows of {x.shape[1]}, weight [{n}, {k}]"
     assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv_argmax: rows must be contiguous"
-    cfg = dict(config or default_config(m, n, k, num_sms(x.device)))
+    cfg = launch_config(x, weight, config)
     assert cfg["BLOCK_M"] >= m, f"gemv_argmax: {m} rows for a {cfg['BLOCK_M']}-row tile"
     cfg.pop("SPLIT_K")          # one program sees a whole column block's K: its logits are final
     best = _SLOTS.get(x.device)

@@ -1,4 +1,5 @@
-"""Tile sizes and pipeline depth for the attention kernels, from dtype, head_dim and the device's shared memory.
+"""Tile sizes and pipeline depth for the attention kernels and the skinny GEMV, from dtype, head_dim and the
+device's shared memory.
 
 Triton keeps num_stages copies of each K and V tile in shared memory to overlap loads with math, so a
 config measured best in bf16 at head_dim 128 can ask for more than the chip has in float32 or at head_dim
@@ -79,3 +80,28 @@ def decode_config(block_g: int, block_n: int, block_d: int, elem_bytes: int, sme
                   num_warps: int = 4, num_stages: int = 2) -> TileConfig:
     """The split-KV decode program holds block_g query heads; block_n comes from the split count."""
     return first_fitting([TileConfig(block_g, block_n, num_warps, num_stages)], block_d, elem_bytes, smem_limit)
+
+
+def gemv_smem_bytes(cfg: dict, w_bytes: int, x_bytes: int) -> int:
+    """Shared memory one program of kernels/gemv.py asks for: num_stages weight and x tiles in flight, plus
+    the float32 accumulator tile, which the epilogue's layout change (split-K store, argmax) stages there."""
+    tiles = cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_N"] * w_bytes + cfg["BLOCK_M"] * x_bytes)
+    return tiles + cfg["BLOCK_N"] * cfg["BLOCK_M"] * 4
+
+
+def fit_gemv_config(cfg: dict, w_bytes: int, x_bytes: int, smem_limit: int) -> dict:
+    """cfg as it is if its estimate fits, else with fewer stages (down to 2), then narrower K tiles, then
+    narrower column blocks, until it does: a tile measured in bf16 can ask for more than the chip has in
+    float32 (the lm_head's 64-row tile: 425,984 bytes at 4 stages against the H200's 232,448)."""
+    cfg = dict(cfg)
+    while gemv_smem_bytes(cfg, w_bytes, x_bytes) > smem_limit:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_K"] > 32:
+            cfg["BLOCK_K"] //= 2
+        elif cfg["BLOCK_N"] > 16:
+            cfg["BLOCK_N"] //= 2
+        else:
+            raise ValueError(f"gemv: a {cfg['BLOCK_M']}-row tile of {x_bytes}-byte elements does not fit "
+                             f"{smem_limit} bytes of shared memory at the smallest tile")
+    return cfg

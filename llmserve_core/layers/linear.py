@@ -40,8 +40,8 @@ class Linear(nn.Module):
                 if self.in_features % MIN_BLOCK_K == 0:
                     return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
             else:
-                from llmserve_core.kernels.gemv import gemv, num_sms, projection_config
-                cfg = projection_config(x.shape[0], self.out_features, self.in_features, num_sms(x.device))
+                from llmserve_core.kernels.gemv import gemv, projection_launch_config
+                cfg = projection_launch_config(x, self.weight)
                 if cfg is not None:
                     return gemv(x, self.weight, out_dtype=out_dtype, config=cfg, pdl=self.pdl)
         y = F.linear(x, self.weight)
