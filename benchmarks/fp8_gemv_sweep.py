@@ -29,6 +29,7 @@ from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_ch
 from llmserve_core.kernels.fp8_gemv import (fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config,  # noqa: E402
                                              fp8_gemv_reference)
 from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
+from gemv_bench import launches_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SMOKE_SHAPES = {"qkv": (192, 256), "down": (128, 384)}
@@ -56,35 +57,6 @@ def split_for(n, k, block_n, block_k, sms, per_sm):
     while n_blocks * split * 2 <= per_sm * sms and k % (2 * split * block_k) == 0 and split < 16:
         split *= 2
     return split
-
-
-def time_us(launches, reps=7):
-    """Median microseconds per launch of `launches` run back to back in one CUDA graph."""
-    for fn in launches:
-        fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in launches:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in launches:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(launches))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def kernel_call(label, cfg):
@@ -172,7 +144,7 @@ def main():
                             row["error"] = "mismatch against the reference"
                         else:   # (on the CPU: one interpreted call's wall time, which only checks the report)
                             launches = [lambda q=q, s=s, b=b: call(x, q, s, b) for q, s, b in ws]
-                            us = time_us(launches * 2) if cuda else wall_us(launches[0])
+                            us = launches_us(launches * 2) if cuda else wall_us(launches[0])
                             tb = (n * k) / us / 1e6
                             row.update(us=us, tb_s=tb, fraction_of_copy=tb / bw)
                         case[label] = row

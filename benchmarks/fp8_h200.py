@@ -43,6 +43,7 @@ from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 from floor import measure_copy_bandwidth  # noqa: E402
+from gemv_bench import launches_us  # noqa: E402
 
 RESULTS: dict = {"meta": {}, "sections": {}}
 ROTATE_BYTES = 256 << 20        # weight bytes touched per timed replay: several times the H200's L2
@@ -93,37 +94,14 @@ def save(ctx):
 
 
 def time_us(ctx, launches: list, reps: int = 10) -> float:
-    """Median microseconds per launch of `launches` run back to back, captured in one CUDA graph."""
+    """Median microseconds per launch of `launches` run back to back, captured in one CUDA graph (wall
+    clock through the interpreter on the CPU)."""
     if not ctx.cuda:
         t0 = time.perf_counter()
         for fn in launches:
             fn()
         return (time.perf_counter() - t0) * 1e6 / len(launches)
-    for fn in launches:
-        fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in launches:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in launches:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(launches))
-    times.sort()
-    return times[len(times) // 2]
+    return launches_us(launches, reps)
 
 
 def rel_err(out, ref) -> float:

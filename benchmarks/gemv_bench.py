@@ -66,6 +66,21 @@ def graph_us(run, per: int, replays: int = 20) -> tuple[float, object]:
     return sorted(times)[len(times) // 2], captured
 
 
+def launches_us(launches: list, reps: int = 7) -> float:
+    """Median microseconds per launch of `launches` run back to back in one CUDA graph, each warmed up
+    first, eagerly and on a side stream (as capturing cuBLAS wants)."""
+    for fn in launches:
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in launches:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph_us(lambda: [fn() for fn in launches], len(launches), reps)[0]
+
+
 def bench(fn_for, copies: int, replays: int = 10) -> float:
     """Milliseconds per call inside a CUDA graph of GRAPH_CALLS back-to-back calls cycling over the weight
     copies: launch gaps count as they do in a captured decode step, and no call finds its weight in L2."""
