@@ -122,9 +122,12 @@ def test_projection_config_only_where_measured():
     assert projection_config(4, 5120, 5120, sms=132) is None
 
 
-def test_linear_projection_dispatch(monkeypatch):
+def test_linear_projection_dispatch(monkeypatch, request):
     """fast_kernel "stream": one row streams, 2..16 rows take gemv with the measured tiles, more rows and
     unmeasured shapes F.linear; every path equals the eager layer."""
+    # The tiles a device gets are cached; what this test patches in must not outlive it.
+    gemv_module._device_tiles.cache_clear()
+    request.addfinalizer(gemv_module._device_tiles.cache_clear)
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
     monkeypatch.setitem(MEASURED_CONFIGS, (96, 64, 16),
                         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2))

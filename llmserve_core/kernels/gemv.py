@@ -20,13 +20,15 @@ no argmax pass reads them back; a one-program kernel then reads each row's winne
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-from llmserve_core.kernels.tiling import fit_gemv_config, smem_limit_for
+from llmserve_core.kernels.tiling import device_smem_limit, fit_gemv_config
 
 MAX_ROWS = 64
 ROW_TILES = (16, 32, 64)      # the tensor-core tile a call's rows run in
@@ -166,19 +168,6 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(measured) if measured is not None else gemv_config(m, n, k, sms)
 
 
-def launch_config(x: torch.Tensor, weight: torch.Tensor, config: dict | None) -> dict:
-    """The tiles a call runs: the caller's as given, or the default fitted to the device."""
-    if config is not None:
-        return dict(config)
-    return fit_to_device(default_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device)), x, weight)
-
-
-def fit_to_device(cfg: dict, x: torch.Tensor, weight: torch.Tensor) -> dict:
-    """cfg fitted to the device's shared memory for these element sizes (the tables were measured in bf16;
-    float32 doubles every tile)."""
-    return fit_gemv_config(cfg, weight.element_size(), x.element_size(), smem_limit_for(x)) if x.is_cuda else cfg
-
-
 def projection_config(m: int, n: int, k: int, sms: int) -> dict | None:
     """Tiles for a decoder projection of m rows where this kernel measured faster than cuBLAS in the decode
     chain (2..PROJECTION_MAX_ROWS rows, the measured shapes, a card like the H200); None: use cuBLAS."""
@@ -188,10 +177,35 @@ def projection_config(m: int, n: int, k: int, sms: int) -> dict | None:
     return dict(measured) if measured is not None else None
 
 
+def launch_config(x: torch.Tensor, weight: torch.Tensor, config: dict | None) -> dict:
+    """The tiles a call runs: the caller's as given, or the default fitted to the device."""
+    if config is not None:
+        return dict(config)
+    return dict(_device_tiles(row_tile(x.shape[0]), *weight.shape, x.device, weight.element_size(),
+                              x.element_size(), False))
+
+
 def projection_launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
-    """projection_config for this call, fitted to the device; None: use cuBLAS."""
-    cfg = projection_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device))
-    return None if cfg is None else fit_to_device(cfg, x, weight)
+    """projection_config for this call, fitted to the device; None: use cuBLAS. The dict is shared (gemv
+    copies what it is given): the caller must not change it."""
+    if not 1 < x.shape[0] <= PROJECTION_MAX_ROWS:
+        return None
+    return _device_tiles(row_tile(x.shape[0]), *weight.shape, x.device, weight.element_size(), x.element_size(),
+                         True)
+
+
+@lru_cache(maxsize=None)
+def _device_tiles(tile: int, n: int, k: int, device: torch.device, w_bytes: int, x_bytes: int,
+                  projection: bool) -> dict | None:
+    """The tiles for a call of `tile` rows (a row tile: every row count in it gets the same) on this device:
+    projection_config's (None where cuBLAS stays) or default_config's, fitted to the device's shared memory
+    for these element sizes (the tables were measured in bf16; float32 doubles every tile). Cached: the
+    decoder's projections ask on every eager call."""
+    sms = num_sms(device)
+    cfg = projection_config(tile, n, k, sms) if projection else default_config(tile, n, k, sms)
+    if cfg is None or device.type != "cuda":
+        return cfg
+    return fit_gemv_config(cfg, w_bytes, x_bytes, device_smem_limit(device))
 
 
 class _ArgmaxSlots:

@@ -40,7 +40,11 @@ def device_smem_bytes(device_index: int) -> int:
 
 
 def smem_limit_for(t: torch.Tensor) -> int:
-    return device_smem_bytes(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return device_smem_limit(t.device)
+
+
+def device_smem_limit(device: torch.device) -> int:
+    return device_smem_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def first_fitting(candidates: list[TileConfig], block_d: int, elem_bytes: int, smem_limit: int) -> TileConfig:
