@@ -66,18 +66,23 @@ def graph_us(run, per: int, replays: int = 20) -> tuple[float, object]:
     return sorted(times)[len(times) // 2], captured
 
 
-def launches_us(launches: list, reps: int = 7) -> float:
-    """Median microseconds per launch of `launches` run back to back in one CUDA graph, each warmed up
-    first, eagerly and on a side stream (as capturing cuBLAS wants)."""
-    for fn in launches:
-        fn()
-    torch.cuda.synchronize()
+def warm_up_on_side_stream(launches: list) -> None:
+    """Run each launch once on a side stream, as capturing cuBLAS wants before a graph takes it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for fn in launches:
             fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def launches_us(launches: list, reps: int = 7) -> float:
+    """Median microseconds per launch of `launches` run back to back in one CUDA graph, each warmed up
+    first, eagerly and on a side stream."""
+    for fn in launches:
+        fn()
+    torch.cuda.synchronize()
+    warm_up_on_side_stream(launches)
     return graph_us(lambda: [fn() for fn in launches], len(launches), reps)[0]
 
 

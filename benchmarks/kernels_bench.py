@@ -33,6 +33,7 @@ from llmserve_core.kernels.paged_prefill import paged_prefill  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_reference  # noqa: E402
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
+from gemv_bench import warm_up_on_side_stream  # noqa: E402
 
 ROTATE_BYTES = 256 << 20     # decode KV touched per graph replay, several times the 60 MB L2
 
@@ -91,12 +92,7 @@ class Bench:
         run, method = None, "eager-events"
         if use_graph:
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for fn in launches:
-                        fn()
-                torch.cuda.current_stream().wait_stream(side)
+                warm_up_on_side_stream(launches)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for fn in launches:
