@@ -36,9 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_core(model_dir: str, endpoint: str, log_path: str) -> subprocess.Popen:
+def start_core(model_dir: str, endpoint: str, log_path: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model_dir, "--listen", endpoint,
-                             *CORE_ARGS], env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+                             *CORE_ARGS, *extra], env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
 
 
 def start_serve(log_path: str, *args: str) -> tuple[subprocess.Popen, str]:

@@ -82,9 +82,14 @@ class AsyncSide:
         self.thread.join(10)
 
 
+# Room for streams long enough to be still running when the core is killed, however busy the machine.
+LONG_CORE = ("--max-model-len", "2048", "--num-kv-blocks", "512")
+LONG = 1500
+
+
 def test_core_restart_and_pause_are_survived_by_long_lived_clients_and_frontend(tiny_model_dir, tmp_path):
     endpoint = f"ipc://{tmp_path}/core.sock"
-    core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core1.log"))
+    core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core1.log"), *LONG_CORE)
     serve_log = str(tmp_path / "serve.log")
     serve, base = start_serve(serve_log, "--endpoint", endpoint, "--served-model-name", "m")
     c = side = None
@@ -97,12 +102,11 @@ def test_core_restart_and_pause_are_survived_by_long_lived_clients_and_frontend(
         http_ref = oai.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
 
         # In flight on all three when the core dies: each fails promptly with EngineDeadError.
-        sync_stream = c.stream(PROMPT, max_tokens=400, ignore_eos=True)
-        next(iter(sync_stream))
-        async_run = side.start_stream(PROMPT, max_tokens=400, ignore_eos=True)
-        http_stream = oai.completions.create(model="m", prompt=PROMPT, max_tokens=400, stream=True,
+        sync_stream = c.stream(PROMPT, max_tokens=LONG, ignore_eos=True)
+        async_run = side.start_stream(PROMPT, max_tokens=LONG, ignore_eos=True)
+        # create() returns at the first chunk, so the kill lands LONG tokens before any of them can end.
+        http_stream = oai.completions.create(model="m", prompt=PROMPT, max_tokens=LONG, stream=True,
                                              extra_body={"ignore_eos": True})
-        next(iter(http_stream))
         core.kill()
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError):
@@ -129,7 +133,7 @@ def test_core_restart_and_pause_are_survived_by_long_lived_clients_and_frontend(
         assert e.value.status_code == 503 and int(e.value.response.headers["retry-after"]) > 0
 
         # A new core on the same endpoint: the same three objects serve again, with the same results.
-        core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core2.log"))
+        core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core2.log"), *LONG_CORE)
         assert _wait_serving(lambda: c.generate(PROMPT, max_tokens=8, temperature=0)).token_ids == reference
         assert _wait_serving(lambda: side.generate(PROMPT, max_tokens=8, temperature=0)).token_ids == reference
         _wait_health(base, 200)
@@ -201,13 +205,16 @@ def test_serve_with_model_exits_nonzero_when_its_core_dies(tiny_model_dir, tmp_p
                                         extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 8 * 16
         (core_pid,) = _children(serve.pid)
-        stream = oai.completions.create(model="m", prompt=PROMPT, max_tokens=100, stream=True,
-                                        extra_body={"ignore_eos": True})
-        next(iter(stream))
-        os.kill(core_pid, signal.SIGKILL)
-        with pytest.raises(openai.APIError):
-            for _ in stream:
-                pass
+        # Stopped first, the core can neither finish this request nor refuse it: it is surely in flight
+        # when the core goes silent (a running core can finish a short stream before a kill lands).
+        os.kill(core_pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIError, match="engine is unavailable"):
+                for _ in oai.completions.create(model="m", prompt=PROMPT, max_tokens=100, stream=True,
+                                                extra_body={"ignore_eos": True}):
+                    pass
+        finally:
+            os.kill(core_pid, signal.SIGKILL)
         assert serve.wait(120) == 1
         assert "llmserve-core exited" in open(serve_log).read()
     finally:
