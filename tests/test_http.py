@@ -432,16 +432,17 @@ def test_health_and_metrics(server, oai):
 
 def test_core_killed_gives_503(tiny_model_dir, tmp_path):
     endpoint = f"ipc://{tmp_path}/core.sock"
-    core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"))
+    # A long stream: on a busy machine the frontend can pass the first chunk on late, and a short
+    # stream would have ended by the time the kill lands.
+    core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"), "--max-model-len", "2048")
     try:
         proc, base = start_serve(str(tmp_path / "serve.log"), "--endpoint", endpoint)
         try:
             wait_healthy(proc, base, str(tmp_path / "serve.log"))
             model = sdk(base).models.list().data[0].id
             assert model == os.path.basename(tiny_model_dir)
-            stream = sdk(base).completions.create(model=model, prompt="hi", max_tokens=400, stream=True,
+            stream = sdk(base).completions.create(model=model, prompt="hi", max_tokens=2000, stream=True,
                                                   extra_body={"ignore_eos": True})
-            next(iter(stream))
             core.kill()
             core.wait()
             with pytest.raises(openai.APIError, match="engine is unavailable"):   # an SSE error event
