@@ -14,9 +14,7 @@ list comes from one profiled stretch of steps (CUDA graph replays included).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
+from kernel_trace import profile_calls, summarize  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 C = QWEN3_8B_CONFIG
@@ -38,67 +37,6 @@ def step_floor_ms(batch: int, ctx: int, bw: float, peak: float) -> dict:
     f = decode_floor(C, [ctx] * batch, bw, peak)
     return {"bytes": f.bytes, "flops": f.flops, "bytes_ms": f.memory_ms, "flops_ms": f.compute_ms,
             "floor_ms": f.ms}
-
-
-def category(name: str) -> str:
-    n = name.lower()
-    if "gemv" in n or "gemm" in n or "nvjet" in n or "cutlass" in n or "xmma" in n or "splitk" in n:
-        return "gemm"
-    if "_decode_kernel" in n or "_prefill_kernel" in n or "flash" in n or "attn" in n or "fmha" in n:
-        return "attention"
-    return "other"
-
-
-def profile_steps(engine, steps: int) -> tuple[list[tuple[str, float, float]], float]:
-    """(kernels as (name, start_us, dur_us), wall ms) over `steps` engine steps."""
-    return profile_calls(engine.step, steps)
-
-
-def profile_calls(fn, calls: int) -> tuple[list[tuple[str, float, float]], float]:
-    """(kernels as (name, start_us, dur_us), wall ms) over `calls` calls of fn()."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
-    kernels = sorted((e["name"], e["ts"], e["dur"]) for e in events
-                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    return sorted(kernels, key=lambda k: k[1]), wall
-
-
-def busy_us(kernels) -> float:
-    busy, cur_s, cur_e = 0.0, None, None
-    for _, s, d in kernels:
-        e = s + d
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
-
-
-def summarize(kernels, calls: int) -> dict:
-    """Per call: kernel count, GPU ms by kind, busy ms (the union of kernel intervals) and every kernel
-    name's calls and microseconds, longest first."""
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    by_kind = collections.Counter()
-    for name, _, dur in kernels:
-        per_name[name][0] += 1
-        per_name[name][1] += dur
-        by_kind[category(name)] += dur
-    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])
-    return {"kernels_per_step": len(kernels) / calls,
-            "gpu_ms_by_kind": {k: v / calls / 1e3 for k, v in by_kind.items()},
-            "busy_ms_per_step": busy_us(kernels) / calls / 1e3,
-            "kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls} for n, (c, t) in rows]}
 
 
 def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool) -> dict:
@@ -121,10 +59,8 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         times.append((time.perf_counter() - t0) * 1e3)
     step_ms = statistics.median(times)
     prof_steps = 10
-    kernels, wall = profile_steps(engine, prof_steps)
+    kernels, _ = profile_calls(engine.step, prof_steps)
     summary = summarize(kernels, prof_steps)
-    busy = busy_us(kernels)
-    span = kernels[-1][1] + kernels[-1][2] - kernels[0][1] if kernels else 0.0
     floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak)
     del engine
     torch.cuda.empty_cache()
@@ -132,7 +68,7 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         "batch": batch, "ctx": ctx, "eager": eager, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
         "kernels_per_step": summary["kernels_per_step"], "gpu_ms_per_step": summary["gpu_ms_by_kind"],
-        "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": 1 - busy / span if span else None,
+        "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": summary["idle_fraction"],
         "kernel_table": summary["kernels"],
     }
 

@@ -30,6 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_trace import busy_us, profile_calls  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "year", "tags", "summary"],
@@ -133,7 +134,6 @@ def profile_steps(engine, batch: int, params, prompt_len: int, vocab: int, name:
     import io
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile
     prof = cProfile.Profile()
     prof.enable()
     timed_steps(engine, batch, params, steps, 2, prompt_len, vocab)
@@ -143,17 +143,9 @@ def profile_steps(engine, batch: int, params, prompt_len: int, vocab: int, name:
     print(f"== host profile, {name}, batch {batch}, {steps} steps\n" + text.getvalue()[:6000], flush=True)
     if not torch.cuda.is_available():
         return {}
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        t0 = time.perf_counter()
-        timed_steps(engine, batch, params, steps, 2, prompt_len, vocab)
-        wall = (time.perf_counter() - t0) * 1000
-    spans = sorted((e.time_range.start, e.time_range.end) for e in p.events() if e.device_type.name == "CUDA")
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:
-        if e > end:
-            busy += e - max(s, end)
-            end = e
-    out = {"wall_ms": wall, "gpu_busy_ms": busy / 1000, "busy_fraction": busy / 1000 / wall}
+    kernels, wall = profile_calls(lambda: timed_steps(engine, batch, params, steps, 2, prompt_len, vocab), 1)
+    busy = busy_us(kernels) / 1000
+    out = {"wall_ms": wall, "gpu_busy_ms": busy, "busy_fraction": busy / wall}
     print(f"== GPU, {name}, batch {batch}: {json.dumps(out)}", flush=True)
     return out
 

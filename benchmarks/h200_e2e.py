@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
+from kernel_trace import KINDS, busy_us, kernel_kind, profile_calls, span_us  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 RESULTS: dict = {}
@@ -106,34 +107,11 @@ def batch1_decode(args, model_dir):
     return out
 
 
-def kernel_class(name: str) -> str:
-    n = name.lower()
-    if any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "matmul", "splitk")):
-        return "gemm"
-    if any(k in n for k in ("_decode_kernel", "_prefill_kernel", "attn", "flash", "fmha")):
-        return "attention"
-    return "rest"
-
-
-def busy_time(intervals) -> float:
-    """Length of the union of (start, end) intervals."""
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
-
-
 @section("decode_steps")
 def decode_steps(args, model_dir):
     """Pure decode steps at batch 64 and 256 near 640 tokens of context: wall time per step against the
     step's floor, and where the GPU time goes (20 profiled steps, kernel intervals)."""
     from llmserve_proto import SamplingParams
-    from torch.profiler import ProfilerActivity, profile
     bw, peak = rates()
     out = {}
     for batch in (64, 256):
@@ -152,18 +130,10 @@ def decode_steps(args, model_dir):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                engine.step()
-        path = os.path.join(tempfile.mkdtemp(), "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-        kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-        span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-        busy = busy_time((e["ts"], e["ts"] + e["dur"]) for e in kernels)
-        split = {c: busy_time((e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) == c)
-                 / span for c in ("gemm", "attention", "rest")}
+        kernels, _ = profile_calls(engine.step, steps)
+        span = span_us(kernels)
+        busy = busy_us(kernels)
+        split = {c: busy_us([k for k in kernels if kernel_kind(k[0]) == c]) / span for c in KINDS}
         ms = sorted(times)[steps // 2] * 1e3
         floor = sum(floors) / steps
         out[f"b{batch}"] = {"mean_context": sum(contexts()) / batch, "ms_per_step": ms, "floor_ms": floor,
@@ -362,7 +332,7 @@ def summarize():
             rows.append((f"decode step {k}, context {v['mean_context']:.0f}",
                          f"{v['ms_per_step']:.2f} ms, floor {v['floor_ms']:.2f} ms ({100 * v['fraction_of_floor']:.0f}%); "
                          f"GEMM {100 * v['gemm_fraction']:.0f}%, attention {100 * v['attention_fraction']:.0f}%, "
-                         f"rest {100 * v['rest_fraction']:.0f}%, idle {100 * v['idle_fraction']:.1f}%"))
+                         f"other {100 * v['other_fraction']:.0f}%, idle {100 * v['idle_fraction']:.1f}%"))
     cl = RESULTS.get("closed_loop_ipc", {})
     peer = RESULTS.get("transformers_peer", {})
     for k, v in cl.items():

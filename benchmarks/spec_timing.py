@@ -282,7 +282,7 @@ def host_split(ex, spec_step, out: dict, measure, steps: int = 20) -> None:
 def profile_step(spec_step, out: dict, calls: int = 10) -> None:
     """Where a whole step's time goes on the GPU: kernel time by kind, busy time (the union of kernel
     intervals) against the step's wall time, and the longest kernels (CUDA only)."""
-    from decode_profile import profile_calls, summarize
+    from kernel_trace import profile_calls, summarize
     kernels, wall = profile_calls(spec_step, calls)
     summary = summarize(kernels, calls)
     out["profile"] = {"wall_ms_per_step": wall / calls, "busy_ms_per_step": summary["busy_ms_per_step"],

@@ -66,13 +66,34 @@ def test_rates_must_be_positive(bw, peak):
 
 
 def test_profile_summary_counts_per_call_and_merges_overlaps():
-    """decode_profile.summarize, which decode_profile and spec_timing --profile report from."""
-    from decode_profile import summarize
+    """kernel_trace.summarize, which decode_profile and spec_timing --profile report from."""
+    from kernel_trace import summarize
     kernels = [("nvjet_sm90_gemm", 0.0, 10.0), ("_decode_kernel", 5.0, 10.0), ("_rmsnorm_kernel", 30.0, 2.0),
                ("nvjet_sm90_gemm", 40.0, 10.0)]
     s = summarize(kernels, calls=2)
     assert s["kernels_per_step"] == 2
     assert s["gpu_ms_by_kind"] == {"gemm": 0.01, "attention": 0.005, "other": 0.001}
     assert s["busy_ms_per_step"] == pytest.approx((15 + 2 + 10) / 2 / 1e3)       # 0-15 overlaps, then 2, then 10
+    assert s["idle_fraction"] == pytest.approx(1 - 27 / 50)                      # the span is 0-50
     assert s["kernels"][0] == {"name": "nvjet_sm90_gemm", "calls": 1.0, "us": 10.0}
     assert [k["name"] for k in s["kernels"]] == ["nvjet_sm90_gemm", "_decode_kernel", "_rmsnorm_kernel"]
+
+
+def test_busy_time_is_the_union_of_intervals_in_any_order():
+    from kernel_trace import busy_us, span_us
+    # Nested, touching and disjoint intervals, given out of order (as a filter by kind leaves them).
+    kernels = [("c", 20.0, 5.0), ("a", 0.0, 10.0), ("b", 2.0, 3.0), ("d", 10.0, 4.0), ("e", 24.0, 6.0)]
+    assert busy_us(kernels) == pytest.approx(14 + 10)          # 0-14, then 20-30
+    assert span_us(kernels) == pytest.approx(30)
+    assert busy_us([]) == 0.0 and span_us([]) == 0.0
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"), ("_gemv_kernel", "gemm"), ("_w8a8_kernel", "gemm"),
+    ("_fp8_gemv_fma_kernel", "gemm"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemm"),
+    ("void cutlass::device_kernel<flash::FlashAttnFwdSm90>", "attention"),     # a CUTLASS kernel, but attention
+    ("_decode_kernel", "attention"), ("_prefill_kernel", "attention"), ("fmha_cutlassF", "attention"),
+    ("_rmsnorm_kernel", "other"), ("Memcpy HtoD (Pinned -> Device)", "other")])
+def test_kernel_kinds(name, kind):
+    from kernel_trace import kernel_kind
+    assert kernel_kind(name) == kind
