@@ -108,24 +108,24 @@ def test_core_restart_and_pause_are_survived_by_long_lived_clients_and_frontend(
         http_stream = oai.completions.create(model="m", prompt=PROMPT, max_tokens=LONG, stream=True,
                                              extra_body={"ignore_eos": True})
         core.kill()
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError):
+        # Promptly: through the dropped connection, not after a heartbeat timeout (the reason says which;
+        # a time bound would fail on a busy machine).
+        lost = "connection to the core at .* was lost"
+        with pytest.raises(EngineDeadError, match=lost):
             for _ in sync_stream:
                 pass
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match=lost):
             async_run.result(60)
-        with pytest.raises(openai.APIError, match="engine is unavailable"):
+        with pytest.raises(openai.APIError, match="engine is unavailable: " + lost):
             for _ in http_stream:
                 pass
-        assert time.monotonic() - t0 < 10.0
         core.wait()
-        # While no core is there, calls fail at once and /health says so with a Retry-After.
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError):
+        # While no core is there, calls fail at once (with the same reason) and /health says so with a
+        # Retry-After.
+        with pytest.raises(EngineDeadError, match=lost):
             c.generate(PROMPT, max_tokens=2)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match=lost):
             side.generate(PROMPT, max_tokens=2)
-        assert time.monotonic() - t0 < 5.0
         r = _wait_health(base, 503)
         assert int(r.headers["retry-after"]) > 0
         with pytest.raises(openai.InternalServerError) as e:
