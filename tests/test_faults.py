@@ -105,11 +105,12 @@ def test_one_request_filling_the_pool_leaves_others_served(small_pool_core):
 
 def test_sigstopped_core_is_declared_dead_and_serves_again_after_sigcont(tiny_model_dir, tmp_path):
     endpoint, log = f"ipc://{tmp_path}/core.sock", str(tmp_path / "core.log")
-    proc = start_core(tiny_model_dir, endpoint, log)
+    # A long stream, so that it is surely still running when the stop lands on a busy machine.
+    proc = start_core(tiny_model_dir, endpoint, log, "--max-model-len", "2048")
     try:
         wait_ready(endpoint, proc, log)
         c = Client(endpoint, heartbeat_timeout=2.0)
-        s = c.stream([1, 2, 3], max_tokens=400, ignore_eos=True)
+        s = c.stream([1, 2, 3], max_tokens=2000, ignore_eos=True)
         next(s)
         proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
