@@ -116,7 +116,6 @@ class Stream:
             raise RequestError("stop", "stop strings need detokenize=True")
         ids = to_token_ids(prompt, lambda: client.tokenizer)
         self.request_id = request_id or new_request_id()
-        self._timeout = client.heartbeat_timeout
         tok = client.tokenizer if detokenize else None
         self._state = RequestState(self.request_id, ids, params, tok, detokenize=detokenize,
                                    skip_special_tokens=skip_special_tokens)

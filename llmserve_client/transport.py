@@ -89,10 +89,6 @@ class Transport:
             raise self.dead or HandshakeTimeoutError(f"no handshake from a core at {self.endpoint}")
         return self.welcome
 
-    def check_alive(self) -> None:
-        if self.dead is not None:
-            raise self.dead
-
     def send(self, msg) -> None:
         frame = encode(msg)
         # Under the lock, so a frame is either queued before a session ends (and dropped with it) or refused:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 
 from llmserve_proto import (PROTOCOL_VERSION, Abort, BadMessage, EngineError, Generate, Goodbye, Heartbeat,
-                            Hello, Ping, RequestError, StatsRequest, ValidationError, Welcome,
+                            Hello, RequestError, StatsRequest, ValidationError, Welcome,
                             decode_client_checked, encode)
 from llmserve_proto.codec import MAX_FRAME_BYTES
 from llmserve_proto.endpoint import is_ipv6_endpoint
@@ -66,7 +66,6 @@ class SocketThread(threading.Thread):
         self.pair = ctx.socket(zmq.PAIR)
         self.pair.setsockopt(zmq.RCVHWM, 0)
         self.pair.bind(pair_addr)
-        self.num_bad_frames = 0
         # Unread messages are held up to this per client, for at most client_timeout (see outbox.py).
         self.outbox = Outbox(max_unread_bytes, client_timeout)
         self.warnings = LogLimiter()
@@ -195,7 +194,6 @@ class SocketThread(threading.Thread):
             self._handle(client, msg, time.monotonic())
 
     def _bad(self, client: bytes, message: str, request_id: str | None = None, field: str = "") -> None:
-        self.num_bad_frames += 1
         self._warn(client, "bad message from client %s: %s", client.hex(), printable(message, 300))
         info = self.clients.get(client)
         if info is not None:
