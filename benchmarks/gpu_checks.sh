@@ -2,6 +2,8 @@
 # The GPU checks of the dtype / attention / warm-up / peer work, for device calls, results under $OUT:
 #   tests    pytest -m gpu: the dtype x head_dim x backend x (eager, graphs) sweep, Triton + FA4 against the
 #            torch reference (pages 16 and 128), nothing compiling after the warm-up  -> $OUT/gpu_tests.log
+#   suite    pytest -m gpu over every test file: all the GPU tests (kernels against their torch references,
+#            engines against transformers, graphs against eager, FP8, speculation)  -> $OUT/gpu_suite.log
 #   kernels  benchmarks/kernels_bench.py --prefill-only: Triton vs FA4 prefill / extend / verify
 #            -> $OUT/kernels/results.{json,md}
 #   peers    benchmarks/peer_compare.py: nano-vllm and llmserve on the same prompts, and with BASELINE=TREE an
@@ -35,6 +37,9 @@ for stage in $stages; do
         tests/test_kernels.py -k "gpu_dtypes or backend_decodes or nothing_compiles or fa4 or flash" \
         2>&1 | tee "$out/gpu_tests.log" | tail -40
       status[$stage]=${PIPESTATUS[0]} ;;
+    suite)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$out/gpu_suite.log" 2>&1
+      status[$stage]=$?; tail -25 "$out/gpu_suite.log" ;;
     kernels)
       python3 benchmarks/kernels_bench.py "$out/kernels" --prefill-only --budget-s 150 --commit "$commit"
       status[$stage]=$? ;;
@@ -65,7 +70,7 @@ for stage in $stages; do
       python3 benchmarks/decode_profile.py --label "$commit" --out "$out/decode_profile.json" --batches 1,64,256 \
         --steps 40 > "$out/decode_profile.log" 2>&1
       status[$stage]=$?; tail -8 "$out/decode_profile.log" ;;
-    *) echo "unknown stage $stage (tests, kernels, peers, layer, spec, serving, grammar, profile)"; status[$stage]=2 ;;
+    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done
