@@ -5,6 +5,7 @@ One shared core serves most tests; the tests that kill or stop a core start thei
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -417,3 +418,6 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
     assert main(["make-tiny-model", str(tmp_path / "m"), "--seed", "1"]) == 0
     assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
     assert str(tmp_path / "m") in capsys.readouterr().out
+    assert main(["make-tiny-model", str(tmp_path / "deep"), "--num-hidden-layers", "3", "--untied"]) == 0
+    cfg = json.loads((tmp_path / "deep" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 3 and cfg["tie_word_embeddings"] is False

@@ -3,9 +3,8 @@
 The weights come from transformers' own Qwen3ForCausalLM under a fixed seed and are written by its
 save_pretrained, so the directory is exactly what transformers produces for a Qwen3 checkpoint. The
 tokenizer is a byte-level BPE trained on the shipped corpus with Qwen's special tokens and ChatML
-chat template. Same seed and overrides -> byte-identical files.
-
-    python -m llmserve_core.models.tiny OUT_DIR [--seed 0] [--num-hidden-layers N] [--untied]
+chat template. Same seed and overrides -> byte-identical files. From the shell:
+`llmserve-core make-tiny-model DIR` (llmserve_core/cli.py).
 """
 from __future__ import annotations
 
@@ -128,21 +127,3 @@ def write_tokenizer(tokenizer, out_dir) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     special = {"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": [IM_START, IM_END]}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-
-
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Write a tiny random Qwen3 model directory.")
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-hidden-layers", type=int, default=TINY_CONFIG["num_hidden_layers"])
-    parser.add_argument("--untied", action="store_true", help="separate lm_head instead of tied embeddings")
-    args = parser.parse_args()
-    path = make_tiny_model(args.out_dir, seed=args.seed, num_hidden_layers=args.num_hidden_layers,
-                           tie_word_embeddings=not args.untied)
-    print(path)
-
-
-if __name__ == "__main__":
-    main()
