@@ -53,7 +53,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return sdk(server[0])
+    # Only a guard against a hang: the grammar-constrained requests here run to ~1,000 tokens x n on the
+    # CPU, which on a busy machine takes longer than sdk()'s 30 s.
+    return sdk(server[0]).with_options(timeout=300)
 
 
 def chat(client, stream=False, **kw):
