@@ -2,8 +2,9 @@
 # The GPU checks of the dtype / attention / warm-up / peer work, for device calls, results under $OUT:
 #   tests    pytest -m gpu: the dtype x head_dim x backend x (eager, graphs) sweep, Triton + FA4 against the
 #            torch reference (pages 16 and 128), nothing compiling after the warm-up  -> $OUT/gpu_tests.log
-#   suite    pytest -m gpu over every test file: all the GPU tests (kernels against their torch references,
-#            engines against transformers, graphs against eager, FP8, speculation)  -> $OUT/gpu_suite.log
+#   suite    every GPU test: the kernel test files whole (their interpreter tests and bf16 cases run on the
+#            GPU), then pytest -m gpu over the rest (engines against transformers, graphs against eager, FP8,
+#            speculation)  -> $OUT/gpu_kernel_tests.log, $OUT/gpu_suite.log
 #   kernels  benchmarks/kernels_bench.py --prefill-only: Triton vs FA4 prefill / extend / verify
 #            -> $OUT/kernels/results.{json,md}
 #   peers    benchmarks/peer_compare.py: nano-vllm and llmserve on the same prompts, and with BASELINE=TREE an
@@ -38,8 +39,15 @@ for stage in $stages; do
         2>&1 | tee "$out/gpu_tests.log" | tail -40
       status[$stage]=${PIPESTATUS[0]} ;;
     suite)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$out/gpu_suite.log" 2>&1
-      status[$stage]=$?; tail -25 "$out/gpu_suite.log" ;;
+      # The kernel test files run whole: their interpreter tests run on the GPU where one is present, and
+      # the bfloat16 cases the interpreter cannot run exist only there. Elsewhere, the tests marked gpu.
+      kernel_files="tests/test_gemv.py tests/test_kernels.py tests/test_fp8_kernels.py tests/test_qk_norm_rope.py
+                    tests/test_decode_rows.py tests/test_stream_gemv.py"
+      python3 -m pytest -q -p no:cacheprovider $kernel_files > "$out/gpu_kernel_tests.log" 2>&1
+      status[$stage]=$?; tail -3 "$out/gpu_kernel_tests.log"
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/ $(printf -- "--ignore=%s " $kernel_files) \
+        > "$out/gpu_suite.log" 2>&1 || status[$stage]=1
+      tail -25 "$out/gpu_suite.log" ;;
     kernels)
       python3 benchmarks/kernels_bench.py "$out/kernels" --prefill-only --budget-s 150 --commit "$commit"
       status[$stage]=$? ;;
