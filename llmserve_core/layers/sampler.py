@@ -3,7 +3,9 @@
 Greedy rows take the argmax of the raw logits. Other rows go through temperature, top-k, top-p and min-p
 (`sampling_probs`, which speculative verification reuses so both see the same distribution), then
 draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
-Rows with a seed draw E from their own generator, so their tokens do not depend on batch company.
+Rows with a seed draw E from their own generator, so their tokens do not depend on batch company. (A
+speculating request's verification draws from the same generator in another pattern, so with a draft
+model its tokens also depend on which of its steps drafted: see the README's EAGLE-3 section.)
 
 Degenerate parameters stay safe: a temperature under GREEDY_EPSILON is greedy (dividing by it would
 overflow), top-p always keeps the most likely token (1e-300 rounds to 0 in float32), and a row whose
