@@ -169,6 +169,10 @@ def test_tool_errors_are_400s(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+    for function in ("get_weather", ["get_weather"], None):     # not the {"name": ...} object
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, tools=TOOLS, tool_choice={"type": "function", "function": function})
+        assert e.value.body["param"] == "tool_choice"
 
 
 # ---- structured outputs ---------------------------------------------------------------------------------

@@ -252,7 +252,8 @@ class Frontend:
             return tools, None
         if choice == "required":
             return tools, forced_call_guided(tools, None)
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None   # a client may send any JSON here
         if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
             raise ApiError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                            "{\"name\": ...}}", "tool_choice")
