@@ -87,6 +87,8 @@ class Frontend:
         self.metrics = Metrics(self.names[0])
         self._token_text = lru_cache(maxsize=65536)(
             lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False))
+        self._token_bytes = lru_cache(maxsize=65536)(
+            lambda tid: _token_bytes(self.tokenizer, tid, self._token_text(tid)))
 
     # ---------------------------------------------------------------- endpoints
     async def models(self, request: Request) -> Response:
@@ -383,9 +385,10 @@ class Frontend:
         pairs = list(zip(token_ids, logprobs))
         text = self._token_text
         if ctx.chat:
+            raw = self._token_bytes
             return {"content": [
-                {"token": text(t), "logprob": _finite(lp.logprob), "bytes": list(text(t).encode()),
-                 "top_logprobs": [{"token": text(a), "logprob": _finite(b), "bytes": list(text(a).encode())}
+                {"token": text(t), "logprob": _finite(lp.logprob), "bytes": raw(t),
+                 "top_logprobs": [{"token": text(a), "logprob": _finite(b), "bytes": raw(a)}
                                   for a, b in zip(lp.top_token_ids, lp.top_logprobs)]}
                 for t, lp in pairs]}
         offsets, at = [], ctx.text_offsets.get(index, 0)
@@ -442,6 +445,26 @@ def _longest_token_chars(tokenizer) -> int:
     """Characters in the longest token's text (a byte-level vocabulary spells one byte per character, so
     this bounds the text one token can stand for)."""
     return max(1, max(map(len, tokenizer.get_vocab()), default=1))
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (Qwen's tokenizers use it): the character that spells each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
+def _token_bytes(tokenizer, tid: int, text: str) -> list[int]:
+    """A token's own UTF-8 bytes, OpenAI's `bytes`: what lets a client rebuild a character split across tokens.
+    Such a token's text is U+FFFD, so its bytes come from its byte-level spelling instead (when it has one)."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(tid)
+        if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return [_BYTE_OF_CHAR[c] for c in piece]
+    return list(text.encode())
 
 
 def _model_not_found(name: str) -> ApiError:
