@@ -271,8 +271,9 @@ class Frontend:
         if isinstance(prompt, str):
             chars = len(prompt)
         elif chat:
-            # Only what the template copies verbatim counts: templates may drop earlier assistant reasoning.
-            chars = sum(len(m["content"].strip()) for m in prompt if m["role"] in ("system", "user"))
+            # Only what the template copies verbatim counts: templates may drop earlier assistant reasoning,
+            # but tool results go in whole (Qwen3's <tool_response>).
+            chars = sum(len(m["content"].strip()) for m in prompt if m["role"] in ("system", "user", "tool"))
         else:
             return   # token ids: counted exactly below
         fewest_tokens = chars // (self.max_token_chars * NORMALIZER_SLACK)
