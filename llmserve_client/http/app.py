@@ -62,7 +62,6 @@ class Frontend:
         self.names = list(served_model_names or [])
         self.tokenizer = None
         self.max_model_len = 0
-        self.max_request_tokens = 0   # prompt + completion the core can hold (max_model_len, or less on a small pool)
         self.max_token_chars = 1      # the longest token's text: a prompt of n characters has >= n / this tokens
         self.created = int(time.time())
         self.metrics: Metrics | None = None
@@ -79,7 +78,6 @@ class Frontend:
         self.tokenizer = await self.client.get_tokenizer()
         info = self.client.model_info
         self.max_model_len = info.max_model_len
-        self.max_request_tokens = min(self.max_model_len, self.client.max_request_tokens or self.max_model_len)
         self.max_token_chars = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, _longest_token_chars, self.tokenizer)
         if not self.names:
@@ -89,6 +87,12 @@ class Frontend:
             lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False))
         self._token_bytes = lru_cache(maxsize=65536)(
             lambda tid: _token_bytes(self.tokenizer, tid, self._token_text(tid)))
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + completion the cores can hold (max_model_len, or less on a small pool). Read at each use:
+        a core may come back on its endpoint with another pool."""
+        return min(self.max_model_len, self.client.max_request_tokens or self.max_model_len)
 
     # ---------------------------------------------------------------- endpoints
     async def models(self, request: Request) -> Response:
