@@ -59,6 +59,9 @@ def test_hermes_whole():
     assert parse_tool_calls("no calls here") == ("no calls here", [])
     broken = "<tool_call>\n{not json}\n</tool_call>"
     assert parse_tool_calls(broken) == (broken, [])
+    deep = "<tool_call>\n" + "[" * 5000 + "\n</tool_call>"     # a model may nest past the JSON parser's depth
+    assert parse_tool_calls(deep) == (deep, [])
+    assert ChoiceShaper(False, "", True).delta(deep, final=True) == {}
 
 
 def test_hermes_streamed_at_every_split_like_openai():

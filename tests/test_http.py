@@ -216,6 +216,16 @@ def test_logprobs(oai):
         assert len(item.top_logprobs) == 3 and item.logprob <= 0
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)    # greedy picks the best
         assert item.token == item.top_logprobs[0].token
+    # Characters split across tokens: each token's text is U+FFFD, its bytes are its own, and the bytes of
+    # the tokens (but the end-of-sequence token that ends the grammar) make up the text, as OpenAI's
+    # `bytes` are meant to.
+    text = "h\u00e9llo \U0001F600 \u4e2d\u6587"
+    r = oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=40, temperature=0, logprobs=True,
+                                    extra_body={"guided_regex": text})
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == "stop"
+    assert any(item.token == "\ufffd" for item in content)
+    assert b"".join(bytes(item.bytes) for item in content[:-1]).decode() == text
     c = oai.completions.create(model=NAME, prompt="while True:", max_tokens=5, temperature=0, logprobs=2)
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5

@@ -209,6 +209,17 @@ def test_huge_prompt_is_refused_from_its_length_without_freezing(stack):
     assert _rss_bytes(serve.pid) - rss < 256 * 1024 * 1024
 
 
+def test_huge_tool_result_is_refused_from_its_length(stack):
+    # A tool result goes into the prompt whole, so it counts before rendering and tokenizing: else each such
+    # request holds the one tokenizer thread every request shares for seconds.
+    _, _, base = stack
+    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "word " * 1_000_000}]
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=120)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert "characters" in err["message"], err      # refused from its length, not after tokenizing
+
+
 def test_frontend_answers_while_a_huge_chat_is_rendered_and_tokenized(stack):
     # Assistant turns do not count in the early length check (templates may drop parts of them), so this
     # reaches the template and the tokenizer: seconds of work that must not hold the event loop.

@@ -161,6 +161,9 @@ def test_tool_history_is_rendered_by_the_template(client, server):
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>' in text
     assert "<tool_response>\nrain, 4 C\n</tool_response>" in text
     assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+    # Arguments that are not JSON go to the template as text, even when they nest past any parser's depth.
+    history[1]["tool_calls"][0]["function"]["arguments"] = "[" * 1500
+    assert chat(client, messages=history, tools=TOOLS, max_tokens=2).usage.prompt_tokens > r.usage.prompt_tokens
 
 
 def test_tool_errors_are_400s(client, server):
@@ -171,6 +174,10 @@ def test_tool_errors_are_400s(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+    for function in ("get_weather", ["get_weather"], None):     # not the {"name": ...} object
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, tools=TOOLS, tool_choice={"type": "function", "function": function})
+        assert e.value.body["param"] == "tool_choice"
 
 
 # ---- structured outputs ---------------------------------------------------------------------------------
@@ -222,6 +229,7 @@ def test_every_structured_output_form_parses_and_validates(client, server):
 @pytest.mark.parametrize("extra, param", [
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_json": {"type": 5}}, "guided_json"),
+    ({"guided_json": "[" * 5000}, "guided_json"),            # JSON text nested past any parser's depth
     ({"guided_grammar": "root ::= nothing_defined"}, "guided_grammar"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),

@@ -193,6 +193,30 @@ def test_core_back_with_another_model_is_refused(tiny_model_dir, make_random_qwe
         _kill(core)
 
 
+def test_chat_without_max_tokens_fits_the_pool_of_the_core_back_on_the_endpoint(tiny_model_dir, tmp_path):
+    # A chat without max_tokens runs to what the KV pool holds: the pool of the core serving now, which
+    # may be smaller than the one the frontend met first.
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core1.log"))
+    serve_log = str(tmp_path / "serve.log")
+    serve, base = start_serve(serve_log, "--endpoint", endpoint, "--served-model-name", "m")
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        wait_healthy(serve, base, serve_log)
+        oai = sdk(base)
+        assert oai.chat.completions.create(model="m", messages=messages, max_tokens=2).usage.completion_tokens == 2
+        core.kill()
+        core.wait()
+        _wait_health(base, 503)
+        core = start_core(tiny_model_dir, endpoint, str(tmp_path / "core2.log"), "--num-kv-blocks", "8")
+        _wait_health(base, 200)
+        r = oai.chat.completions.create(model="m", messages=messages, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 8 * 16
+    finally:
+        assert stop(serve) == 0, open(serve_log).read()[-3000:]
+        _kill(core)
+
+
 def test_serve_with_model_exits_nonzero_when_its_core_dies(tiny_model_dir, tmp_path):
     # Also: on a pool smaller than max_model_len, a chat without max_tokens runs to what the pool holds.
     serve_log = str(tmp_path / "serve.log")

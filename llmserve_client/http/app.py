@@ -62,7 +62,6 @@ class Frontend:
         self.names = list(served_model_names or [])
         self.tokenizer = None
         self.max_model_len = 0
-        self.max_request_tokens = 0   # prompt + completion the core can hold (max_model_len, or less on a small pool)
         self.max_token_chars = 1      # the longest token's text: a prompt of n characters has >= n / this tokens
         self.created = int(time.time())
         self.metrics: Metrics | None = None
@@ -79,7 +78,6 @@ class Frontend:
         self.tokenizer = await self.client.get_tokenizer()
         info = self.client.model_info
         self.max_model_len = info.max_model_len
-        self.max_request_tokens = min(self.max_model_len, self.client.max_request_tokens or self.max_model_len)
         self.max_token_chars = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, _longest_token_chars, self.tokenizer)
         if not self.names:
@@ -87,6 +85,14 @@ class Frontend:
         self.metrics = Metrics(self.names[0])
         self._token_text = lru_cache(maxsize=65536)(
             lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False))
+        self._token_bytes = lru_cache(maxsize=65536)(
+            lambda tid: _token_bytes(self.tokenizer, tid, self._token_text(tid)))
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + completion the cores can hold (max_model_len, or less on a small pool). Read at each use:
+        a core may come back on its endpoint with another pool."""
+        return min(self.max_model_len, self.client.max_request_tokens or self.max_model_len)
 
     # ---------------------------------------------------------------- endpoints
     async def models(self, request: Request) -> Response:
@@ -252,7 +258,8 @@ class Frontend:
             return tools, None
         if choice == "required":
             return tools, forced_call_guided(tools, None)
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None   # a client may send any JSON here
         if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
             raise ApiError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                            "{\"name\": ...}}", "tool_choice")
@@ -268,8 +275,9 @@ class Frontend:
         if isinstance(prompt, str):
             chars = len(prompt)
         elif chat:
-            # Only what the template copies verbatim counts: templates may drop earlier assistant reasoning.
-            chars = sum(len(m["content"].strip()) for m in prompt if m["role"] in ("system", "user"))
+            # Only what the template copies verbatim counts: templates may drop earlier assistant reasoning,
+            # but tool results go in whole (Qwen3's <tool_response>).
+            chars = sum(len(m["content"].strip()) for m in prompt if m["role"] in ("system", "user", "tool"))
         else:
             return   # token ids: counted exactly below
         fewest_tokens = chars // (self.max_token_chars * NORMALIZER_SLACK)
@@ -382,9 +390,10 @@ class Frontend:
         pairs = list(zip(token_ids, logprobs))
         text = self._token_text
         if ctx.chat:
+            raw = self._token_bytes
             return {"content": [
-                {"token": text(t), "logprob": _finite(lp.logprob), "bytes": list(text(t).encode()),
-                 "top_logprobs": [{"token": text(a), "logprob": _finite(b), "bytes": list(text(a).encode())}
+                {"token": text(t), "logprob": _finite(lp.logprob), "bytes": raw(t),
+                 "top_logprobs": [{"token": text(a), "logprob": _finite(b), "bytes": raw(a)}
                                   for a, b in zip(lp.top_token_ids, lp.top_logprobs)]}
                 for t, lp in pairs]}
         offsets, at = [], ctx.text_offsets.get(index, 0)
@@ -441,6 +450,26 @@ def _longest_token_chars(tokenizer) -> int:
     """Characters in the longest token's text (a byte-level vocabulary spells one byte per character, so
     this bounds the text one token can stand for)."""
     return max(1, max(map(len, tokenizer.get_vocab()), default=1))
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (Qwen's tokenizers use it): the character that spells each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
+def _token_bytes(tokenizer, tid: int, text: str) -> list[int]:
+    """A token's own UTF-8 bytes, OpenAI's `bytes`: what lets a client rebuild a character split across tokens.
+    Such a token's text is U+FFFD, so its bytes come from its byte-level spelling instead (when it has one)."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(tid)
+        if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return [_BYTE_OF_CHAR[c] for c in piece]
+    return list(text.encode())
 
 
 def _model_not_found(name: str) -> ApiError:

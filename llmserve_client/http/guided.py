@@ -33,7 +33,7 @@ def guided_from_request(req) -> tuple[dict | None, str | None]:
         if isinstance(spec, str):
             try:
                 spec = json.loads(spec)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:   # text nested past the parser's depth
                 raise ApiError(f"guided_json is not valid JSON: {e}", "guided_json") from None
         if not isinstance(spec, (dict, bool)):
             raise ApiError("guided_json must be a JSON schema (an object)", "guided_json")

@@ -266,7 +266,7 @@ def _arguments(args: str | dict) -> dict | str:
         return args
     try:
         value = msgspec.json.decode(args)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):    # text nested past the parser's depth is still text
         return args
     return value if isinstance(value, dict) else args
 

@@ -28,7 +28,7 @@ def new_call_id() -> str:
 def _load_call(text: str) -> tuple[str, object] | None:
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):   # the model's text may nest past the parser's depth
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
