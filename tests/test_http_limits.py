@@ -5,6 +5,7 @@ tokenizer loading under threads.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -330,3 +331,41 @@ def test_bad_limits_and_empty_api_key_exit_2(args, env, needle):
     r = subprocess.run([sys.executable, "-m", "llmserve_client.http", "--endpoint", "ipc:///nonexistent", *args],
                        env={**ENV, **env}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+class _FakeStream:
+    """An AsyncStream's surface for streams.merge: chunks, then an error or the end; close() recorded."""
+
+    def __init__(self, chunks, error=None):
+        self.chunks, self.error, self.closed = list(chunks), error, False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for c in self.chunks:
+            await asyncio.sleep(0)
+            yield c
+        if self.error is not None:
+            raise self.error
+
+    async def aclose(self):
+        self.closed = True
+
+
+def test_merge_ends_on_any_stream_failure_and_closes_every_stream():
+    """n > 1 merges the choices' streams; a failure of any kind in one (not only the client's own errors)
+    must end the merge and close the rest, not leave the response waiting for a stream that is gone."""
+    from llmserve_client.http.streams import merge
+
+    async def run():
+        streams = [_FakeStream(["a0", "a1"]), _FakeStream(["b0"], error=ValueError("boom")),
+                   _FakeStream(["c%d" % i for i in range(100)])]
+        got = []
+        with pytest.raises(ValueError, match="boom"):
+            async for item in merge(streams):
+                got.append(item)
+        return got, streams
+
+    got, streams = asyncio.run(asyncio.wait_for(run(), 60))
+    assert (1, "b0") in got and all(s.closed for s in streams)

@@ -11,7 +11,6 @@ import contextlib
 from starlette.requests import Request
 
 from llmserve_client.async_client import AsyncStream
-from llmserve_client.errors import LLMServeError
 
 
 class ClientGone(Exception):
@@ -35,7 +34,7 @@ async def merge(streams: list[AsyncStream]):
             async for chunk in stream:
                 queue.put_nowait((i, chunk, None))
             queue.put_nowait((i, None, None))
-        except LLMServeError as e:
+        except Exception as e:      # any failure ends the merge (as it would a single stream), never a hang
             queue.put_nowait((i, None, e))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
