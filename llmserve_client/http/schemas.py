@@ -150,14 +150,13 @@ def _check_request(req: _Request) -> None:
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI sends token ids as JSON object keys (strings)."""
+    """OpenAI sends token ids as JSON object keys (strings): ASCII digits only, since int() would also take
+    "5_0" as 50, " 5" and other scripts' digits."""
     out = {}
     for key, value in bias.items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise ApiError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        out[tok] = value
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
     return out
 
 
