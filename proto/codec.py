@@ -89,7 +89,8 @@ def decode_client_checked(frame: bytes | memoryview):
         return decode_client(frame)
     except msgspec.ValidationError as e:
         raw = _salvage(frame)
-        tag = raw[0] if isinstance(raw, list) and raw else None
+        # Any JSON-like value may sit where the tag goes (a list is unhashable): only a string is a tag.
+        tag = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
         rid = raw[1] if tag == "generate" and len(raw) > 1 and isinstance(raw[1], str) else None
         field = ""
         m = re.search(r"at `\$((?:\[\d+\])+)`", str(e))

@@ -185,6 +185,8 @@ def test_garbage_and_wrong_typed_messages_leave_the_engine_serving(core):
             "core message from a client": [encode(Welcome(protocol_version=1, model_info=ModelInfo(model="x"),
                                                           heartbeat_interval_s=1.0, client_timeout_s=1.0))],
             "unknown tag": [msgspec.msgpack.encode(["launch_missiles", 1])],
+            "unhashable tag": [b"\x92\x90\x00"],      # [[], 0]: once ended the socket thread, and the core
+            "map tag": [msgspec.msgpack.encode([{"a": 1}, "x"])],
             "two frames": [encode(Hello()), b"extra"],
         }
         for name, parts in frames.items():

@@ -6,7 +6,7 @@ import stat
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmserve_proto import (Abort, BadMessage, EngineError, Generate, Goodbye, Heartbeat, Hello, Logprobs, ModelInfo,
@@ -101,6 +101,7 @@ def test_bad_frames_name_the_request_and_field(frame, request_id, field):
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
+@example(b"\x92\x90\x00")      # [[], 0]: an unhashable tag once escaped as a TypeError
 def test_random_bytes_never_escape_as_anything_but_bad_message(data):
     try:
         decode_client_checked(data)
@@ -177,3 +178,12 @@ def test_listen_endpoints_are_checked(endpoint, ok):
 
 def test_remote_tcp_needs_an_explicit_opt_in():
     assert ep.check_listen_endpoint("tcp://0.0.0.0:5555", allow_remote=True) == "tcp://0.0.0.0:5555"
+
+
+@pytest.mark.parametrize("tag", [[], [1], {}, {"a": 1}, 1.5, None, b"x", True, -2**63, 2**64 - 1])
+@pytest.mark.parametrize("rest", [[], [0], ["rid", {}], ["rid", [1, 2], "hot"]])
+def test_any_value_where_the_tag_goes_is_a_bad_message(tag, rest):
+    """Random bytes rarely spell an array whose first item is not a string; every kind of value there must
+    come back as BadMessage (an unhashable one once raised TypeError, which ended the socket thread)."""
+    with pytest.raises(BadMessage):
+        decode_client_checked(msgspec.msgpack.encode([tag, *rest]))
