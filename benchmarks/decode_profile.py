@@ -6,10 +6,14 @@ bandwidth, FLOPs / bf16 peak), both ceilings measured in the same run. Bytes: ev
 embedding table (a step reads B of its rows), plus the KV of B * c tokens read and B written. FLOPs: 2 per
 weight per row, plus attention's 4 * c * heads * head_dim per row and layer.
 
+With `--quantization fp8` the weights are quantized at load and the floor counts the projections at one
+byte a weight (plus their row scales); with `--kv-cache-dtype fp8_e4m3` the K/V at one byte an element.
+
 Step times are wall-clock medians of Engine.step() in steady decoding (host work included); the kernel
 list comes from one profiled stretch of steps (CUDA graph replays included).
 
     python benchmarks/decode_profile.py --label now --out $OUT/decode_now.json
+    python benchmarks/decode_profile.py --label fp8 --out $OUT/decode_fp8.json --batches 1 --quantization fp8
 """
 from __future__ import annotations
 
@@ -32,19 +36,21 @@ from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
 C = QWEN3_8B_CONFIG
 
 
-def step_floor_ms(batch: int, ctx: int, bw: float, peak: float) -> dict:
+def step_floor_ms(batch: int, ctx: int, bw: float, peak: float, linear_bytes: int = 2, kv_bytes: int = 2) -> dict:
     """benchmarks/floor.py's floor of a decode step over `batch` rows at context `ctx`."""
-    f = decode_floor(C, [ctx] * batch, bw, peak)
+    f = decode_floor(C, [ctx] * batch, bw, peak, 2, linear_bytes, kv_bytes)
     return {"bytes": f.bytes, "flops": f.flops, "bytes_ms": f.memory_ms, "flops_ms": f.compute_ms,
             "floor_ms": f.ms}
 
 
-def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool) -> dict:
+def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool,
+              quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
                                  max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
-                                 gpu_memory_utilization=0.85, enforce_eager=eager, warmup=False))
+                                 gpu_memory_utilization=0.85, enforce_eager=eager, warmup=False,
+                                 quantization=quantization, kv_cache_dtype=kv_cache_dtype))
     params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
@@ -61,11 +67,12 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     prof_steps = 10
     kernels, _ = profile_calls(engine.step, prof_steps)
     summary = summarize(kernels, prof_steps)
-    floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak)
+    floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak, 1 if quantization else 2,
+                          1 if kv_cache_dtype == "fp8_e4m3" else 2)
     del engine
     torch.cuda.empty_cache()
     return {
-        "batch": batch, "ctx": ctx, "eager": eager, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
+        "batch": batch, "ctx": ctx, "eager": eager, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
         "kernels_per_step": summary["kernels_per_step"], "gpu_ms_per_step": summary["gpu_ms_by_kind"],
         "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": summary["idle_fraction"],
@@ -81,12 +88,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the weights at load")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     args = ap.parse_args()
     bw, peak = measure_copy_bandwidth(), measure_bf16_peak()
     model_dir = write_qwen3_8b_dir(tempfile.mkdtemp())
     res = {"label": args.label, "copy_bandwidth_tb_s": bw / 1e12, "bf16_peak_tflops": peak / 1e12, "runs": []}
     for b in map(int, args.batches.split(",")):
-        r = run_batch(model_dir, b, args.ctx, bw, peak, args.steps, args.eager)
+        r = run_batch(model_dir, b, args.ctx, bw, peak, args.steps, args.eager, args.quantization,
+                      args.kv_cache_dtype)
         res["runs"].append(r)
         print(f"[{args.label}] batch {b}: step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({100 * r['fraction_of_floor']:.0f}%), {r['kernels_per_step']:.0f} kernels/step, GPU busy "

@@ -9,6 +9,10 @@ position attended to, and write the K/V of its new tokens. It must also do its m
 with both rates measured on the card in the same run. At batch 1 the bytes decide; at large batches and in
 steps that carry prefill chunks the FLOPs can. Activations are left out (a few MB per step), so the floor
 is a little generous, never too strict. One helper for every benchmark, so their ratios mean the same.
+
+With FP8 weights (`linear_bytes=1`) the decoder's projections read one byte a weight plus a float32 scale
+per output row (norms, embeddings and the lm_head stay in the model dtype); with an FP8 KV cache
+(`kv_dtype_bytes=1`) the K/V read and written is one byte an element.
 """
 from __future__ import annotations
 
@@ -28,12 +32,24 @@ def norm_params_per_layer(cfg: dict) -> int:
     return 2 * cfg["hidden_size"] + 2 * cfg["head_dim"]
 
 
-def step_weight_bytes(cfg: dict, dtype_bytes: int = 2) -> int:
+def linear_rows_per_layer(cfg: dict) -> int:
+    """Output rows of a layer's projections: one float32 scale each in a per-channel FP8 layer."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    return (q + 2 * kv) + h + 2 * i + h
+
+
+def step_weight_bytes(cfg: dict, dtype_bytes: int = 2, linear_bytes: int | None = None) -> int:
     """What any step reads whatever its batch: the layers, the final norm and the lm_head (the embedding
-    table is read a row per token, counted in step_bytes)."""
+    table is read a row per token, counted in step_bytes). linear_bytes: the projections' element size
+    when it differs from the model's (1: FP8, with a float32 scale per output row)."""
     h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    per_layer = linear_params_per_layer(cfg) + norm_params_per_layer(cfg)
-    return dtype_bytes * (L * per_layer + h + v * h)
+    if linear_bytes is None or linear_bytes == dtype_bytes:
+        linears = dtype_bytes * linear_params_per_layer(cfg)
+    else:
+        linears = linear_bytes * linear_params_per_layer(cfg) + 4 * linear_rows_per_layer(cfg)
+    return L * (linears + dtype_bytes * norm_params_per_layer(cfg)) + dtype_bytes * (h + v * h)
 
 
 def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
@@ -58,12 +74,13 @@ class StepShape:
         return len(self.decode_contexts) + self.sampled_chunks
 
 
-def step_bytes(cfg: dict, shape: StepShape, dtype_bytes: int = 2) -> int:
-    kv = kv_bytes_per_token(cfg, dtype_bytes)
+def step_bytes(cfg: dict, shape: StepShape, dtype_bytes: int = 2, linear_bytes: int | None = None,
+               kv_dtype_bytes: int | None = None) -> int:
+    kv = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
     # A decode row attends over its context, including the token it writes.
     kv_read = sum(shape.decode_contexts) + sum(cached + new for cached, new in shape.prefill_chunks)
     embedding_rows = shape.num_tokens * cfg["hidden_size"] * dtype_bytes
-    return step_weight_bytes(cfg, dtype_bytes) + embedding_rows + kv * (kv_read + shape.num_tokens)
+    return step_weight_bytes(cfg, dtype_bytes, linear_bytes) + embedding_rows + kv * (kv_read + shape.num_tokens)
 
 
 def attention_flops(cfg: dict, keys_seen: int) -> int:
@@ -101,17 +118,22 @@ class Floor:
         return {**asdict(self), "floor_ms": self.ms, "bound": self.bound}
 
 
-def step_floor(cfg: dict, shape: StepShape, bandwidth: float, peak_flops: float, dtype_bytes: int = 2) -> Floor:
-    """bandwidth in bytes/s (the measured copy rate, read + write), peak_flops in FLOP/s (measured)."""
+def step_floor(cfg: dict, shape: StepShape, bandwidth: float, peak_flops: float, dtype_bytes: int = 2,
+               linear_bytes: int | None = None, kv_dtype_bytes: int | None = None) -> Floor:
+    """bandwidth in bytes/s (the measured copy rate, read + write), peak_flops in FLOP/s (measured). The
+    FLOPs are held against the bf16 peak whatever the weights' dtype (FP8 products could run faster: at the
+    batches where FLOPs decide, that makes an FP8 floor generous, never strict)."""
     if bandwidth <= 0 or peak_flops <= 0:
         raise ValueError(f"bandwidth and peak_flops must be positive, got {bandwidth}, {peak_flops}")
-    b, f = step_bytes(cfg, shape, dtype_bytes), step_flops(cfg, shape)
+    b, f = step_bytes(cfg, shape, dtype_bytes, linear_bytes, kv_dtype_bytes), step_flops(cfg, shape)
     return Floor(bytes=b, flops=f, memory_ms=b / bandwidth * 1e3, compute_ms=f / peak_flops * 1e3)
 
 
-def decode_floor(cfg: dict, contexts, bandwidth: float, peak_flops: float, dtype_bytes: int = 2) -> Floor:
+def decode_floor(cfg: dict, contexts, bandwidth: float, peak_flops: float, dtype_bytes: int = 2,
+                 linear_bytes: int | None = None, kv_dtype_bytes: int | None = None) -> Floor:
     """A pure decode step over rows with these context lengths."""
-    return step_floor(cfg, StepShape(decode_contexts=tuple(contexts)), bandwidth, peak_flops, dtype_bytes)
+    return step_floor(cfg, StepShape(decode_contexts=tuple(contexts)), bandwidth, peak_flops, dtype_bytes,
+                      linear_bytes, kv_dtype_bytes)
 
 
 # ---- the two rates, measured on the card (CUDA), as medians of many timed repeats -----------------

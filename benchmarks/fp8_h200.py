@@ -42,7 +42,7 @@ from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa:
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
-from floor import measure_copy_bandwidth  # noqa: E402
+from floor import StepShape, measure_copy_bandwidth, step_bytes  # noqa: E402
 from gemv_bench import launches_us  # noqa: E402
 
 RESULTS: dict = {"meta": {}, "sections": {}}
@@ -119,14 +119,10 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def step_bytes(cfg, weight_elem: int, kv_elem: int, context: int) -> int:
-    """Bytes one batch-1 decode step must read: every linear weight, lm_head (bf16), one embedding row,
-    norms, and the context's K/V."""
-    h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    linears = sum(n * k for n, k in linear_shapes(cfg).values())
-    scales = 0 if weight_elem == 2 else 4 * sum(n for n, _ in linear_shapes(cfg).values())
-    kv = 2 * L * cfg["num_key_value_heads"] * cfg["head_dim"] * kv_elem * context
-    return L * (linears * weight_elem + scales + 2 * 2 * h + 2 * 2 * cfg["head_dim"]) + 2 * v * h + 2 * h + 2 * h + kv
+def decode_bytes(cfg, weight_elem: int, kv_elem: int, context: int) -> int:
+    """Bytes one batch-1 decode step at this context must read (benchmarks/floor.py): the projections in
+    weight_elem bytes (FP8 with its row scales), everything else in bf16, the K/V in kv_elem bytes."""
+    return step_bytes(cfg, StepShape(decode_contexts=(context,)), 2, weight_elem, kv_elem)
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -307,8 +303,8 @@ def engine_section(ctx, model_dir, bandwidth):
             engine.abort("b1")
             while engine.has_unfinished():
                 engine.step()
-            floor_ms = step_bytes(ctx.config, w_elem, kv_elem, ctx_len + 100) / (bandwidth * 1e12) * 1e3
-            fp8_floor_ms = step_bytes(ctx.config, 1, kv_elem, ctx_len + 100) / (bandwidth * 1e12) * 1e3
+            floor_ms = decode_bytes(ctx.config, w_elem, kv_elem, ctx_len + 100) / (bandwidth * 1e12) * 1e3
+            fp8_floor_ms = decode_bytes(ctx.config, 1, kv_elem, ctx_len + 100) / (bandwidth * 1e12) * 1e3
             row.update(tpot_ms=tpot, floor_ms=floor_ms, fraction_of_floor=floor_ms / tpot,
                        fp8_floor_ms=fp8_floor_ms, fraction_of_fp8_floor=fp8_floor_ms / tpot)
             added = 0

@@ -39,6 +39,25 @@ def test_bytes_count_one_embedding_row_per_token_and_the_kv():
     assert two - one == row + kv * (30 + 1)
 
 
+def test_fp8_counts_a_byte_a_projection_weight_and_its_row_scales():
+    """FP8 projections (per-channel scales, as --quantization fp8 stores them) and an FP8 KV cache: counted
+    against transformers' parameters, the linears at one byte plus a float32 per output row."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL, tie_word_embeddings=False))
+    linears = [m for n, m in model.named_modules() if n.endswith("_proj")]
+    linear_params = sum(m.weight.numel() for m in linears)
+    rows = sum(m.weight.shape[0] for m in linears)
+    others = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) - linear_params
+    assert step_weight_bytes(SMALL, 2, linear_bytes=1) == linear_params + 4 * rows + 2 * others
+    assert step_weight_bytes(SMALL, 2, linear_bytes=2) == step_weight_bytes(SMALL, 2)
+    shape = StepShape(decode_contexts=(10,))
+    assert step_bytes(SMALL, shape, 2, kv_dtype_bytes=1) == step_bytes(SMALL, shape) - kv_bytes_per_token(SMALL) // 2 * 11
+    # Qwen3-8B at 612 tokens of context: a batch-1 step reads 1.84x fewer bytes with FP8 projections.
+    ratio = decode_floor(QWEN3_8B_CONFIG, [612], 4.25e12, 790e12).ms / decode_floor(
+        QWEN3_8B_CONFIG, [612], 4.25e12, 790e12, linear_bytes=1).ms
+    assert ratio == pytest.approx(1.84, abs=0.01)
+
+
 def test_flops_count_linears_lm_head_and_causal_attention():
     c = SMALL
     linear_per_token = 2 * c["num_hidden_layers"] * (c["hidden_size"] * (64 + 2 * 32) + 64 * 64
