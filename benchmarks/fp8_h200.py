@@ -35,6 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
+    os.environ["TRITON_INTERPRET"] = "1"
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_gemm_per_channel,  # noqa: E402
                                             w8a8_gemm_reference, w8a8_gemm_triton)

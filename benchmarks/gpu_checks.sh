@@ -45,7 +45,10 @@ for stage in $stages; do
                     tests/test_decode_rows.py tests/test_stream_gemv.py"
       python3 -m pytest -q -p no:cacheprovider $kernel_files > "$out/gpu_kernel_tests.log" 2>&1
       status[$stage]=$?; tail -3 "$out/gpu_kernel_tests.log"
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/ $(printf -- "--ignore=%s " $kernel_files) \
+      # --continue-on-collection-errors: the device lacks the HTTP frontend's packages (openai, starlette),
+      # whose modules hold no GPU tests; one missing import must not stop the rest.
+      python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests/ \
+        $(printf -- "--ignore=%s " $kernel_files) \
         > "$out/gpu_suite.log" 2>&1 || status[$stage]=1
       tail -25 "$out/gpu_suite.log" ;;
     kernels)

@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
+    os.environ["TRITON_INTERPRET"] = "1"
 import llmserve_core.kernels  # noqa: E402,F401  (interpreter on CPU for --smoke)
 from llmserve_core.kernels.attention_reference import paged_attention_reference  # noqa: E402
 from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode  # noqa: E402

@@ -8,7 +8,8 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
-from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config, fp8_gemv_reference
+from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config, \
+    fp8_gemv_reference, num_sms
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
 from llmserve_core.kernels.paged_decode import paged_decode
@@ -21,6 +22,10 @@ from test_kernels import paged_cache, prefill_case, rel_err
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# FP8 x FP8 products on Hopper's tensor cores are summed with fewer mantissa bits than float32 keeps (the
+# reason DeepSeek-V3 promotes its partial sums): against a float32 reference of the same quantized
+# operands, about 1e-4 relative on the GPU; exact to float32 rounding in the interpreter.
+A8_TOL = 5e-4 if CUDA else 1e-5
 # Qwen3-8B's linear layers as (N, K): qkv, o, gate_up, down.
 QWEN3_8B_LINEARS = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 
@@ -89,11 +94,16 @@ def test_fp8_gemv(m, n, k, block, block_n, split_k):
 
 
 def test_fp8_gemv_default_config():
+    """Whatever the card's rule picks: on one with FP8 products the "a8" kernel (x quantized per piece, its
+    own reference), elsewhere the weight widened (the plain reference)."""
     gen = torch.Generator().manual_seed(9)
     for block in (None, (128, 128)):
         w, s = random_fp8_weight(96, 1024, block, gen)
         x = torch.randn(4, 1024, generator=gen).to(DEVICE)
-        assert rel_err(fp8_gemv(x, w, s, block), fp8_gemv_reference(x, w, s, block)) < 1e-5
+        cfg = fp8_gemv_config(4, 96, 1024, block, num_sms(x.device), fp8_dot_supported(x.device))
+        ref = (fp8_gemv_a8_reference(x, w, s, block, cfg["BLOCK_K"]) if cfg["KERNEL"] == "a8"
+               else fp8_gemv_reference(x, w, s, block))
+        assert rel_err(fp8_gemv(x, w, s, block), ref) < A8_TOL
 
 
 # bf16/fp16 outputs are rounded once from float32: relative error about 2^-9 / 2^-12 of each value
@@ -218,7 +228,7 @@ def test_w8a8_gemm_triton(m, n, k, block):
     x = torch.randn(m, k, generator=gen).to(DEVICE)
     a, a_s = quantize_activation(x, None if block is None else block[1])
     out = w8a8_gemm_triton(a, a_s, w, ws, block, torch.float32)
-    assert rel_err(out, w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)) < 1e-5
+    assert rel_err(out, w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)) < A8_TOL
     # and the whole W8A8 product stays near the unquantized one
     assert rel_err(out, x @ dequantize_weight(w, ws, block).t()) < 0.08
 

