@@ -259,7 +259,7 @@ def test_malformed_tensors_are_named(block_ckpt, tmp_path, edit, match):
     (lambda q: q.update(activation_scheme="static"), "quantization_config.activation_scheme"),
     (lambda q: q.update(weight_block_size=[32]), "weight_block_size"),
     (lambda q: q.update(weight_block_size=[2 ** 63, 32]), "weight_block_size"),
-    (lambda q: q.update(weight_block_size=[32, 16]), "cols >= 32"),
+    (lambda q: q.update(weight_block_size=[32, 8]), "cols >= 16"),
     (lambda q: q.update(weight_block_size=[128, 128]), "model.layers.0.self_attn.q_proj has 64 rows"),
     (lambda q: q.update(quant_method="awq"), "quant_method 'awq'"),
     (lambda q: q.update(modules_to_not_convert=["model.layers.0.self_attn.k_proj"]), "packed into one"),

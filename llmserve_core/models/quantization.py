@@ -142,9 +142,8 @@ def _block_size(value, where: str) -> tuple[int, int]:
     if (not isinstance(value, (list, tuple)) or len(value) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 16 for v in value)):
         raise ValueError(f"{where}: must be two positive integers [rows, cols] up to 65536, got {value!r}")
-    # A K tile of the FP8 kernels never straddles a scale block, and Hopper's FP8 products step K by 32.
-    if any(v & (v - 1) for v in value) or value[1] < 32:
-        raise ValueError(f"{where}: block sides must be powers of two and cols >= 32, got {value!r}")
+    if any(v & (v - 1) for v in value) or value[1] < 16:
+        raise ValueError(f"{where}: block sides must be powers of two and cols >= 16, got {value!r}")
     return int(value[0]), int(value[1])
 
 
