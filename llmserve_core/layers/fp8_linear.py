@@ -16,14 +16,11 @@ import torch
 from torch import nn
 
 from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
-from llmserve_core.layers.linear import Projection
 
 GEMV_MAX_ROWS = 16
 
 
-class Fp8Linear(Projection):
-    # (No prologue folds into these kernels: with the norms and SiLU-and-mul left out altogether, the FP8
-    # batch-1 step was no faster, 3.090 against 3.101 ms on the H200, benchmarks/results/fp8_h200.md.)
+class Fp8Linear(nn.Module):
     fused = False   # set by the model on the fast path: Triton GEMV / FP8 tensor-core GEMMs
     # Set by the model on Hopper: one row of a per-channel layer streams through kernels/stream_gemv.py
     # ("stream"), launched under PDL when `pdl`.

@@ -45,10 +45,10 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, qkv, cos, sin, kv_cache: KVCache, batch: ForwardBatch, attn_backend) -> torch.Tensor:
-        """qkv: qkv_proj's output [T, q + 2 kv] (the decoder layer runs it, with its input norm).
-        cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
-        T = qkv.shape[0]
+    def forward(self, x, cos, sin, kv_cache: KVCache, batch: ForwardBatch, attn_backend) -> torch.Tensor:
+        """cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
         if self.fused:
             # One kernel norms and rotates q and k and stores k and v in the cache; attention reads it there.
@@ -80,13 +80,13 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.tp = tp
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: gate_up_proj's output (the decoder layer runs it, with its norm)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         if self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
-            out = self.down_proj.after_silu(gate_up, lambda x: silu_mul(x, pdl=self.pdl))
+            out = self.down_proj(silu_mul(gate_up, pdl=self.pdl))
         else:
-            out = self.down_proj.after_silu(gate_up, silu_and_mul)
+            out = self.down_proj(silu_and_mul(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -99,12 +99,14 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, residual, cos, sin, kv_cache, batch, attn_backend):
-        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0).
-        Each norm goes with the projection after it (Projection.normed: one kernel at a batch-1 decode)."""
-        qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, h, residual)
-        h = self.self_attn(qkv, cos, sin, kv_cache, batch, attn_backend)
-        gate_up, residual = self.mlp.gate_up_proj.normed(self.post_attention_layernorm, h, residual)
-        return self.mlp(gate_up), residual
+        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, batch, attn_backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3Model(nn.Module):
