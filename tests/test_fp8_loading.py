@@ -269,6 +269,16 @@ def test_malformed_configs_are_named(block_ckpt, tmp_path, edit, match):
         load(broken_copy(Path(block_ckpt), tmp_path / "b", edit_config=edit))
 
 
+def test_scale_blocks_narrower_than_the_gpus_k_step_are_refused_on_cuda_only():
+    from llmserve_core.models.quantization import Fp8Scheme, check_fp8_device
+    narrow = Fp8Scheme("fp8", (16, 16), "weight_scale_inv")
+    with pytest.raises(ValueError, match=r"\[16, 16\] scale blocks are 16 columns wide; on CUDA .* at least 32"):
+        check_fp8_device(narrow, torch.device("cuda"))
+    check_fp8_device(narrow, torch.device("cpu"))
+    for fine in (Fp8Scheme("fp8", (16, 32), "weight_scale_inv"), Fp8Scheme("online", None, None), None):
+        check_fp8_device(fine, torch.device("cuda"))
+
+
 @pytest.mark.parametrize("weights,match", [
     ({"strategy": "group"}, "strategy: unknown scheme 'group'"),
     ({"num_bits": 4}, "only 8-bit float weights"),

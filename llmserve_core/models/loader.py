@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
-from llmserve_core.models.quantization import Fp8Scheme, checkpoint_param_name, kv_scale_target, load_fp8_tensor, \
-    load_kv_scale, resolve_quantization, skips_tensor
+from llmserve_core.models.quantization import Fp8Scheme, check_fp8_device, checkpoint_param_name, kv_scale_target, \
+    load_fp8_tensor, load_kv_scale, resolve_quantization, skips_tensor
 from llmserve_core.models.qwen3 import Qwen3ForCausalLM
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -44,6 +44,7 @@ def load_model(cfg: ModelConfig, path, load_format: str = "auto", dtype: torch.d
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     device = torch.device(device)
     fp8 = resolve_quantization(cfg.quantization_config, quantization)
+    check_fp8_device(fp8, device)
     local_cfg = cfg if tp is None else tp.shard.local_config(cfg)
     model = Qwen3ForCausalLM(local_cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8, tp=tp)
     if load_format == "dummy":

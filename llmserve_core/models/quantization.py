@@ -138,6 +138,20 @@ def _compressed_tensors_scheme(qc: dict) -> Fp8Scheme:
     return Fp8Scheme("compressed-tensors", blocks.pop(), "weight_scale", ignore)
 
 
+# A K tile of the FP8 kernels never straddles a scale block, and the GPU's FP8 products take K in steps of 32:
+# narrower blocks run only in the CPU's interpreter.
+CUDA_MIN_BLOCK_COLS = 32
+
+
+def check_fp8_device(scheme: Fp8Scheme | None, device: torch.device) -> None:
+    """Refuse, by name, an FP8 scheme that the device's kernels cannot run."""
+    if scheme is not None and scheme.block is not None and device.type == "cuda" \
+            and scheme.block[1] < CUDA_MIN_BLOCK_COLS:
+        raise ValueError(f"quantization_config: {list(scheme.block)} scale blocks are {scheme.block[1]} columns "
+                         f"wide; on CUDA they must be at least {CUDA_MIN_BLOCK_COLS} (the GPU's FP8 products take "
+                         f"K in steps of {CUDA_MIN_BLOCK_COLS}, and a K tile never straddles a scale block)")
+
+
 def _block_size(value, where: str) -> tuple[int, int]:
     if (not isinstance(value, (list, tuple)) or len(value) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 16 for v in value)):
