@@ -135,7 +135,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         if args.dynamic_tree or args.tree:
             return whole_step_only(engine, reqs, sched, n, out, measure, args.profile)
 
-        st = SamplingTensors.from_params([GREEDY] * batch, [None] * batch, device)
+        st = SamplingTensors.from_params([GREEDY] * batch, device)
 
         def decode_eager():
             prepared = runner.prepare(sched)

@@ -57,9 +57,9 @@ def check_blocks(engine: Engine) -> None:
     assert [held[b] for b in range(bm.num_blocks)] == bm.ref_counts
 
 
-def random_params(rnd: random.Random, max_tokens: int, stop: int, seeded: bool) -> SamplingParams:
+def random_params(rnd: random.Random, max_tokens: int, stop: int) -> SamplingParams:
     kind = rnd.randrange(3)
-    if kind == 0 and seeded:
+    if kind == 0:
         return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=rnd.randrange(100))
     if kind == 1:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[stop])
@@ -86,8 +86,8 @@ def test_random_add_abort_step_keeps_outputs_and_blocks(models, one_thread, sche
                 prompt = shared[:rnd.randrange(10)] + [rnd.randrange(vocab) for _ in range(rnd.randrange(1, 9))]
             # Often up to max_model_len exactly.
             max_tokens = min(rnd.randrange(1, 8), MAX_LEN - len(prompt)) if rnd.random() < 0.6 else MAX_LEN - len(prompt)
-            # Seeded sampling only where it is batch independent: drafting draws from the same generator.
-            params = random_params(rnd, max_tokens, rnd.randrange(vocab), seeded=not speculative)
+            # Seeded sampling too: its tokens depend on seed and position alone, drafted or not.
+            params = random_params(rnd, max_tokens, rnd.randrange(vocab))
             rid = f"r{i}"
             engine.add_request(rid, prompt, params)
             expected[rid] = reference.generate([prompt], params)[0].token_ids

@@ -48,7 +48,7 @@ CASES = [
 def test_filters_match_reference(params):
     torch.manual_seed(0)
     logits = torch.randn(3, 10) * 2
-    st = SamplingTensors.from_params([params] * 3, [None] * 3, "cpu")
+    st = SamplingTensors.from_params([params] * 3, "cpu")
     got = sampling_probs(logits, st)
     for row in range(3):
         want = reference_probs(logits[row], params)
@@ -61,7 +61,7 @@ def test_sample_frequencies_follow_target(params):
     logits = torch.randn(8) * 1.5
     target = reference_probs(logits, params)
     n = 40_000
-    st = SamplingTensors.from_params([params] * n, [None] * n, "cpu")
+    st = SamplingTensors.from_params([params] * n, "cpu")
     tokens = sample(logits.expand(n, -1).contiguous(), st).token_ids
     counts = torch.bincount(tokens, minlength=8).tolist()
     assert all(c == 0 for c, t in zip(counts, target) if t == 0.0), "sampled a filtered-out token"
@@ -78,23 +78,38 @@ def test_mixed_batch_greedy_rows_stay_greedy():
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
               SamplingParams(temperature=2.0, top_k=2)]
-    st = SamplingTensors.from_params(params, [None] * 4, "cpu")
+    st = SamplingTensors.from_params(params, "cpu")
     for _ in range(20):
         out = sample(logits, st).token_ids
         assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
         assert out[3] in logits[3].topk(2).indices
 
 
-def test_seeded_rows_reproducible_regardless_of_position():
+def test_seeded_rows_depend_on_seed_and_position_alone():
+    """A seeded row's token is a function of its distribution, its seed and the position it samples: not
+    of its row in the batch, the batch's other rows, or what was drawn before."""
     torch.manual_seed(3)
     logits = torch.randn(3, 100)
-    p = SamplingParams(temperature=1.0)
-    g = lambda: torch.Generator().manual_seed(42)   # noqa: E731
-    a = sample(logits, SamplingTensors.from_params([p] * 3, [None, g(), None], "cpu")).token_ids[1]
-    b = sample(logits[[1, 0, 2]][[1, 0, 2]], SamplingTensors.from_params([p] * 3, [None, g(), None], "cpu")).token_ids[1]
-    c = sample(logits[1:2], SamplingTensors.from_params([p], [g()], "cpu")).token_ids[0]
-    assert a == b == c
-    assert not math.isnan(float(a))
+    p, other = SamplingParams(temperature=1.0, seed=42), SamplingParams(temperature=1.0)
+    a = sample(logits, SamplingTensors.from_params([other, p, other], "cpu", positions=[0, 7, 0])).token_ids[1]
+    torch.rand(1000)                                    # the global generator moves on
+    b = sample(logits[[1, 0]], SamplingTensors.from_params([p, p], "cpu", positions=[7, 3])).token_ids[0]
+    c = sample(logits[1:2], SamplingTensors.from_params([p], "cpu", positions=[7])).token_ids[0]
+    assert a == b == c and not math.isnan(float(a))
+    # Over positions (and seeds) the draws are still samples of the distribution.
+    flat = torch.zeros(1, 4)
+    at = [int(sample(flat, SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=s)], "cpu",
+                                                        positions=[pos])).token_ids[0])
+          for s in (1, 2) for pos in range(200)]
+    counts = torch.bincount(torch.tensor(at), minlength=4)
+    assert counts.min() > 70, counts
+
+
+def test_noise_keys_are_mixed_and_fit_manual_seed():
+    from llmserve_core.layers.sampler import noise_key
+    keys = {noise_key(s, pos) for s in (0, 1, 2 ** 63 - 1) for pos in (0, 1, 2, 10 ** 6)}
+    assert len(keys) == 12 and all(0 <= k < 2 ** 63 for k in keys)
+    torch.Generator().manual_seed(max(keys))
 
 
 # ---- degenerate parameters ---------------------------------------------------------------------------
@@ -103,19 +118,19 @@ def test_seeded_rows_reproducible_regardless_of_position():
 def test_temperatures_below_epsilon_are_greedy(temperature):
     torch.manual_seed(4)
     logits = torch.randn(64, 50) * 3
-    st = SamplingTensors.from_params([SamplingParams(temperature=temperature, top_p=0.9)] * 64, [None] * 64, "cpu")
+    st = SamplingTensors.from_params([SamplingParams(temperature=temperature, top_p=0.9)] * 64, "cpu")
     assert st.all_greedy and SamplingParams(temperature=temperature).greedy
     assert sample(logits, st).token_ids.tolist() == logits.argmax(dim=-1).tolist()
     # Mixed with sampled rows the tiny-temperature rows still take the argmax.
     mixed = [SamplingParams(temperature=temperature), SamplingParams(temperature=1.0)] * 32
-    out = sample(logits, SamplingTensors.from_params(mixed, [None] * 64, "cpu")).token_ids
+    out = sample(logits, SamplingTensors.from_params(mixed, "cpu")).token_ids
     assert out[0::2].tolist() == logits[0::2].argmax(dim=-1).tolist()
 
 
 def test_temperature_at_epsilon_samples_and_stays_finite():
     torch.manual_seed(5)
     logits = torch.randn(4, 30) * 50       # logits / 1e-5 reach 1e7: softmax must still be finite
-    st = SamplingTensors.from_params([SamplingParams(temperature=1e-5)] * 4, [None] * 4, "cpu")
+    st = SamplingTensors.from_params([SamplingParams(temperature=1e-5)] * 4, "cpu")
     assert not st.all_greedy
     probs = sampling_probs(logits, st)
     assert torch.isfinite(probs).all() and probs.sum(-1).allclose(torch.ones(4))
@@ -127,13 +142,13 @@ def test_tiny_top_p_keeps_only_the_top_token(top_p):
     torch.manual_seed(6)
     logits = torch.randn(5, 40)
     p = SamplingParams(temperature=1.0, top_p=top_p)
-    probs = sampling_probs(logits, SamplingTensors.from_params([p] * 5, [None] * 5, "cpu"))
+    probs = sampling_probs(logits, SamplingTensors.from_params([p] * 5, "cpu"))
     assert not torch.isnan(probs).any()
     assert probs.argmax(-1).tolist() == logits.argmax(-1).tolist()
     assert probs.max(-1).values.tolist() == pytest.approx([1.0] * 5)
     for row in range(5):
         assert probs[row].tolist() == pytest.approx(reference_probs(logits[row], p), abs=1e-6)
-    tokens = sample(logits, SamplingTensors.from_params([p] * 5, [None] * 5, "cpu")).token_ids
+    tokens = sample(logits, SamplingTensors.from_params([p] * 5, "cpu")).token_ids
     assert tokens.tolist() == logits.argmax(-1).tolist()
 
 
@@ -142,7 +157,7 @@ def test_extreme_min_p_matches_reference(min_p):
     torch.manual_seed(7)
     logits = torch.randn(3, 12) * 2
     p = SamplingParams(temperature=0.8, min_p=min_p)
-    probs = sampling_probs(logits, SamplingTensors.from_params([p] * 3, [None] * 3, "cpu"))
+    probs = sampling_probs(logits, SamplingTensors.from_params([p] * 3, "cpu"))
     for row in range(3):
         assert probs[row].tolist() == pytest.approx(reference_probs(logits[row], p), abs=1e-6)
 
@@ -152,7 +167,7 @@ def test_rows_without_a_distribution_take_the_greedy_token():
     logits[0, 4] = float("inf")                       # softmax of it is NaN
     logits[1] = float("-inf")
     logits[1, 7] = 0.0
-    st = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=3)] * 3, [None] * 3, "cpu")
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=3)] * 3, "cpu")
     tokens = sample(logits, st).token_ids.tolist()
     assert tokens[0] == 4 and tokens[1] == 7 and 0 <= tokens[2] < 10
 
@@ -169,7 +184,7 @@ def test_extreme_valid_parameters_give_the_reference_distribution(temperature, t
     torch.manual_seed(seed)
     logits = torch.randn(2, 16) * scale
     p = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k).validate()
-    st_ = SamplingTensors.from_params([p] * 2, [None] * 2, "cpu")
+    st_ = SamplingTensors.from_params([p] * 2, "cpu")
     probs = sampling_probs(logits, st_)
     assert torch.isfinite(probs).all()
     tokens = sample(logits, st_).token_ids

@@ -38,7 +38,7 @@ def one_hot_logits(ids, vocab):
 # ---- target distribution for verification ------------------------------------------------------
 
 def sampling_tensors(params_list):
-    return SamplingTensors.from_params(params_list, [None] * len(params_list), "cpu")
+    return SamplingTensors.from_params(params_list, "cpu")
 
 
 def test_verify_probs_match_sampler_and_make_greedy_rows_one_hot():
@@ -118,23 +118,38 @@ def test_rejection_sampling_output_distribution_equals_target(draft_kind):
 
 
 def test_rejection_sampling_seeded_requests_are_reproducible_across_batches():
+    """A seeded request's chain verification emits the plain sampler's tokens at its positions, alone or
+    beside another request, for any draft; different seeds give different tokens."""
+    from llmserve_core.layers.sampler import sample
     torch.manual_seed(2)
     vocab = 9
-    p = torch.softmax(torch.randn(4, vocab), -1)
+    logits = torch.randn(4, vocab)
     q = torch.softmax(torch.randn(3, vocab), -1)
     drafts = torch.multinomial(q, 1).T                       # [1, 3]
-    alone = [rejection_sample_verify(p, drafts, torch.tensor([3]), q, [torch.Generator().manual_seed(s)]).token_lists()[0]
-             for s in range(20)]
-    other_p = torch.softmax(torch.randn(2, vocab), -1)
-    other_q = torch.softmax(torch.randn(1, vocab), -1)
-    mixed = []
-    for s in range(20):
-        out = rejection_sample_verify(torch.cat([other_p, p]), torch.cat([torch.tensor([[0, -1, -1]]), drafts]),
-                                      torch.tensor([1, 3]), torch.cat([other_q, q]),
-                                      [None, torch.Generator().manual_seed(s)])
-        mixed.append(out.token_lists()[1])
-    assert alone == mixed
-    assert len({tuple(x) for x in alone}) > 1
+
+    def plain(seed):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        return [int(sample(logits[j:j + 1], SamplingTensors.from_params([params], "cpu", positions=[20 + j]))
+                    .token_ids[0]) for j in range(4)]
+
+    def verify(seed, company: bool):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        if not company:
+            st = SamplingTensors.from_params([params], "cpu", positions=[20])
+            return rejection_sample_verify(verify_probs(logits, st.repeat_rows(4)), drafts, torch.tensor([3]),
+                                           q).token_lists()[0]
+        other = torch.randn(2, vocab)
+        st = SamplingTensors.from_params([SamplingParams(temperature=1.0), params], "cpu", positions=[5, 20])
+        probs = verify_probs(torch.cat([torch.cat([other, other]), logits]), st.repeat_rows(4))
+        probs = torch.cat([probs[:2], probs[4:]])            # the other request verified one draft
+        return rejection_sample_verify(probs, torch.cat([torch.tensor([[0, -1, -1]]), drafts]),
+                                       torch.tensor([1, 3]), torch.cat([q[:1], q])).token_lists()[1]
+
+    for seed in range(20):
+        alone, mixed, want = verify(seed, False), verify(seed, True), plain(seed)
+        assert alone == mixed == want[:len(alone)]
+        assert alone[:-1] == drafts[0, :len(alone) - 1].tolist()     # the accepted drafts, then a plain token
+    assert len({tuple(plain(s)) for s in range(20)}) > 1
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
@@ -303,13 +318,27 @@ def test_tree_rejection_sampling_is_lossless(with_q):
     assert_distribution(out.token_ids[leaf, 2], p[3])
 
 
-def test_tree_rejection_seeded_rows_reproducible():
+def test_seeded_rows_verify_to_the_plain_samplers_tokens():
+    """verify_probs makes a seeded sampled row one-hot at the token the plain sampler draws at that row's
+    position, so tree and chain verification emit exactly the plain tokens along the accepted path."""
+    from llmserve_core.layers.sampler import sample
     tree = tree_case()
-    p = torch.softmax(torch.randn(tree.num_nodes, 6), -1)
-    tokens = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
-    runs = [tree_rejection_verify(tree.batch(1), p, tokens, generators=[torch.Generator().manual_seed(s)]).token_lists()
-            for s in (11, 11, 12)]
-    assert runs[0] == runs[1]
+    n = tree.num_nodes
+    logits = torch.randn(n, 6)
+    params = SamplingParams(temperature=1.0, seed=11)
+    base = 40
+    st = SamplingTensors.from_params([params], "cpu", positions=[base])
+    depths = tree.batch(1).depths().tolist()
+    probs = verify_probs(logits, st.repeat_rows(n, depths))
+    plain = [int(sample(logits[i:i + 1], SamplingTensors.from_params([params], "cpu", positions=[base + d]))
+                 .token_ids[0]) for i, d in enumerate(depths[0])]
+    assert torch.equal(probs, torch.nn.functional.one_hot(torch.tensor(plain), 6).float())
+    # Candidates that contain the plain choice at the root are accepted; the walk ends with a plain token.
+    tokens = torch.tensor([[0] + [plain[0]] * (n - 1)])
+    out = tree_rejection_verify(tree.batch(1), probs, tokens)
+    path = out.path_nodes[0].tolist()
+    emitted = [t for t in out.token_ids[0].tolist() if t >= 0]
+    assert emitted[0] == plain[0] and emitted == [plain[node] for node in path if node >= 0][:len(emitted)]
 
 
 def test_tree_kv_compaction_commits_the_path():

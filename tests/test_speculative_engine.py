@@ -280,6 +280,35 @@ def test_sampling_matches_the_target_distribution(mode, accept, one_thread):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("mode,accept", [("chain", "sample"), ("chain", "greedy"), ("tree-binary", "sample"),
+                                         ("tree-dynamic", "sample")])
+def test_a_seeded_request_gives_its_plain_tokens_whatever_is_drafted(mode, accept):
+    """A seeded sampled request's noise is keyed by its seed and each token's position, and verification
+    judges it against the token the plain sampler draws there: with a trained draft (real acceptance), the
+    engine speculating every step, or under the adaptive policy, beside other requests and preempted, it
+    emits exactly what it does alone without a draft model."""
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    prompts = held_out_prompts(4, length=12)
+    params = [SamplingParams(max_tokens=24, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
+              for t, k, p, s in ((1.0, 0, 1.0, 7), (0.7, 20, 0.9, 2 ** 63 - 1), (1.3, 5, 1.0, 0), (0.9, 0, 0.8, 3))]
+    solo = Engine(EngineConfig(model=target, device="cpu", dtype="float32"))
+    want = [solo.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    busy = spec_engine(target, draft, speculative_accept_mode=accept, **MODES[mode])
+    got = busy.generate(prompts, params)
+    assert [c.token_ids for c in got] == want
+    st = busy.stats()
+    assert 0 < st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"]
+    # Adaptive drafting and a pool small enough to preempt: other steps draft, the tokens stay.
+    squeezed = spec_engine(target, draft, speculative_accept_mode=accept, speculative_policy="adaptive",
+                           num_kv_blocks=14, block_size=4, **MODES[mode])
+    companions = [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 2
+    got = squeezed.generate(prompts + held_out_prompts(2, length=9), params + companions)
+    assert [c.token_ids for c in got[:4]] == want
+    st = squeezed.stats()
+    assert st["num_preemptions"] > 0 and st["spec_num_steps"] > 0
+    assert_all_blocks_free(squeezed)
+
+
 # ---- plumbing -------------------------------------------------------------------------------------------
 
 def test_logprob_requests_decode_plainly_and_validation_counts_lookahead(pair):
@@ -489,8 +518,8 @@ def test_fused_step_drafts_what_the_step_by_step_path_drafts(monkeypatch, mode):
     a, b = fused.stats(), step_by_step.stats()
     assert a["spec_num_accepted_tokens"] == b["spec_num_accepted_tokens"] > 0
     assert a["spec_num_draft_tokens"] == b["spec_num_draft_tokens"]
-    # Seeded sampled requests beside greedy ones: verified outside the graph from its logits, drawing from
-    # each request's generator exactly as the step by step path does.
+    # Seeded sampled requests beside greedy ones: verified outside the graph from its logits, each row's
+    # noise keyed by its seed and position exactly as the step by step path keys it.
     sampled = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=i, ignore_eos=True) if i % 2 else params
                for i in range(len(prompts))]
     replays = fused.spec.graphs["fused step"].replays
@@ -546,6 +575,25 @@ def test_cuda_graphs_equal_eager_tokens(pair, mode):
     plain_engine = Engine(EngineConfig(model=target, device="cuda", dtype="float32", attention_backend="triton",
                                        enforce_eager=True))
     assert [c.token_ids for c in plain_engine.generate(prompts, params)] == outs[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode,accept", [("chain", "sample"), ("tree-dynamic", "sample")])
+def test_cuda_seeded_request_gives_its_plain_tokens(mode, accept):
+    """On the GPU, graphs on: the trained pair drafting every step gives a seeded sampled request the
+    tokens plain decoding gives it (the noise keyed by seed and position on the CUDA generator)."""
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    prompts = held_out_prompts(4, length=12)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=s, ignore_eos=True)
+              for s in (1, 2, 3, 2 ** 63 - 1)]
+    common = dict(model=target, device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=8)
+    plain = Engine(EngineConfig(**common)).generate(prompts, params)
+    engine = Engine(EngineConfig(**common, speculative_model=draft, speculative_policy="always",
+                                 speculative_accept_mode=accept, **MODES[mode]))
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in plain]
+    st = engine.stats()
+    assert st["spec_num_accepted_tokens"] > 0
 
 
 # ---- the adaptive policy: plain and drafting steps mixed ----------------------------------------------------

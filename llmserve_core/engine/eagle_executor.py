@@ -167,7 +167,7 @@ class EagleExecutor:
         self.catchup_rows = 1 + (self.tree.depth if self.tree is not None else self.gamma)
         # Greedy chain drafts and trees need nothing from the host between the catch-up and the verify, so
         # a whole steady step (catch-up, draft forwards, verify) can be one graph; sampled chain drafts draw
-        # from per-request generators and keep the step by step path. So does tensor parallelism: that
+        # with per-request noise and keep the step by step path. So does tensor parallelism: that
         # graph's verify reads drafts only rank 0's draft computes, so no worker could replay it (and meet
         # its all-reduces); the verify's own graph, its drafts sent in the step broadcast, replays on all.
         self.fused = not self.sample_drafts and runner.tp is None
@@ -315,8 +315,8 @@ class EagleExecutor:
                     b.add(r.block_ids, r.num_tokens - 2 + j, 1)
                 logits, h = self._forward("draft step", self._draft_step, tokens[-1], h,
                                           b.finish(uniform_rows=True).batch)
-            if st is not None:
-                d, q = sample_propose(logits, st, self.draft.d2t, self.draft.cfg.vocab_size)
+            if st is not None:     # draft j proposes the token at num_tokens + j
+                d, q = sample_propose(logits, st.advanced(j), self.draft.d2t, self.draft.cfg.vocab_size)
                 qs.append(q)
             else:
                 d = greedy_propose(logits, self.draft.d2t)
@@ -629,8 +629,9 @@ class EagleExecutor:
 
     # ---- 4: sampling, verification, commit ---------------------------------------------------------
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
-        return SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
-                                           pin=self.pin)
+        """Rows at each request's next token (verify row j and draft j draw the token j places later)."""
+        return SamplingTensors.from_params([r.params for r in reqs], self.device, pin=self.pin,
+                                           positions=[r.num_tokens for r in reqs])
 
     def _verify(self, hidden, logits, rows: torch.Tensor, drafting: list[Request], proposal: "_Proposal") -> "_Verified":
         if not drafting:
@@ -640,17 +641,19 @@ class EagleExecutor:
             idx = (rows[:, None] + self.verify_offsets[:width]).flatten()
             logits = self.runner.model.compute_logits(hidden[idx])         # [B * width, V], request-major
         greedy = all(r.params.greedy for r in drafting)
-        generators = [r.generator for r in drafting]
         if not greedy:
             st = self._sampling(drafting)
-            probs = verify_probs(logits, st.repeat_rows(width))
+            # A tree node's row draws the token after it: at its depth's offset (a seeded row's noise key).
+            offsets = (proposal.trees.depths().tolist() if proposal.trees is not None and st.any_seeded
+                       else None)
+            probs = verify_probs(logits, st.repeat_rows(width, offsets))
         if proposal.trees is not None:
             out = (tree_greedy_verify(proposal.trees, logits, proposal.tokens) if greedy else
-                   tree_rejection_verify(proposal.trees, probs, proposal.tokens, None, generators))
+                   tree_rejection_verify(proposal.trees, probs, proposal.tokens, None))
             return _Verified(*out.lists())
         num_draft = torch.full((len(drafting),), self.step_gamma, dtype=torch.long, device=self.device)
         out = (greedy_verify(logits, proposal.tokens, num_draft) if greedy else
-               rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q, generators))
+               rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q))
         tokens = out.token_lists()
         return _Verified(tokens, [None] * len(tokens))
 

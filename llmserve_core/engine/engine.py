@@ -160,8 +160,6 @@ class Engine:
                       self.max_model_len, client=client)
         if params.guided is not None:
             req.grammar = self._grammar_service().submit(params.guided)    # raises ValidationError
-        if params.seed is not None:
-            req.generator = self.runner.make_generator(params.seed)
         if self.spec is not None:
             req.spec_state = SpecState()
             # Logprobs come from the plain sampler, so requests asking for them decode without drafts. So do

@@ -143,7 +143,7 @@ class ModelRunner:
         hidden = self.model(prepared.input_ids, prepared.batch, kv)
         rows = min(self.config.max_num_seqs, 1024)
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1))
-        st = SamplingTensors.from_params([_PROFILE_PARAMS] * rows, [None] * rows, self.device)
+        st = SamplingTensors.from_params([_PROFILE_PARAMS] * rows, self.device)
         sample(logits, st)
         torch.cuda.synchronize()
         del kv, hidden, logits
@@ -243,15 +243,16 @@ class ModelRunner:
 
     def sample(self, hidden: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """Sample one token per row of `hidden` (the rows of `reqs`, in order), with each request's
-        sampling parameters, generator and logits processors; device tensors."""
+        sampling parameters (a seeded row's noise keyed by its seed and the position it samples, the
+        request's num_tokens) and logits processors; device tensors."""
         if all(only_argmax(r.params) for r in reqs):
             # A greedy batch that asks for nothing else: the lm_head's kernel takes the argmax itself.
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
                 return SamplerOutput(tokens)
         logits = self.model.compute_logits(hidden)
-        st = SamplingTensors.from_params([r.params for r in reqs], [r.generator for r in reqs], self.device,
-                                         pin=self.pin)
+        st = SamplingTensors.from_params([r.params for r in reqs], self.device, pin=self.pin,
+                                         positions=[r.num_tokens for r in reqs])
         # Built after the forward is queued: on a GPU the host fills grammar masks while it runs.
         processors = build_logits_processors(reqs, self.model_config.vocab_size, self.device, self.masks,
                                              pin=self.pin)
@@ -288,9 +289,6 @@ class ModelRunner:
         out = self.sample(handle.to_sample, handle.sampled_requests)
         self.last_sampled = out.token_ids
         handle.set_sampled(out.to_host(self.pin))
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
 
 
 # Sampling settings that exercise the most expensive sampler path during memory profiling.

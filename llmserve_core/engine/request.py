@@ -5,8 +5,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from llmserve_proto import SamplingParams
 
 
@@ -40,7 +38,6 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    generator: torch.Generator | None = None  # per-request stream for seeded sampling
     # With a draft model loaded: the draft's per-request state (every request keeps its draft KV rows, so
     # the blocks it publishes to the prefix cache are whole), and whether it drafts when decoding.
     spec_state: object | None = None

@@ -3,9 +3,12 @@
 Greedy rows take the argmax of the raw logits. Other rows go through temperature, top-k, top-p and min-p
 (`sampling_probs`, which speculative verification reuses so both see the same distribution), then
 draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
-Rows with a seed draw E from their own generator, so their tokens do not depend on batch company. (A
-speculating request's verification draws from the same generator in another pattern, so with a draft
-model its tokens also depend on which of its steps drafted: see the README's EAGLE-3 section.)
+
+A row with a seed draws E from a generator seeded with (seed, position of the token it draws) alone, so a
+seeded request's tokens depend on nothing else: not on its batch company, preemption, or whether a draft
+model speculated. Speculative verification keeps that: it judges a seeded row against the one-hot token
+the plain sampler would draw at that position (speculative/verify.py's verify_probs), and the draft
+proposes with the same noise, so the two agree as often as the distributions let them.
 
 Degenerate parameters stay safe: a temperature under GREEDY_EPSILON is greedy (dividing by it would
 overflow), top-p always keeps the most likely token (1e-300 rounds to 0 in float32), and a row whose
@@ -33,7 +36,8 @@ class SamplingTensors:
     top_k: torch.Tensor                # [N] int64; <= 0 = disabled
     top_p: torch.Tensor                # [N] float32
     min_p: torch.Tensor                # [N] float32
-    generators: list[torch.Generator | None]
+    seeds: list[int | None]            # per row; a seeded row's noise is keyed by (seed, position)
+    positions: list[int]               # per row: the sequence index of the token it draws
     all_greedy: bool
     need_top_k: bool
     need_top_p: bool
@@ -41,7 +45,9 @@ class SamplingTensors:
     max_num_logprobs: int | None       # None: no row asked for logprobs
 
     @classmethod
-    def from_params(cls, params_list, generators, device, pin: bool = False) -> "SamplingTensors":
+    def from_params(cls, params_list, device, pin: bool = False, positions=None) -> "SamplingTensors":
+        """positions: the sequence index each row's token will take (a request's num_tokens when it
+        samples its next token); it keys a seeded row's noise. Default 0 for every row."""
         # Exactly 0 from here on for every greedy row: the sampler, verification and proposals test `== 0`.
         temps = [0.0 if p.temperature < GREEDY_EPSILON else p.temperature for p in params_list]
         top_ks = [p.top_k for p in params_list]
@@ -55,7 +61,8 @@ class SamplingTensors:
             top_k=dev(top_ks, torch.int64),
             top_p=dev(top_ps, torch.float32),
             min_p=dev(min_ps, torch.float32),
-            generators=list(generators),
+            seeds=[p.seed for p in params_list],
+            positions=list(positions) if positions is not None else [0] * len(params_list),
             all_greedy=all(t == 0.0 for t in temps),
             need_top_k=any(k > 0 for k in top_ks),
             need_top_p=any(p < 1.0 for p in top_ps),
@@ -63,13 +70,47 @@ class SamplingTensors:
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
-    def repeat_rows(self, times: int) -> "SamplingTensors":
-        """Each row's parameters `times` times in a row, e.g. once per verified position of a request;
-        on the device alone, so the host never waits for it."""
+    def repeat_rows(self, times: int, offsets=None) -> "SamplingTensors":
+        """Each row's parameters `times` times in a row, e.g. once per verified position of a request, the
+        copies' positions advanced by offsets[b][j] (default j: a chain's rows draw consecutive tokens);
+        the tensors on the device alone, so the host never waits for them."""
+        offsets = offsets if offsets is not None else [range(times)] * len(self.positions)
         return SamplingTensors(self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
                                self.top_p.repeat_interleave(times), self.min_p.repeat_interleave(times),
-                               [g for g in self.generators for _ in range(times)], self.all_greedy, self.need_top_k,
+                               [s for s in self.seeds for _ in range(times)],
+                               [p + o for p, offs in zip(self.positions, offsets) for o in offs],
+                               self.all_greedy, self.need_top_k, self.need_top_p, self.need_min_p,
+                               self.max_num_logprobs)
+
+    def advanced(self, offset: int) -> "SamplingTensors":
+        """The same rows drawing the tokens `offset` places later (a chain draft's next proposal)."""
+        return SamplingTensors(self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
+                               [p + offset for p in self.positions], self.all_greedy, self.need_top_k,
                                self.need_top_p, self.need_min_p, self.max_num_logprobs)
+
+    @property
+    def any_seeded(self) -> bool:
+        return any(s is not None for s in self.seeds)
+
+    def noise_keys(self) -> list[int | None]:
+        """Each row's noise key: None for an unseeded row, else a function of (seed, position) alone."""
+        return [None if s is None else noise_key(s, p) for s, p in zip(self.seeds, self.positions)]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """A generator seed for the token at `position` of a request seeded with `seed`: well mixed, so nearby
+    (seed, position) pairs draw unrelated noise, and under 2^63 (what torch's manual_seed takes)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
 
 def only_argmax(params) -> bool:
@@ -107,19 +148,21 @@ def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape, generators, device) -> torch.Tensor:
-    """Exp(1) noise; rows with their own generator draw from it so they are independent of the batch."""
+def exponential_noise(shape, keys, device) -> torch.Tensor:
+    """Exp(1) noise [N, V]; a row with a key (SamplingTensors.noise_keys) draws it from a generator seeded
+    with that key alone, the others from the global generator."""
     noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].exponential_(generator=g)
+    seeded = [(i, k) for i, k in enumerate(keys or ()) if k is not None]
+    if seeded:
+        g = torch.Generator(device=device)
+        for i, k in seeded:
+            noise[i].exponential_(generator=g.manual_seed(k))
     return noise
 
 
-def draw(probs: torch.Tensor, generators) -> torch.Tensor:
-    """One token per row from probs [N, V] (the exponential race)."""
-    noise = exponential_noise(probs.shape, generators, probs.device)
-    return (probs / noise).argmax(dim=-1)
+def draw(probs: torch.Tensor, keys=None) -> torch.Tensor:
+    """One token per row from probs [N, V] (the exponential race); keys: per-row noise keys or None."""
+    return (probs / exponential_noise(probs.shape, keys, probs.device)).argmax(dim=-1)
 
 
 @dataclass
@@ -155,7 +198,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, processors=None) -> Sample
         # A row without finite positive mass (NaN or inf logits from upstream) has no distribution to draw
         # from: it takes the greedy token instead of whatever argmax makes of NaN.
         valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-        tokens = torch.where((st.temperature == 0) | ~valid, greedy_tokens, draw(probs, st.generators))
+        tokens = torch.where((st.temperature == 0) | ~valid, greedy_tokens, draw(probs, st.noise_keys()))
     out = SamplerOutput(tokens)
     if st.max_num_logprobs is not None:
         # Log-probabilities of the model's own distribution (before temperature and filters), as vLLM reports.

@@ -35,11 +35,13 @@ def topk_propose(draft_logits: torch.Tensor, k: int, d2t: torch.Tensor | None) -
 def sample_propose(draft_logits: torch.Tensor, st: SamplingTensors, d2t: torch.Tensor | None,
                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one draft token per row with that row's sampling parameters: (target ids [N], q [N, vocab]).
-    Greedy rows get their argmax and a one-hot q. Seeded rows draw only from their generator."""
+    Greedy rows get their argmax and a one-hot q. A seeded row draws with the noise the target's row
+    for the same position uses (st's positions are the proposed tokens'), so it proposes the target's
+    own choice wherever q and p agree on it."""
     logits = to_target_space(draft_logits.float(), d2t, vocab_size)
     q = sampling_probs(logits, st)
     greedy = st.temperature == 0
     if bool(greedy.any()):
         one_hot = torch.zeros_like(q).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         q = torch.where(greedy[:, None], one_hot, q)
-    return draw(q, st.generators), q
+    return draw(q, st.noise_keys()), q

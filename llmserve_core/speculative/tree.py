@@ -270,7 +270,6 @@ def tree_rejection_verify(
     target_probs: torch.Tensor,                 # [B * N, V] from verify_probs: p at each node
     node_tokens: torch.Tensor,                  # [B, N] candidate tokens (node 0 unused)
     draft_probs: torch.Tensor | None = None,    # [B * N, V] q at each node: what its children were drawn from
-    generators: list[torch.Generator | None] | None = None,
 ) -> TreeVerifyOutput:
     """Lossless multi-candidate verification (recursive rejection sampling, as in SpecInfer / EAGLE):
     at the current node try its children in rank order; child x is accepted with probability
@@ -279,14 +278,12 @@ def tree_rejection_verify(
 
     draft_probs None means the children are the draft's deterministic top-k (distinct tokens), i.e. q
     is one-hot at each candidate; otherwise the children must have been drawn from q without
-    replacement. Either way the emitted tokens follow the target distribution exactly."""
+    replacement. Either way the emitted tokens follow the target distribution exactly. (Seeded rows come
+    one-hot from verify_probs, so their outcome depends on no draw made here.)"""
     batch = _check_tree_inputs(tree, target_probs.shape[0], node_tokens)
-    if generators is not None and len(generators) != batch:
-        raise ValueError("generators: expected one entry (or None) per request")
     device = target_probs.device
     n = tree.num_nodes
     node_tokens = node_tokens.to(device)
-    seeded = [(b, g) for b, g in enumerate(generators or []) if g is not None]
     ar = torch.arange(batch, device=device)
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)
@@ -306,9 +303,6 @@ def tree_rejection_verify(
             child = kids[:, r].clamp_min(0)
             x = node_tokens[ar, child]
             u = torch.rand(batch, device=device)
-            for b, g in seeded:
-                if bool(trying[b]):
-                    u[b] = torch.rand((), device=device, generator=g)
             p_x = p[ar, x]
             q_x = q[ar, x] if q is not None else torch.ones_like(p_x)
             accept = trying & (u * q_x < p_x)
@@ -331,7 +325,7 @@ def tree_rejection_verify(
                 p = torch.where(accept[:, None], target_probs[ar * n + cur].float(), p)
                 moved |= accept
         active &= moved
-    final = draw(p, generators or [None] * batch)
+    final = draw(p)
     token_ids = torch.where(path >= 0, node_tokens.gather(1, path.clamp_min(0)), torch.full_like(path, -1))
     token_ids[:, 0] = -1
     # Shift: emitted token k is the token of path node k + 1; the last one is the final draw.

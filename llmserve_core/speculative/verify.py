@@ -41,12 +41,24 @@ class VerifyOutput:
 def verify_probs(target_logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The target distribution each verify row is judged against: the plain sampler's own
     `sampling_probs`, with greedy rows made one-hot at the argmax. Rejection sampling against a
-    one-hot row is greedy verification, so greedy and sampled requests can share one verify call."""
+    one-hot row is greedy verification, so greedy and sampled requests can share one verify call.
+
+    A seeded sampled row is made one-hot too, at the token the plain sampler draws at that row's position
+    (its noise is keyed by seed and position): the request then emits exactly the tokens it would without
+    a draft model, each still a draw from p, whatever the load made the engine speculate."""
     probs = sampling_probs(target_logits, st)
     greedy = st.temperature == 0
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, target_logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
+    choice = target_logits.argmax(dim=-1)
+    one_hot_rows = greedy
+    if st.any_seeded:
+        seeded = torch.tensor([s is not None for s in st.seeds], device=probs.device) & ~greedy
+        # (as the plain sampler does, a row without finite mass takes the argmax)
+        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        choice = torch.where(seeded & valid, draw(probs, st.noise_keys()), choice)
+        one_hot_rows = greedy | seeded
+    if bool(one_hot_rows.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, choice[:, None], 1.0)
+        probs = torch.where(one_hot_rows[:, None], one_hot, probs)
     return probs
 
 
@@ -98,22 +110,19 @@ def rejection_sample_verify(
     draft_token_ids: torch.Tensor,       # [B, K]
     num_draft: torch.Tensor,             # [B]
     draft_probs: torch.Tensor | None,    # [sum(n_b), V] the distribution each draft was drawn from; None: argmax drafts
-    generators: list[torch.Generator | None] | None = None,
 ) -> VerifyOutput:
     """The standard speculative sampling rule (Leviathan et al., Chen et al.): accept draft x with
     probability min(1, p(x) / q(x)); at the first rejection emit a sample from norm(max(0, p - q));
     when every draft passes emit a sample from the last target row. The emitted tokens are then
     distributed exactly as if drawn one by one from p. draft_probs None means the drafts were
-    chosen deterministically (q is one-hot at the draft), which the same rule covers.
-    Each seeded request draws its uniforms and its final sample only from its own generator."""
+    chosen deterministically (q is one-hot at the draft), which the same rule covers. (Seeded rows come
+    one-hot from verify_probs, so their outcome depends on no draw made here.)"""
     device = target_probs.device
     _check(draft_token_ids, num_draft, target_probs.shape[0])
     num_draft = num_draft.to(device=device, dtype=torch.long)
     draft_token_ids = draft_token_ids.to(device)
     if draft_probs is not None and draft_probs.shape[0] != int(num_draft.sum()):
         raise ValueError(f"draft_probs: expected sum(num_draft) = {int(num_draft.sum())} rows, got {draft_probs.shape[0]}")
-    if generators is not None and len(generators) != num_draft.shape[0]:
-        raise ValueError("generators: expected one entry (or None) per request")
     batch, k = draft_token_ids.shape
     t_rows, t_valid = _padded_rows(num_draft, k + 1, extra=1)
     valid = t_valid[:, 1:]                                                 # [B, K] draft j exists
@@ -126,12 +135,6 @@ def rejection_sample_verify(
         q_x = draft_probs[d_rows, safe_ids].float()
 
     uniform = torch.rand(batch, k, device=device)
-    if generators is not None and any(g is not None for g in generators):
-        counts = num_draft.tolist()
-        for b, g in enumerate(generators):
-            if g is not None and counts[b]:
-                # Exactly n_b draws, so a seeded request's stream does not depend on the batch's K.
-                uniform[b, :counts[b]] = torch.rand(counts[b], device=device, generator=g)
     # u < p/q written without the division; u < 1 so p == q > 0 always accepts, p == 0 never does.
     accepted = (uniform * q_x < p_x) & valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
@@ -152,7 +155,7 @@ def rejection_sample_verify(
         mass = residual.sum(dim=-1, keepdim=True)
         # Rounding can leave no residual mass only where p <= q everywhere, i.e. p == q: then p itself is right.
         dist[rb] = torch.where(mass > 0, residual / mass.clamp_min(1e-30), dist[rb])
-    final = draw(dist, generators or [None] * batch)
+    final = draw(dist)
 
     token_ids = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)
     keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]
