@@ -81,7 +81,6 @@ class ModelRunner:
         # back (the engine completes it before sampling grammar rows), and that readback waited for an
         # event recorded after every earlier copy out of the buffer.
         self.masks = MaskBuilder(config.max_num_seqs, model_config.vocab_size, self.device, self.pin)
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         torch.manual_seed(config.seed)
 
     def batch_builder(self, rows: int, seqs: int) -> BatchBuilder:

@@ -196,7 +196,6 @@ def warm_up(engine) -> dict:
         if engine.policy is not None:
             engine.policy.pinned = None
     engine.reset_counters()
-    runner.generator.manual_seed(engine.config.seed)
     torch.manual_seed(engine.config.seed)
     jit_count.warm_up_done()
     report = {"rounds": len(plan) + len(drafting), "seconds": time.perf_counter() - t0,
