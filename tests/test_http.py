@@ -298,6 +298,7 @@ BAD_CHAT = [
     (dict(n=17), "n", None),
     (dict(max_tokens=0), "max_tokens", None),
     (dict(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded"),
+    (dict(max_completion_tokens=MAX_MODEL_LEN), "max_completion_tokens", "context_length_exceeded"),
     (dict(top_logprobs=3), "top_logprobs", None),
     (dict(presence_penalty=2.5), "presence_penalty", None),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", None),
@@ -334,6 +335,10 @@ def test_bad_completion_requests(oai, server):
         (dict(prompt=""), "prompt"),
         (dict(prompt=["a", ""]), "prompt[1]"),
         (dict(prompt="word " * 1000), "prompt"),
+        # Several prompts: the error names the one at fault, whether the server or the core finds it.
+        (dict(prompt=["hi", "word " * 1000]), "prompt[1]"),
+        (dict(prompt=[[5, 6], [7, 99999]]), "prompt[1]"),
+        (dict(prompt=["hi", "there"], max_tokens=MAX_MODEL_LEN), "max_tokens"),
         (dict(prompt="hi", echo=True, logprobs=1), "echo"),
         (dict(prompt="hi", suffix="!"), "suffix"),
         (dict(prompt="hi", best_of=3), "best_of"),

@@ -245,7 +245,7 @@ def _cases():
         yield "/v1/completions", {"prompt": "hi", "seed": big}, "seed"
         yield "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": big}, "seed"
         yield "/v1/completions", {"prompt": "hi", "stop_token_ids": [big]}, "stop_token_ids"
-        yield "/v1/completions", {"prompt": [[1, 2], [3, big]]}, "prompt"
+        yield "/v1/completions", {"prompt": [[1, 2], [3, big]]}, "prompt[1]"      # the prompt at fault
     deep = 100_000
     yield "/v1/completions", "{\"prompt\": " + "[" * deep + "]" * deep + "}", None
     yield "/v1/completions", "{\"prompt\": [" + "{\"a\": " * deep + "1" + "}" * deep + "]}", None

@@ -162,7 +162,7 @@ class Frontend:
                 self.metrics.on_finished(s.completion)
             return Response(status_code=499)
         except LLMServeError as e:
-            return self._error(self._api_error(e, chat, ctx.guided_source))
+            return self._error(self._api_error(e, chat, ctx.guided_source, ctx.error_names(e)))
         return StreamingResponse(self._sse(ctx, streams, merged, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -185,7 +185,7 @@ class Frontend:
                     raise ApiError(f"{source} cannot be combined with tool_choice {req.tool_choice!r}", source)
                 guided, source = forced, "tool_choice"
             messages = schemas.chat_messages(req)
-            self._check_length_early(messages, chat)
+            self._check_length_early(messages, chat, "messages")
             ids, prompt_text = await loop.run_in_executor(self._tokenize_pool, render_chat, self.tokenizer, messages,
                                                           tools, req.chat_template_kwargs)
             prompts = [(ids, prompt_text)]
@@ -195,21 +195,23 @@ class Frontend:
         else:
             sampling = schemas.completion_sampling(req)
             prompts = []
-            for prompt in schemas.completion_prompts(req):
-                self._check_length_early(prompt, chat)
+            many = schemas.completion_prompts(req)
+            for p, prompt in enumerate(many):
+                self._check_length_early(prompt, chat, _prompt_param(p, len(many)))
                 try:
                     ids = await loop.run_in_executor(self._tokenize_pool, to_token_ids, prompt, self._get_tokenizer)
                 except RequestError as e:
-                    raise self._api_error(e, chat) from None
+                    raise self._api_error(e, chat, names={"prompt": _prompt_param(p, len(many))}) from None
                 prompts.append((ids, prompt if isinstance(prompt, str) else None))
             max_tokens, param = req.max_tokens, "max_tokens"
             shaper = None
         if guided is not None:
             sampling["guided"] = guided
-        ctx.guided_source, ctx.n = source, req.n
+        ctx.guided_source, ctx.n, ctx.num_prompts, ctx.max_tokens_param = source, req.n, len(prompts), param
         jobs = []
         for p, (ids, prompt_text) in enumerate(prompts):
-            n_tokens = self._fit_max_tokens(len(ids), max_tokens, param, chat)
+            where = "messages" if chat else _prompt_param(p, len(prompts))
+            n_tokens = self._fit_max_tokens(len(ids), max_tokens, param, chat, where)
             if not chat and req.echo and prompt_text is None:
                 prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
             for i in range(req.n):
@@ -232,7 +234,8 @@ class Frontend:
             for s in streams:     # choices already sent
                 await s.aclose()
             if isinstance(e, LLMServeError):
-                raise self._api_error(e, chat, source) from None
+                e.choice_index = jobs[len(streams)][0]             # the choice whose request was refused
+                raise self._api_error(e, chat, source, ctx.error_names(e)) from None
             raise
         return req, streams, ctx
 
@@ -270,8 +273,9 @@ class Frontend:
     def _get_tokenizer(self):
         return self.tokenizer
 
-    def _check_length_early(self, prompt, chat: bool) -> None:
-        """Refuse, before tokenizing, a text prompt whose length in characters proves it cannot fit."""
+    def _check_length_early(self, prompt, chat: bool, where: str) -> None:
+        """Refuse, before tokenizing, a text prompt whose length in characters proves it cannot fit. where:
+        the request's name for it (messages, prompt, prompt[i])."""
         if isinstance(prompt, str):
             chars = len(prompt)
         elif chat:
@@ -282,14 +286,12 @@ class Frontend:
             return   # token ids: counted exactly below
         fewest_tokens = chars // (self.max_token_chars * NORMALIZER_SLACK)
         if fewest_tokens >= self.max_model_len:
-            where = "messages" if chat else "prompt"
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens, but the {where} "
                            f"has {chars} characters, at least {fewest_tokens} tokens. Shorten the {where}.",
                            where, code="context_length_exceeded")
 
-    def _fit_max_tokens(self, n_prompt: int, max_tokens: int | None, param: str, chat: bool) -> int:
+    def _fit_max_tokens(self, n_prompt: int, max_tokens: int | None, param: str, chat: bool, where: str) -> int:
         limit = self.max_model_len
-        where = "messages" if chat else "prompt"
         if n_prompt >= limit:
             raise ApiError(f"This model's maximum context length is {limit} tokens, but the {where} has "
                            f"{n_prompt} tokens, which leaves no room for a completion. Shorten the {where}.",
@@ -333,7 +335,7 @@ class Frontend:
                 yield _sse_data({**self._chunk(ctx, 0, None), "usage": _usage(completions, ctx.n)})
         except LLMServeError as e:
             # Headers are gone already: the error travels as an event, which the openai package raises.
-            err = self._api_error(e, ctx.chat, ctx.guided_source)
+            err = self._api_error(e, ctx.chat, ctx.guided_source, ctx.error_names(e))
             self.metrics.on_error(err.status)
             accounted = True
             yield _sse_data(err.body())
@@ -411,13 +413,17 @@ class Frontend:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "llmserve",
                 "root": self.client.model_info.model, "max_model_len": self.max_model_len}
 
-    def _api_error(self, e: LLMServeError, chat: bool, guided_source: str | None = None) -> ApiError:
+    def _api_error(self, e: LLMServeError, chat: bool, guided_source: str | None = None,
+                   names: dict[str, str] | None = None) -> ApiError:
+        """names: a param as this request spells it where it differs from the default spelling (chat's
+        max_completion_tokens; prompt[i] in a completion with several prompts)."""
         if isinstance(e, RequestError) and not e.field:
             # Not the request's fault (PROTOCOL.md §6): the core is draining, or failed to take it.
             return ApiError(f"the engine cannot take this request now: {e.message}", None, status=503,
                             type="server_error", code="engine_unavailable")
         if isinstance(e, RequestError):
-            return ApiError(e.message, error_param(e.field, guided_source) or schemas.param_name(e.field, chat) or None)
+            param = error_param(e.field, guided_source) or schemas.param_name(e.field, chat) or None
+            return ApiError(e.message, (names or {}).get(param, param))
         if isinstance(e, EngineDeadError):
             return ApiError(f"the engine is unavailable: {e}", None, status=503, type="server_error",
                             code="engine_unavailable")
@@ -440,6 +446,20 @@ class _Ctx:
         self.echo: dict[int, str] = {}           # completions with echo: choice -> prompt text to lead with
         self.guided_source: str | None = None    # the request param a grammar came from (for errors)
         self.n = 1                               # choices per prompt
+        self.num_prompts = 1
+        self.max_tokens_param = "max_tokens"     # or chat's max_completion_tokens, as the request spelled it
+
+    def error_names(self, e: Exception) -> dict[str, str]:
+        """The request's own names for the params an error from the core names (see App._api_error): the
+        prompt of the failed choice (merge's choice_index), the max_tokens field it used."""
+        prompt = getattr(e, "choice_index", 0) // self.n
+        return {"max_tokens": self.max_tokens_param, "prompt": _prompt_param(prompt, self.num_prompts)}
+
+
+def _prompt_param(index: int, count: int) -> str:
+    """How an error names prompt `index` of a completion with `count` prompts (as schemas.completion_prompts
+    does)."""
+    return f"prompt[{index}]" if count > 1 else "prompt"
 
 
 def _retry_after(status: int) -> dict | None:

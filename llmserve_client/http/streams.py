@@ -19,7 +19,8 @@ class ClientGone(Exception):
 
 async def merge(streams: list[AsyncStream]):
     """(choice index, chunk) from several streams as they arrive. Closing or cancelling it aborts every
-    stream still running; the first error ends it."""
+    stream still running; the first error ends it, raised with the failed choice's index as its
+    `choice_index` (so the response can name the prompt at fault)."""
     if len(streams) == 1:   # the common case needs no tasks
         try:
             async for chunk in streams[0]:
@@ -43,6 +44,7 @@ async def merge(streams: list[AsyncStream]):
         while running:
             i, chunk, err = await queue.get()
             if err is not None:
+                err.choice_index = i
                 raise err
             if chunk is None:
                 running -= 1
