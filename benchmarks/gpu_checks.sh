@@ -42,7 +42,7 @@ for stage in $stages; do
       # The kernel test files run whole: their interpreter tests run on the GPU where one is present, and
       # the bfloat16 cases the interpreter cannot run exist only there. Elsewhere, the tests marked gpu.
       kernel_files="tests/test_gemv.py tests/test_kernels.py tests/test_fp8_kernels.py tests/test_qk_norm_rope.py
-                    tests/test_decode_rows.py tests/test_stream_gemv.py"
+                    tests/test_decode_rows.py tests/test_stream_gemv.py tests/test_sampling_kernel.py"
       python3 -m pytest -q -p no:cacheprovider $kernel_files > "$out/gpu_kernel_tests.log" 2>&1
       status[$stage]=$?; tail -3 "$out/gpu_kernel_tests.log"
       # --continue-on-collection-errors: the device lacks the HTTP frontend's packages (openai, starlette),

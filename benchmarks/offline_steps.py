@@ -79,9 +79,14 @@ def main() -> None:
                   f"{r['prefill_ms'] / 1e3:.2f} s, decode steps {r['decode_steps']} {r['decode_ms'] / 1e3:.2f} s; "
                   f"decode step by batch {json.dumps({b: round(v['median_ms'], 2) for b, v in r['decode_step_ms_by_batch'].items()})}",
                   flush=True)
+        engine.close()
         del engine
+        import gc
         import torch
+        gc.collect()          # the engine's graphs hold reference cycles: free its pool before the next one
         torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -10,6 +10,9 @@ model speculated. Speculative verification keeps that: it judges a seeded row ag
 the plain sampler would draw at that position (speculative/verify.py's verify_probs), and the draft
 proposes with the same noise, so the two agree as often as the distributions let them.
 
+Rows without top-k / top-p / min-p (most sampled traffic) race their logits directly, argmax(logits / T -
+log E), the same draw without the softmax, in one pass (`race`, kernels/sampling.py on CUDA).
+
 Degenerate parameters stay safe: a temperature under GREEDY_EPSILON is greedy (dividing by it would
 overflow), top-p always keeps the most likely token (1e-300 rounds to 0 in float32), and a row whose
 distribution still comes out without finite mass takes the greedy token rather than a NaN argmax.
@@ -160,6 +163,27 @@ def exponential_noise(shape, keys, device) -> torch.Tensor:
     return noise
 
 
+def race(logits: torch.Tensor, st: SamplingTensors, noise: torch.Tensor, probs: torch.Tensor | None = None):
+    """Each row's token given its Exp(1) noise: the plain sampler's rule, which verification applies to a
+    seeded row too. A row without top-k / top-p / min-p races its logits directly (kernels/sampling.py:
+    argmax(logits / T - log E), one pass, on CUDA); a row with them races its filtered probabilities (probs:
+    sampling_probs(logits, st), when the caller has it), falling back to the argmax where no finite mass
+    is left."""
+    if logits.is_cuda:
+        from llmserve_core.kernels.sampling import race_argmax
+        tokens = race_argmax(logits, st.temperature, noise)
+    else:
+        from llmserve_core.kernels.sampling import race_argmax_reference
+        tokens = race_argmax_reference(logits, st.temperature, noise)
+    if st.need_top_k or st.need_top_p or st.need_min_p:
+        probs = probs if probs is not None else sampling_probs(logits, st)
+        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        drawn = torch.where(valid, (probs / noise).argmax(dim=-1), logits.argmax(dim=-1))
+        filtered = ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0)) & (st.temperature > 0)
+        tokens = torch.where(filtered, drawn, tokens)
+    return tokens
+
+
 def draw(probs: torch.Tensor, keys=None) -> torch.Tensor:
     """One token per row from probs [N, V] (the exponential race); keys: per-row noise keys or None."""
     return (probs / exponential_noise(probs.shape, keys, probs.device)).argmax(dim=-1)
@@ -190,15 +214,10 @@ def sample(logits: torch.Tensor, st: SamplingTensors, processors=None) -> Sample
     raw = logits
     if processors is not None:
         logits = processors.apply(logits)
-    greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(dim=-1)
     else:
-        probs = sampling_probs(logits, st)
-        # A row without finite positive mass (NaN or inf logits from upstream) has no distribution to draw
-        # from: it takes the greedy token instead of whatever argmax makes of NaN.
-        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-        tokens = torch.where((st.temperature == 0) | ~valid, greedy_tokens, draw(probs, st.noise_keys()))
+        tokens = race(logits, st, exponential_noise(logits.shape, st.noise_keys(), logits.device))
     out = SamplerOutput(tokens)
     if st.max_num_logprobs is not None:
         # Log-probabilities of the model's own distribution (before temperature and filters), as vLLM reports.

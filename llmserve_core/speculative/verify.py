@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve_core.layers.sampler import SamplingTensors, draw, sampling_probs
+from llmserve_core.layers.sampler import SamplingTensors, draw, exponential_noise, race, sampling_probs
 
 
 @dataclass
@@ -52,9 +52,8 @@ def verify_probs(target_logits: torch.Tensor, st: SamplingTensors) -> torch.Tens
     one_hot_rows = greedy
     if st.any_seeded:
         seeded = torch.tensor([s is not None for s in st.seeds], device=probs.device) & ~greedy
-        # (as the plain sampler does, a row without finite mass takes the argmax)
-        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-        choice = torch.where(seeded & valid, draw(probs, st.noise_keys()), choice)
+        noise = exponential_noise(probs.shape, st.noise_keys(), probs.device)
+        choice = torch.where(seeded, race(target_logits, st, noise, probs), choice)
         one_hot_rows = greedy | seeded
     if bool(one_hot_rows.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, choice[:, None], 1.0)
