@@ -47,8 +47,9 @@ def run_ours(peer: str, out_json: str, model_dir: str | None) -> None:
     t0 = time.perf_counter()
     max_model_len = 4096 if model_dir is None else None
     model_dir = model_dir or write_qwen3_8b_dir(os.path.join(tempfile.mkdtemp(), "qwen3-8b-dummy"))
+    # The peer's own settings where both have one: 256 sequences, a 16,384-token step budget.
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=max_model_len,
-                                 max_num_seqs=256, gpu_memory_utilization=0.85))
+                                 max_num_seqs=256, max_num_batched_tokens=16384, gpu_memory_utilization=0.85))
     extra = {"init_s": round(time.perf_counter() - t0, 1), "attention_backend": engine.runner.attn_backend.name,
              "block_size": engine.config.block_size, "warmup": engine.warmup_report,
              "total_kv_blocks": engine.stats()["total_kv_blocks"]}
