@@ -67,7 +67,9 @@ def race_argmax(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Te
     -> tokens [N] int64."""
     n, v = logits.shape
     assert temperature.shape == (n,) and noise.shape == (n, v), "race_argmax: one temperature and noise row per row"
-    assert logits.stride(1) == 1 and noise.stride(1) == 1, "race_argmax: rows must be contiguous"
+    # (the lm_head's logits and the noise are contiguous; an edited view would be copied once here)
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    noise = noise if noise.stride(1) == 1 else noise.contiguous()
     if n == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device)
     if num_chunks is None:    # about four programs per multiprocessor, each over at least a few blocks
