@@ -138,17 +138,24 @@ def test_verify_with_different_trees_per_request_equals_each_alone():
     logits = torch.randn(4 * n, VOCAB)
     logits[torch.arange(4 * n), tokens.roll(-1, 1).flatten()] += 3.0
     together = tree_greedy_verify(trees, logits, tokens)
-    probs = torch.softmax(logits, -1)
-    gens = [torch.Generator().manual_seed(s) for s in range(4)]
-    sampled = tree_rejection_verify(trees, probs, tokens, None, gens)
+    # Seeded sampled requests: verify_probs keys each node's noise by (seed, position + its depth), so a
+    # request's outcome is the same in the batch and alone.
+    from llmserve_core.layers.sampler import SamplingTensors
+    from llmserve_core.speculative.verify import verify_probs
+    from llmserve_proto import SamplingParams
+
+    def seeded_probs(rows, tree_batch, seeds):
+        st = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=s) for s in seeds], "cpu",
+                                         positions=[30] * len(seeds))
+        return verify_probs(rows, st.repeat_rows(n, tree_batch.depths().tolist()))
+    sampled = tree_rejection_verify(trees, seeded_probs(logits, trees, range(4)), tokens, None)
     assert len({len(p) for p in together.path_lists()}) > 1
     for b in range(4):
         one = TreeBatch(trees.parents[b:b + 1], trees.max_depth, trees.max_children)
         alone = tree_greedy_verify(one, logits[b * n:(b + 1) * n], tokens[b:b + 1])
         assert alone.token_lists()[0] == together.token_lists()[b]
         assert alone.path_lists()[0] == together.path_lists()[b]
-        again = tree_rejection_verify(one, probs[b * n:(b + 1) * n], tokens[b:b + 1], None,
-                                      [torch.Generator().manual_seed(b)])
+        again = tree_rejection_verify(one, seeded_probs(logits[b * n:(b + 1) * n], one, [b]), tokens[b:b + 1])
         assert again.token_lists()[0] == sampled.token_lists()[b]
 
 
