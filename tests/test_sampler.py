@@ -192,3 +192,18 @@ def test_extreme_valid_parameters_give_the_reference_distribution(temperature, t
         want = reference_probs(logits[row], p)
         assert probs[row].tolist() == pytest.approx(want, abs=1e-4)
         assert want[tokens[row]] > 0, "sampled a token the reference filters out"
+
+
+def test_the_cpu_sampler_needs_no_triton():
+    """Triton is an optional (GPU) dependency: sampling on the CPU must not import it."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from llmserve_core.layers.sampler import SamplingTensors, sample\n"
+            "from llmserve_proto import SamplingParams\n"
+            "ps = [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]\n"
+            "out = sample(torch.randn(3, 50), SamplingTensors.from_params(ps, 'cpu', positions=[4, 5, 6]))\n"
+            "print(out.token_ids.tolist())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

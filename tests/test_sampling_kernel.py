@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels.sampling import BLOCK, race_argmax, race_argmax_reference
+from llmserve_core.kernels.sampling import BLOCK, race_argmax
+from llmserve_core.kernels.sampling_reference import race_argmax_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -9,6 +9,7 @@ draw from) takes the argmax of its logits, as layers/sampler.py's torch path doe
 
 Each program reduces one chunk of one row's vocabulary to its best (score, index), the lowest index on
 ties; the chunks of a row are then compared on the device (few per row: enough programs to fill the card).
+Its torch reference, which the CPU runs, is kernels/sampling_reference.py (importable without Triton).
 """
 from __future__ import annotations
 
@@ -86,15 +87,3 @@ def race_argmax(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Te
     token = best_idx.gather(1, at[:, None]).squeeze(1)
     greedy = raw_idx.gather(1, raw.argmax(dim=1, keepdim=True)).squeeze(1)
     return torch.where(torch.isfinite(top), token, greedy).long()
-
-
-def race_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The same race in torch ops (what the CPU runs)."""
-    logit = logits.float()
-    logit = torch.where(logit.isnan(), float("-inf"), logit)
-    temperature = temperature.float()
-    inv = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-30), torch.zeros_like(temperature))
-    score = torch.where(temperature[:, None] > 0, logit * inv[:, None] - noise.log(), logit)
-    score = torch.where(score.isnan(), float("-inf"), score)
-    top, token = score.max(dim=1)
-    return torch.where(torch.isfinite(top), token, logit.argmax(dim=1))

@@ -173,7 +173,7 @@ def race(logits: torch.Tensor, st: SamplingTensors, noise: torch.Tensor, probs: 
         from llmserve_core.kernels.sampling import race_argmax
         tokens = race_argmax(logits, st.temperature, noise)
     else:
-        from llmserve_core.kernels.sampling import race_argmax_reference
+        from llmserve_core.kernels.sampling_reference import race_argmax_reference
         tokens = race_argmax_reference(logits, st.temperature, noise)
     if st.need_top_k or st.need_top_p or st.need_min_p:
         probs = probs if probs is not None else sampling_probs(logits, st)
