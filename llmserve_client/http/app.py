@@ -197,11 +197,11 @@ class Frontend:
             prompts = []
             many = schemas.completion_prompts(req)
             for p, prompt in enumerate(many):
-                self._check_length_early(prompt, chat, _prompt_param(p, len(many)))
+                self._check_length_early(prompt, chat, schemas.prompt_param(p, len(many)))
                 try:
                     ids = await loop.run_in_executor(self._tokenize_pool, to_token_ids, prompt, self._get_tokenizer)
                 except RequestError as e:
-                    raise self._api_error(e, chat, names={"prompt": _prompt_param(p, len(many))}) from None
+                    raise self._api_error(e, chat, names={"prompt": schemas.prompt_param(p, len(many))}) from None
                 prompts.append((ids, prompt if isinstance(prompt, str) else None))
             max_tokens, param = req.max_tokens, "max_tokens"
             shaper = None
@@ -210,7 +210,7 @@ class Frontend:
         ctx.guided_source, ctx.n, ctx.num_prompts, ctx.max_tokens_param = source, req.n, len(prompts), param
         jobs = []
         for p, (ids, prompt_text) in enumerate(prompts):
-            where = "messages" if chat else _prompt_param(p, len(prompts))
+            where = "messages" if chat else schemas.prompt_param(p, len(prompts))
             n_tokens = self._fit_max_tokens(len(ids), max_tokens, param, chat, where)
             if not chat and req.echo and prompt_text is None:
                 prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
@@ -453,13 +453,7 @@ class _Ctx:
         """The request's own names for the params an error from the core names (see App._api_error): the
         prompt of the failed choice (merge's choice_index), the max_tokens field it used."""
         prompt = getattr(e, "choice_index", 0) // self.n
-        return {"max_tokens": self.max_tokens_param, "prompt": _prompt_param(prompt, self.num_prompts)}
-
-
-def _prompt_param(index: int, count: int) -> str:
-    """How an error names prompt `index` of a completion with `count` prompts (as schemas.completion_prompts
-    does)."""
-    return f"prompt[{index}]" if count > 1 else "prompt"
+        return {"max_tokens": self.max_tokens_param, "prompt": schemas.prompt_param(prompt, self.num_prompts)}
 
 
 def _retry_after(status: int) -> dict | None:

@@ -204,6 +204,11 @@ def chat_sampling(req: ChatRequest) -> dict:
 MAX_PROMPTS = 64   # prompts in one batched /v1/completions request
 
 
+def prompt_param(index: int, count: int) -> str:
+    """How an error names prompt `index` of a completion with `count` prompts."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
+
+
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """OpenAI's prompt forms: a string, a list of token ids, or a batch (list) of either."""
     p = req.prompt
@@ -211,7 +216,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if len(batch) > MAX_PROMPTS:
         raise ApiError(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", "prompt")
     for i, one in enumerate(batch):
-        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        where = prompt_param(i, len(batch))
         if isinstance(one, str):
             if not one:
                 raise ApiError(f"{where} must not be empty", where)
