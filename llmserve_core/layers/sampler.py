@@ -19,7 +19,7 @@ distribution still comes out without finite mass takes the greedy token rather t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,18 +78,14 @@ class SamplingTensors:
         copies' positions advanced by offsets[b][j] (default j: a chain's rows draw consecutive tokens);
         the tensors on the device alone, so the host never waits for them."""
         offsets = offsets if offsets is not None else [range(times)] * len(self.positions)
-        return SamplingTensors(self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
-                               self.top_p.repeat_interleave(times), self.min_p.repeat_interleave(times),
-                               [s for s in self.seeds for _ in range(times)],
-                               [p + o for p, offs in zip(self.positions, offsets) for o in offs],
-                               self.all_greedy, self.need_top_k, self.need_top_p, self.need_min_p,
-                               self.max_num_logprobs)
+        return replace(self, temperature=self.temperature.repeat_interleave(times),
+                       top_k=self.top_k.repeat_interleave(times), top_p=self.top_p.repeat_interleave(times),
+                       min_p=self.min_p.repeat_interleave(times), seeds=[s for s in self.seeds for _ in range(times)],
+                       positions=[p + o for p, offs in zip(self.positions, offsets) for o in offs])
 
     def advanced(self, offset: int) -> "SamplingTensors":
         """The same rows drawing the tokens `offset` places later (a chain draft's next proposal)."""
-        return SamplingTensors(self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
-                               [p + offset for p in self.positions], self.all_greedy, self.need_top_k,
-                               self.need_top_p, self.need_min_p, self.max_num_logprobs)
+        return replace(self, positions=[p + offset for p in self.positions])
 
     @property
     def any_seeded(self) -> bool:
