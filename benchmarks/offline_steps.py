@@ -8,6 +8,7 @@ sampling at temperature 1 (the peer run's) and greedy, and with the default and 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -15,6 +16,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,14 +84,10 @@ def main() -> None:
                   flush=True)
         engine.close()
         del engine
-        import gc
-        import torch
         gc.collect()          # the engine's graphs hold reference cycles: free its pool before the next one
         torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
+        with open(args.out, "w") as f:     # after each budget: a run cut short keeps what it measured
             json.dump(res, f, indent=1)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
