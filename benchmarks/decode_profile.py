@@ -103,7 +103,8 @@ def main() -> None:
               f"{r['busy_ms_per_step']:.3f} ms {json.dumps({k: round(v, 3) for k, v in r['gpu_ms_per_step'].items()})}",
               flush=True)
         for row in r["kernel_table"][:14]:
-            print(f"    {row['calls']:7.1f} x {row['us'] / max(row['calls'], 1):8.2f} us = {row['us']:9.1f} us  {row['name']}")
+            print(f"    {row['calls']:7.1f} x {row['us'] / max(row['calls'], 1):8.2f} us = {row['us']:9.1f} us "
+                  f"(frontier {row['frontier_us']:8.1f} us)  {row['name']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 

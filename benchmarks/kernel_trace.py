@@ -72,14 +72,32 @@ def span_us(kernels) -> float:
     return max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)
 
 
+def frontier_us(kernels) -> list[float]:
+    """What each kernel adds to the GPU's busy time: how far its end moves the end of all work started
+    before it, less any idle gap it closes. Under PDL a kernel starts while the one before still runs and
+    waits; its summed duration counts that wait, this does not. The values sum to busy_us(kernels)."""
+    out, frontier = [], None
+    for _, s, d in kernels:          # in start order
+        e = s + d
+        if frontier is None or s >= frontier:
+            out.append(d)
+        else:
+            out.append(max(0.0, e - frontier))
+        frontier = e if frontier is None else max(frontier, e)
+    return out
+
+
 def summarize(kernels, calls: int) -> dict:
-    """Per call: kernel count, GPU ms by kind (summed durations), busy ms, and every kernel name's calls
-    and microseconds, longest first. Over the whole stretch: the idle fraction of its span."""
-    per_name = collections.defaultdict(lambda: [0, 0.0])
+    """Per call: kernel count, GPU ms by kind (summed durations), busy ms, and every kernel name's calls,
+    summed microseconds (longest first) and frontier microseconds (frontier_us: its share of the busy
+    time). Over the whole stretch: the idle fraction of its span."""
+    per_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
     by_kind = collections.Counter()
-    for name, _, dur in kernels:
+    kernels = sorted(kernels, key=lambda k: k[1])
+    for (name, _, dur), front in zip(kernels, frontier_us(kernels)):
         per_name[name][0] += 1
         per_name[name][1] += dur
+        per_name[name][2] += front
         by_kind[kernel_kind(name)] += dur
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])
     busy, span = busy_us(kernels), span_us(kernels)
@@ -87,4 +105,5 @@ def summarize(kernels, calls: int) -> dict:
             "gpu_ms_by_kind": {k: v / calls / 1e3 for k, v in by_kind.items()},
             "busy_ms_per_step": busy / calls / 1e3,
             "idle_fraction": 1 - busy / span if span else None,
-            "kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls} for n, (c, t) in rows]}
+            "kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls, "frontier_us": f / calls}
+                        for n, (c, t, f) in rows]}

@@ -94,8 +94,18 @@ def test_profile_summary_counts_per_call_and_merges_overlaps():
     assert s["gpu_ms_by_kind"] == {"gemm": 0.01, "attention": 0.005, "other": 0.001}
     assert s["busy_ms_per_step"] == pytest.approx((15 + 2 + 10) / 2 / 1e3)       # 0-15 overlaps, then 2, then 10
     assert s["idle_fraction"] == pytest.approx(1 - 27 / 50)                      # the span is 0-50
-    assert s["kernels"][0] == {"name": "nvjet_sm90_gemm", "calls": 1.0, "us": 10.0}
+    # The decode kernel starts inside the GEMM: only its 5 us past the GEMM's end are its own.
+    assert s["kernels"][0] == {"name": "nvjet_sm90_gemm", "calls": 1.0, "us": 10.0, "frontier_us": 10.0}
+    assert s["kernels"][1]["frontier_us"] == pytest.approx(2.5)
     assert [k["name"] for k in s["kernels"]] == ["nvjet_sm90_gemm", "_decode_kernel", "_rmsnorm_kernel"]
+
+
+def test_frontier_time_splits_the_busy_time_among_the_kernels():
+    from kernel_trace import busy_us, frontier_us
+    # b starts under a and ends after it (a PDL wait), c lies inside b, d follows a gap.
+    kernels = [("a", 0.0, 10.0), ("b", 4.0, 9.0), ("c", 6.0, 2.0), ("d", 20.0, 3.0)]
+    assert frontier_us(kernels) == pytest.approx([10.0, 3.0, 0.0, 3.0])
+    assert sum(frontier_us(kernels)) == pytest.approx(busy_us(kernels))
 
 
 def test_busy_time_is_the_union_of_intervals_in_any_order():
