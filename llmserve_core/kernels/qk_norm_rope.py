@@ -58,7 +58,6 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_p
                                NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
                                FP8: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait_and_release(PDL)      # qkv, the positions and the slots all come from earlier kernels
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -66,9 +65,14 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_p
     i = tl.arange(0, BLOCK_HALF)
     dtype = q_ptr.dtype.element_ty
     row = qkv_ptr + t * stride_qkv          # q heads, k heads, v heads, each HEAD_DIM wide
+    # The positions and slots come from kernels further back than the projection just before (the step's
+    # input copy, or device-built batches), and the tables are static: under PDL their dependent loads
+    # (position, then cos/sin) overlap the projection's tail. qkv comes from that projection: after the wait.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_wait_and_release(PDL)
     if hb < Q_BLOCKS:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (heads < NUM_Q_HEADS)[:, None] & (i < HALF)[None, :]
@@ -77,7 +81,6 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_p
         tl.store(dst, o1.to(dtype), mask=mask)
         tl.store(dst + HALF, o2.to(dtype), mask=mask)
     else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             kh = (hb - Q_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
             mask = (kh < NUM_K_HEADS)[:, None] & (i < HALF)[None, :]
@@ -101,7 +104,10 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
                        v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hk) * D] -> q [T, Hq, D] normed and rotated; k (normed, rotated) and v are written
     into k_cache / v_cache [num_blocks, block_size, Hk, D] at slot_mapping [T]. q_weight / k_weight None:
-    no q/k norm. cos/sin: the whole tables [max_positions, D / 2]."""
+    no q/k norm. cos/sin: the whole tables [max_positions, D / 2].
+
+    pdl: launch under PDL. The positions and slots are then read before the wait on the kernel just
+    before (the projection that writes qkv), so they must come from a kernel further back."""
     T = qkv.shape[0]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_q_heads + 2 * num_k_heads) * head_dim, \
         "qkv: rows of (num_q_heads + 2 * num_k_heads) * head_dim, contiguous"

@@ -20,10 +20,13 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, strid
     c = tl.arange(0, BLOCK)
     mask = c < n_cols
     w = tl.load(w_ptr + c, mask=mask, other=0.0)
-    pdl_wait_and_release(PDL)      # the weight is static; x and the residual come from the kernel before
+    if HAS_RESIDUAL:
+        # The residual comes from a kernel further back than the one just before (rmsnorm's contract), so
+        # under PDL it is read while that kernel finishes; x comes from it, after the wait.
+        r = tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0)
+    pdl_wait_and_release(PDL)
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + c, x, mask=mask)
     x32 = x.to(tl.float32)
@@ -35,7 +38,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, strid
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             pdl: bool = False):
-    """x: [N, H]. Returns out, or (out, x + residual) when a residual is given (inputs are not modified)."""
+    """x: [N, H]. Returns out, or (out, x + residual) when a residual is given (inputs are not modified).
+
+    pdl: launch under PDL. The residual is then read before the wait on the kernel just before, so it must
+    come from a kernel further back (in a decoder it is the previous norm's residual output, with at least
+    a projection between)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x: must be [N, H] with contiguous rows"
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
