@@ -1,9 +1,12 @@
 """Programmatic dependent launch (PDL): a kernel may start while the one before it on the stream finishes.
 
-A kernel launched with PDL runs, before `gdc_wait`, only what depends on no earlier kernel (its static
-weights); the wait returns once the kernel before has finished and its writes are visible. Right after
-the wait it lets the kernel after it launch. Launched without PDL, the same kernels keep plain stream
-order. Hopper and later only (layers/fast_path.py decides); CUDA graphs capture the overlap as
+A kernel launched with PDL runs, before `gdc_wait`, only what the kernel just before it does not write;
+the wait returns once that kernel has finished and its writes are visible. Right after the wait it lets
+the kernel after it launch, so a kernel starts only once the one before has passed its own wait: all work
+two kernels back is complete when it starts. What it may read early is therefore its static weights and
+whatever kernels further back wrote (the step's input copy, a residual, the prefix of the KV cache); each
+such kernel's wrapper says what its callers must guarantee. Launched without PDL, the same kernels keep
+plain stream order. Hopper and later only (layers/fast_path.py decides); CUDA graphs capture the overlap as
 programmatic edges.
 """
 from __future__ import annotations
