@@ -286,7 +286,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_splits: programs per (sequence, KV head), by default from the batch size; min_split: the fewest
     keys a piece takes (default one K/V tile), so shorter contexts run in fewer pieces.
     An FP8 cache is widened to q's dtype as it is read; its per-tensor k_scale folds into the softmax scale
-    and v_scale into the output. Other caches ignore both."""
+    and v_scale into the output. Other caches ignore both.
+
+    pdl: launch under PDL. A split decode then reads the lengths, the block tables and its first tile's
+    prefix K/V (positions before this call's rows) before the wait on the kernel just before, so those
+    must come from kernels further back; q and the rows' own K/V may come from the kernel just before."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
