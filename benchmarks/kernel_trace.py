@@ -75,7 +75,8 @@ def span_us(kernels) -> float:
 def frontier_us(kernels) -> list[float]:
     """What each kernel adds to the GPU's busy time: how far its end moves the end of all work started
     before it, less any idle gap it closes. Under PDL a kernel starts while the one before still runs and
-    waits; its summed duration counts that wait, this does not. The values sum to busy_us(kernels)."""
+    waits; its summed duration counts that wait, this does not. The values sum to busy_us(kernels).
+    kernels in start order (as profile_calls returns them); the values come in the same order."""
     out, frontier = [], None
     for _, s, d in kernels:          # in start order
         e = s + d

@@ -70,11 +70,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         # (earlier forwards). A kernel launches only once the one before has passed its own wait, so all
         # work two kernels back is complete. (One-piece decodes stream long pipelined loops: there a peeled
         # tile held in registers slowed batch 64 by 7%.)
-        n0_first = start + tl.arange(0, BLOCK_N)
-        first_mask = (n0_first < end) & (split < active)
-        first_phys = tl.load(bt_row + n0_first // BLOCK_SIZE, mask=first_mask, other=0).to(tl.int64)
-        first_off = first_phys * stride_cb + (n0_first % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        early = (first_mask & (n0_first < prefix))[:, None] & d_mask[None, :]
+        n_first = start + tl.arange(0, BLOCK_N)
+        first_mask = (n_first < end) & (split < active)
+        first_phys = tl.load(bt_row + n_first // BLOCK_SIZE, mask=first_mask, other=0).to(tl.int64)
+        first_off = first_phys * stride_cb + (n_first % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        early = (first_mask & (n_first < prefix))[:, None] & d_mask[None, :]
         k_first = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=early, other=0.0)
         v_first = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=early, other=0.0)
     pdl_wait_and_release(PDL)
@@ -96,11 +96,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         loop_start = start
         if SPLIT:
             # The first tile's own rows (this call's, written by the kernel before) are read now.
-            late = (first_mask & (n0_first >= prefix))[:, None] & d_mask[None, :]
+            late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
             k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
             v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
             m_i, l_i, acc = _attend_tile(q, tl.where(late, k_own, k_first).to(q.dtype),
-                                         tl.where(late, v_own, v_first).to(q.dtype), n0_first, first_mask, rows,
+                                         tl.where(late, v_own, v_first).to(q.dtype), n_first, first_mask, rows,
                                          g_mask, prefix, limit, tree_ptr, stride_tree, sm_scale_log2, m_i, l_i, acc,
                                          ROWS, HAS_TREE, PRECISION)
             loop_start = start + BLOCK_N
