@@ -32,7 +32,7 @@ from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
 from gemv_bench import launches_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-SMOKE_SHAPES = {"qkv": (192, 512), "down": (128, 384)}
+SMOKE_SHAPES = {"qkv": (192, 256), "down": (128, 384)}
 ROWS = (1, 4, 16)
 BLOCK = (128, 128)
 ROTATE_BYTES = 320 << 20     # weight bytes per timed replay: several times the H200's 60 MB L2
@@ -48,10 +48,6 @@ FMA_MAX_ROWS = 4
 # beside the tree's defaults and, at one row, the stream kernel the engine runs today (plain and under PDL)
 A8_CANDIDATES = (("a8", 64, 128, 4, 3, 4), ("a8", 64, 128, 4, 5, 4), ("a8", 64, 128, 4, 8, 4),
                  ("a8", 128, 128, 4, 4, 2), ("a8", 128, 128, 8, 4, 2), ("a8", 64, 128, 4, 4, 8))
-# --stream: one row, the stream kernel's tiles (BLOCK_N, BLOCK_K, num_warps; weights read as words of four
-# bytes, widened by moving bits), each under PDL, beside the table's a8 tile and the engine's choice
-STREAM_CANDIDATES = ((8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 4), (8, 2048, 8), (16, 512, 4),
-                     (16, 1024, 8), (4, 2048, 4), (32, 512, 8))
 
 
 def split_for(n, k, block_n, block_k, sms, per_sm):
@@ -69,10 +65,6 @@ def kernel_call(label, cfg):
         pdl = label == "stream_pdl"
         return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl)
     cfg = dict(cfg)
-    if cfg.get("KERNEL") == "stream":      # a stream tile, or the engine's default ({"KERNEL": "stream"})
-        del cfg["KERNEL"]
-        pdl = cfg.pop("PDL", False)
-        return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl, config=cfg or None)
     pdl = cfg.pop("PDL", False)
     return lambda x, q, s, b: fp8_gemv(x, q, s, b, config=cfg, pdl=pdl)
 
@@ -98,7 +90,6 @@ def main():
     p.add_argument("--budget-s", type=float, default=90.0, help="stop starting new timings after this many seconds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes through the CPU interpreter")
     p.add_argument("--a8", action="store_true", help="the W8A8 tiles against the defaults and the stream kernel")
-    p.add_argument("--stream", action="store_true", help="one row: the stream kernel's tiles against the a8 table's")
     args = p.parse_args()
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -113,9 +104,6 @@ def main():
     candidates = (CANDIDATES[3], CANDIDATES[4], CANDIDATES[-1]) if args.smoke else CANDIDATES
     if args.a8:
         candidates = A8_CANDIDATES[:1] if args.smoke else A8_CANDIDATES
-    rows = (1,) if args.stream else ROWS
-    if args.stream:
-        candidates = ()
     for name, (n, k) in shapes.items():
         copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
         w = [torch.randn(n, k, device=dev, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
@@ -123,19 +111,12 @@ def main():
                    "block": [quantize_per_block(t, BLOCK) + (BLOCK,) for t in w]}
         del w
         for scale, ws in weights.items():
-            for m in rows:
+            for m in ROWS:
                 x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
                 refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
                         "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
                 case = {}
-                configs = {"current": fp8_gemv_config(m, n, k, ws[0][2], sms, fp8_dot=cuda, stream=True)}
-                if args.stream:     # (the tiles run under PDL where the GPU has it, as the decode chain runs them)
-                    configs["current"]["PDL"] = cuda and configs["current"]["KERNEL"] != "fma"
-                    configs["a8_table"] = dict(fp8_gemv_config(4, n, k, ws[0][2], sms, fp8_dot=cuda), PDL=cuda)   # (the 2-4 row tile)
-                    for bn, bk, warps in STREAM_CANDIDATES[:1] if args.smoke else STREAM_CANDIDATES:
-                        if k % bk == 0 and (ws[0][2] is None or ws[0][2][0] % bn == 0):
-                            configs[f"stream_bn{bn}_bk{bk}_w{warps}"] = dict(
-                                KERNEL="stream", BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, PDL=cuda)
+                configs = {"current": fp8_gemv_config(m, n, k, ws[0][2], sms)}
                 if args.a8 and m == 1 and cuda:     # (PDL launches need the GPU)
                     configs["stream"] = configs["stream_pdl"] = None
                 for kernel, bn, bk, warps, stages, per_sm in candidates:

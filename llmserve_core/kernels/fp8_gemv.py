@@ -140,11 +140,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 # qkv 2.31 / 2.41 (the stream kernel 1.80 / 1.77), o_proj's stream kernel 2.16 / 2.14 (a8 1.87 / 1.75),
 # gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
 # read 1.2-2.3. The 16-row class was not timed and takes the 4-row tiles (the tile holds 16 rows either way).
-# {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it. Since it reads
-# FP8 as words and widens by moving bits (fp8_stream_words_h200.md) it reads o_proj at 2.30 / 2.03, and
-# its best tiles beat the a8 ones alone on qkv (2.9), gate_up (3.6) and down (3.0-3.2) as well; in the
-# decode chain, though, streaming qkv, o_proj and down made the whole batch-1 step slower (3.06 against
-# 3.00 ms), so one row keeps the a8 kernel there.
+# {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it.
 _A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
 _A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),

@@ -12,8 +12,7 @@ has finished: it loads its first weight tile, which no earlier kernel writes, th
 dependency before it reads x, and lets the kernel after it launch at once. So a decode layer's chain of
 launches overlaps each kernel's ramp with its predecessor's tail. Weights may be float8_e4m3fn with one
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
-checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x); FP8 is read
-as int32 words of four weights and widened by moving bits (E4M3_IN_F32_MASK).
+checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x).
 """
 from __future__ import annotations
 
@@ -29,66 +28,32 @@ MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
 
 
-# An e4m3 byte moved into a float32's bits with its sign at bit 31 and its other seven bits at 26..20 is
-# its value times 2^-120 exactly, subnormals included (both formats put the exponent right above the
-# mantissa). That is two shifts and a mask per byte on the integer units; `.to(tl.float32)` goes through
-# the conversion units instead, which held o_proj's FP8 stream to 1.97 TB/s on the H200 where this reads
-# 2.30, and a 268 MB FP8 stream reads 3.99 TB/s this way (94% of the copy rate; bf16: 4.23). x is scaled
-# by 2^60 and y by 2^60 again, so no product comes near float32's subnormals; the products stay exact
-# while |x| (times its block scale) is under 2^68, about 3e20.
-E4M3_IN_F32_MASK = tl.constexpr(-0x78100000)     # 0x87F00000 as an int32
-HALF_RESCALE = tl.constexpr(2.0 ** 60)
-
-
 @triton.jit
-def _fp8_words_fma(acc, words, x_ptr, s_row, k0, rw, BLOCK_SCALED: tl.constexpr, SCALE_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_W] += the products of words (four e4m3 weights each, little-endian) and x's
-    matching columns, times 2^-60 (see E4M3_IN_F32_MASK)."""
-    cols = k0 + 4 * rw
-    if BLOCK_SCALED:    # a word's four columns share one scale block (4 divides SCALE_K)
-        x_scale = tl.load(s_row + cols // SCALE_K) * HALF_RESCALE
-    else:
-        x_scale = HALF_RESCALE
-    for j in tl.static_range(4):
-        xj = tl.load(x_ptr + cols + j).to(tl.float32) * x_scale
-        wj = (((words << (24 - 8 * j)) >> 4) & E4M3_IN_F32_MASK).to(tl.float32, bitcast=True)
-        acc += wj * xj[None, :]
-    return acc
-
-
-@triton.jit
-def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_w, stride_sn, BLOCK_N: tl.constexpr,
+def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, FP8_WORDS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    # An FP8 weight is read as int32 words of four bytes (stride_w words a row): a tile of BLOCK_K
-    # columns is BLOCK_K // 4 words.
-    PACK: tl.constexpr = 4 if FP8_WORDS else 1
-    rw = tl.arange(0, BLOCK_K // PACK)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + rw[None, :]
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
     # The first tile is read before the grid dependency resolves: no kernel before this one writes W.
-    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
+    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
     pdl_wait_and_release(PDL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x.
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K // PACK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # K is a multiple of BLOCK_K (stream_gemv_config): only the last prefetch would run past the end.
         nxt = k0 + BLOCK_K
-        w_next = tl.load(w_ptrs + nxt // PACK, mask=n_mask[:, None] & (nxt < K), other=0)
-        if FP8_WORDS:
-            acc = _fp8_words_fma(acc, w, x_ptr, s_row, k0, rw, BLOCK_SCALED, SCALE_K)
-        else:
-            xk = tl.load(x_ptr + k0 + rw).to(tl.float32)
-            acc += w.to(tl.float32) * xk[None, :]
+        w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
+        xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
+        if BLOCK_SCALED:
+            xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
+        acc += w.to(tl.float32) * xk[None, :]
         w = w_next
     y = tl.sum(acc, 1)
-    if FP8_WORDS:
-        y = y * HALF_RESCALE
     if ROW_SCALED:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -125,15 +90,11 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
             "stream_gemv: block scales must be [ceil(N / bn), ceil(K / bk)], rows contiguous"
     elif scale is not None:
         assert scale.shape == (n,), f"stream_gemv: row scales must be [{n}], got {tuple(scale.shape)}"
-    fp8 = scale is not None
-    if block is not None:
-        assert block[1] % 4 == 0, f"stream_gemv: a {block} scale block splits a word of four FP8 columns"
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _stream_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight.view(torch.int32) if fp8 else weight, scale if fp8 else weight, y, n, k, k // 4 if fp8 else k,
-        scale.stride(0) if block else 0, ROW_SCALED=fp8 and block is None, BLOCK_SCALED=block is not None,
-        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, FP8_WORDS=fp8, PDL=pdl, **cfg,
-        **pdl_launch(pdl))
+        x, weight, scale if scale is not None else weight, y, n, k, scale.stride(0) if block else 0,
+        ROW_SCALED=scale is not None and block is None, BLOCK_SCALED=block is not None,
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
