@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.paged_decode import MAX_SPLITS, MAX_TILE_ROWS, DecodeScratch, choose_block_n
+from llmserve_core.kernels.paged_decode import MAX_SPLITS, MAX_TILE_ROWS, DecodeScratch
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 _SCRATCH = DecodeScratch()
@@ -250,7 +250,7 @@ def paged_decode_two_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_splits is None:
         num_splits = baseline_num_splits(batch, num_kv_heads)
     if block_n is None:
-        block_n = choose_block_n(num_splits) if q.is_cuda else 16
+        block_n = (32 if num_splits >= 32 else 64) if q.is_cuda else 16     # the tiles of its day
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.

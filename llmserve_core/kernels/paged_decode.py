@@ -32,6 +32,12 @@ MAX_SPLITS = 128
 SMALL_BATCH_SPLITS = 32   # the most pieces choose_num_splits picks (its docstring says why)
 # Elements of the partial outputs the merging program loads at once ([rows, pieces, head_dim] floats).
 MERGE_TILE = 8192
+# Keys a decode tile holds, and so the fewest a piece takes. 32-key tiles at batch 1-4 (32 pieces) once kept
+# short contexts' pieces from being mostly padding, but 64 halves the pieces at 512 context (16 -> 8): the
+# merge reads half the partials, and the tile read before the PDL wait is then the whole piece. On the H200
+# (benchmarks/results/decode_tiles_h200.md), whole decode steps at 512 context: batch 1 4.196 -> 4.178 ms,
+# batch 4 4.717 -> 4.642; at 4,096: 4.498 -> 4.446 and 5.409 -> 5.299. One-piece decodes: 32 lost at batch 256.
+DECODE_BLOCK_N = 64
 
 
 # The split count, piece length, block-table width and tree width vary with the batch; none is worth a
@@ -233,11 +239,6 @@ def verify_tiles(rows_per_seq: int, block_g: int, num_splits: int) -> tuple[int,
     return 1, 32 if block_g >= 64 else 64, warps
 
 
-def choose_block_n(num_splits: int) -> int:
-    """Many small pieces: short tiles, so no piece is mostly padding. Otherwise 64 (32 lost at batch 256)."""
-    return 32 if num_splits >= 32 else 64
-
-
 class DecodeScratch:
     """Partial outputs and arrival counters of split decodes, allocated once and only grown, so CUDA graphs
     keep valid pointers. The counters start at zero and the merging program re-arms its own."""
@@ -314,7 +315,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         splits, tile_n, warps = verify_tiles(rows_per_seq, block_g, splits)
     num_splits = num_splits if num_splits is not None else splits
     if block_n is None:
-        block_n = (tile_n or choose_block_n(num_splits)) if q.is_cuda else 16
+        block_n = (tile_n or DECODE_BLOCK_N) if q.is_cuda else 16
     num_warps = num_warps if num_warps is not None else warps
     if num_stages is None:
         # One piece per (sequence, KV head), 64-key tiles: a third K/V tile in flight read 3-6% faster at
