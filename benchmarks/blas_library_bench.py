@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_bench import bench  # noqa: E402
+from gemv_bench import SHAPES, bench  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
 
 def main() -> None:
@@ -27,7 +27,8 @@ def main() -> None:
     res = {"default": str(torch.backends.cuda.preferred_blas_library()), "device": torch.cuda.get_device_name(),
            "rows": {}}
     print("default library:", res["default"], flush=True)
-    for name, (n, k) in SHAPES.items():
+    for name in PROJECTIONS:
+        n, k = SHAPES[name]
         copies = max(2, -(-320 * 2**20 // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         for m in (64, 256):
