@@ -1,8 +1,8 @@
-"""cuBLAS against cuBLASLt (torch.backends.cuda.preferred_blas_library) on the decoder's projections at 64
-and 256 rows, the Qwen3-8B shapes in bf16: microseconds per F.linear inside a CUDA graph of back-to-back
+"""cuBLAS against cuBLASLt (torch.backends.cuda.preferred_blas_library) on the decoder's projections at
+decode-batch row counts (default 16 to 256), the Qwen3-8B shapes in bf16: microseconds per F.linear inside a CUDA graph of back-to-back
 calls over weight copies larger than L2 (gemv_bench.bench), and TB/s of weight.
 
-    PYTHONPATH=$PWD python3 benchmarks/blas_library_bench.py [--out $OUT/blas_library.json]   # H200, ~10 s
+    PYTHONPATH=$PWD python3 benchmarks/blas_library_bench.py [--rows 64,256] [--out $OUT/blas_library.json]  # H200, ~30 s
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rows", default="16,32,48,64,96,128,192,256")
     args = ap.parse_args()
     res = {"default": str(torch.backends.cuda.preferred_blas_library()), "device": torch.cuda.get_device_name(),
            "rows": {}}
@@ -31,7 +32,7 @@ def main() -> None:
         n, k = SHAPES[name]
         copies = max(2, -(-320 * 2**20 // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for m in (64, 256):
+        for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {}
             for lib in ("cublas", "cublaslt"):

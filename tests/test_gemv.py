@@ -225,3 +225,40 @@ def test_gemv_argmax_refuses_more_rows_than_it_has_slots():
     x, w = inputs(MAX_ROWS + 1, 16, 32, torch.float32, seed=1)
     with pytest.raises(AssertionError, match="rows"):
         gemv_argmax(x, w)
+
+
+def test_cublaslt_only_for_deep_weights_on_the_fast_path(tiny_model_dir):
+    """The model sends F.linear through cuBLASLt on weights with twice as many inputs as outputs (down_proj),
+    and only on the fast path; on the CPU the layer keeps F.linear whatever it is told."""
+    from llmserve_core.layers.attention import get_backend
+    from llmserve_core.models.config import ModelConfig
+    from llmserve_core.models.loader import load_model
+    cfg = ModelConfig.from_hf_dir(tiny_model_dir)
+    model = load_model(cfg, tiny_model_dir, "auto", torch.float32, "cpu", get_backend("triton", "cpu"))
+    model.set_fused(True)
+    layer = model.model.layers[0]
+    assert cfg.intermediate_size >= 2 * cfg.hidden_size
+    assert layer.mlp.down_proj.cublaslt_rows == linear_module.CUBLASLT_MAX_ROWS
+    assert layer.mlp.gate_up_proj.cublaslt_rows == layer.self_attn.qkv_proj.cublaslt_rows == 0
+    x = torch.randn(3, cfg.intermediate_size)
+    down = layer.mlp.down_proj
+    torch.testing.assert_close(down(x), torch.nn.functional.linear(x, down.weight), atol=0, rtol=0)
+    model.set_fused(False)
+    assert down.cublaslt_rows == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [17, 32, 64, 65])
+def test_cublaslt_linear_matches_cublas_and_restores_the_preference(m):
+    """Qwen3-8B's down_proj shape in bf16 through cuBLASLt against cuBLAS (the default), and torch's BLAS
+    preference is what it was after the call."""
+    before = torch.backends.cuda.preferred_blas_library()
+    x, w = inputs(m, 4096, 12288, torch.bfloat16, seed=m)
+    lin = Linear(12288, 4096).to(device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    ref = torch.nn.functional.linear(x, w)
+    lin.cublaslt_rows = linear_module.CUBLASLT_MAX_ROWS
+    assert rel_err(lin(x), ref) < 1e-2
+    assert torch.backends.cuda.preferred_blas_library() == before

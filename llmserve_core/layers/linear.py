@@ -4,7 +4,8 @@
 lm_head takes kernels.gemv for 1-64 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
 projections take kernels.stream_gemv for a single row (a batch-1 decode) and kernels.gemv for 2-16 rows
 where its measured table has the shape, chained under PDL with the kernels around them. Everywhere else
-it is F.linear, which is also the reference the fast paths are tested against.
+it is F.linear, which is also the reference the fast paths are tested against; on the fast path a weight
+much deeper than wide (down_proj) takes cuBLASLt's kernel instead of cuBLAS's at decode batch sizes.
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from torch import nn
 # imports the kernels.
 MAX_ROWS = 64
 PROJECTION_MAX_ROWS = 16
+# On a weight with at least twice as many inputs as outputs (down_proj: 12,288 in, 4,096 out), cuBLAS's
+# heuristic splits K at decode batch sizes and sums the pieces in a kernel of its own; cuBLASLt runs one
+# kernel. H200, Qwen3-8B's down_proj at 64 rows: 31.0 against 27.9 us per call
+# (benchmarks/results/blas_library_h200.md).
+CUBLASLT_MAX_ROWS = 64
 
 
 class Linear(nn.Module):
@@ -24,6 +30,9 @@ class Linear(nn.Module):
     # measured shape, launched under PDL when `pdl`).
     fast_kernel: str | None = None
     pdl = False
+    # Set by the model on the fast path for weights deeper than wide: F.linear of up to this many rows goes
+    # through cuBLASLt (see CUBLASLT_MAX_ROWS).
+    cublaslt_rows = 0
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -44,8 +53,25 @@ class Linear(nn.Module):
                 cfg = projection_launch_config(x, self.weight)
                 if cfg is not None:
                     return gemv(x, self.weight, out_dtype=out_dtype, config=cfg, pdl=self.pdl)
-        y = F.linear(x, self.weight)
+        if 0 < x.shape[0] <= self.cublaslt_rows and x.is_cuda:
+            y = _linear_cublaslt(x, self.weight)
+        else:
+            y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
+
+    def prefers_cublaslt(self) -> bool:
+        return self.in_features >= 2 * self.out_features
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
+
+
+def _linear_cublaslt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear with torch's BLAS preference set to cuBLASLt for this call only. The preference is
+    process-wide state read when the call is made, so a CUDA graph keeps the kernel it captured."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
