@@ -249,7 +249,7 @@ def test_cublaslt_only_for_deep_weights_on_the_fast_path(tiny_model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("m", [17, 32, 64, 65])
+@pytest.mark.parametrize("m", [16, 17, 32, 64, 65])
 def test_cublaslt_linear_matches_cublas_and_restores_the_preference(m):
     """Qwen3-8B's down_proj shape in bf16 through cuBLASLt against cuBLAS (the default), and torch's BLAS
     preference is what it was after the call."""

@@ -19,8 +19,8 @@ MAX_ROWS = 64
 PROJECTION_MAX_ROWS = 16
 # On a weight with at least twice as many inputs as outputs (down_proj: 12,288 in, 4,096 out), cuBLAS's
 # heuristic splits K at decode batch sizes and sums the pieces in a kernel of its own; cuBLASLt runs one
-# kernel. H200, Qwen3-8B's down_proj at 64 rows: 31.0 against 27.9 us per call
-# (benchmarks/results/blas_library_h200.md).
+# kernel. H200, Qwen3-8B's down_proj, us per call: 28.9 against 26.8 at 32 rows, 31.2 against 27.5 at 64;
+# at 16 rows cuBLAS wins (28.2 against 30.1) and past 64 it varies (benchmarks/results/blas_library_h200.md).
 CUBLASLT_MAX_ROWS = 64
 
 
@@ -30,8 +30,8 @@ class Linear(nn.Module):
     # measured shape, launched under PDL when `pdl`).
     fast_kernel: str | None = None
     pdl = False
-    # Set by the model on the fast path for weights deeper than wide: F.linear of up to this many rows goes
-    # through cuBLASLt (see CUBLASLT_MAX_ROWS).
+    # Set by the model on the fast path for weights deeper than wide: F.linear of 17 up to this many rows
+    # goes through cuBLASLt (see CUBLASLT_MAX_ROWS).
     cublaslt_rows = 0
 
     def __init__(self, in_features: int, out_features: int):
@@ -53,7 +53,7 @@ class Linear(nn.Module):
                 cfg = projection_launch_config(x, self.weight)
                 if cfg is not None:
                     return gemv(x, self.weight, out_dtype=out_dtype, config=cfg, pdl=self.pdl)
-        if 0 < x.shape[0] <= self.cublaslt_rows and x.is_cuda:
+        if PROJECTION_MAX_ROWS < x.shape[0] <= self.cublaslt_rows and x.is_cuda:
             y = _linear_cublaslt(x, self.weight)
         else:
             y = F.linear(x, self.weight)
