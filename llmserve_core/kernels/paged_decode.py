@@ -20,14 +20,11 @@ fixed for a CUDA-graph bucket and nothing here reads a tensor back to the host.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-from llmserve_core.kernels.qk_norm_rope import norm_rope_rows, to_cache
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
@@ -50,13 +47,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                    count_ptr, sm_scale_log2, v_scale,
                    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
                    stride_ob, stride_oh, num_splits, min_split,
-                   pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, stride_cos, eps, k_store_scale,
-                   v_store_scale,
                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
-                   PRECISION: tl.constexpr, QKV: tl.constexpr, HAS_NORM: tl.constexpr, FP8_STORE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,27 +68,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    if QKV:
-        # q_ptr is the packed qkv row of this step's token: q, k and v come raw from the projection, and this
-        # kernel does kernels/qk_norm_rope.py's work itself (see paged_decode_qkv). The rotary position, the
-        # slot and the tables come from further back than the projection: read before the PDL wait.
-        HALF: tl.constexpr = HEAD_DIM // 2
-        partner = tl.where(d < HALF, d + HALF, d - HALF)        # each element's rotate_half partner
-        sign = tl.where(d < HALF, -1.0, 1.0)
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * stride_cos + d % HALF, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_cos + d % HALF, mask=d_mask, other=0.0).to(tl.float32)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        if HAS_NORM:
-            qw = tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-            qw_p = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
-            kw = tl.load(kw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-            kw_p = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
-        else:       # unread
-            qw = cos
-            qw_p = cos
-            kw = cos
-            kw_p = cos
     if SPLIT:
         # A split decode's piece is a tile or a few, so the memory latency of its first tile is most of its
         # time: read the prefix part of that tile before the PDL wait, overlapping the kernel before (which
@@ -119,44 +92,27 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         heads = kvh * GROUP + i % GROUP
         rows = b * ROWS + j
         g_mask = i < ROWS * GROUP
-        q_rows = q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh
-        q_mask = g_mask[:, None] & d_mask[None, :]
-        if QKV:
-            dtype = q_ptr.dtype.element_ty
-            q = norm_rope_rows(tl.load(q_rows + d[None, :], mask=q_mask, other=0.0).to(tl.float32),
-                               tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0).to(tl.float32),
-                               qw, qw_p, cos, sin, sign, eps, dtype, HEAD_DIM, HAS_NORM)
-        else:
-            q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         limit = prefix + j + 1           # causal: query row j sits at position prefix + j
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         loop_start = start
-        # From packed qkv rows the tiles hold only cached keys (before this step's position); the new key
-        # and value come last, from registers (below).
-        kv_end = tl.minimum(end, prefix) if QKV else end
         if SPLIT:
-            if QKV:
-                tile_mask = first_mask & (n_first < prefix)
-                k_tile = k_first.to(q.dtype)
-                v_tile = v_first.to(q.dtype)
-            else:
-                # The first tile's own rows (this call's, written by the kernel before) are read now.
-                tile_mask = first_mask
-                late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
-                k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
-                v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
-                k_tile = tl.where(late, k_own, k_first).to(q.dtype)
-                v_tile = tl.where(late, v_own, v_first).to(q.dtype)
-            m_i, l_i, acc = _attend_tile(q, k_tile, v_tile, n_first, tile_mask, rows, g_mask, prefix, limit,
-                                         tree_ptr, stride_tree, sm_scale_log2, m_i, l_i, acc, ROWS, HAS_TREE,
-                                         PRECISION)
+            # The first tile's own rows (this call's, written by the kernel before) are read now.
+            late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
+            k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
+            v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, tl.where(late, k_own, k_first).to(q.dtype),
+                                         tl.where(late, v_own, v_first).to(q.dtype), n_first, first_mask, rows,
+                                         g_mask, prefix, limit, tree_ptr, stride_tree, sm_scale_log2, m_i, l_i, acc,
+                                         ROWS, HAS_TREE, PRECISION)
             loop_start = start + BLOCK_N
-        for n0 in range(loop_start, kv_end, BLOCK_N):
+        for n0 in range(loop_start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n < kv_end
+            n_mask = n < end
             phys = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
             kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -164,31 +120,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
             v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, rows, g_mask, prefix, limit, tree_ptr, stride_tree,
                                          sm_scale_log2, m_i, l_i, acc, ROWS, HAS_TREE, PRECISION)
-        if QKV:
-            if (start <= prefix) & (prefix < end):
-                # The piece that holds this step's position: its k (normed, rotated) and v, rounded as the
-                # cache holds them, stored there and attended from registers (other threads of this program
-                # need not see the store). After the loop, so nothing extra stays live through it.
-                kv_row = q_ptr + b.to(tl.int64) * stride_qb + (num_heads + kvh) * stride_qh
-                k_new = norm_rope_rows(tl.load(kv_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
-                                       tl.load(kv_row + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
-                                       kw, kw_p, cos, sin, sign, eps, dtype, HEAD_DIM, HAS_NORM)
-                v_new = tl.load(kv_row + num_kv_heads * stride_qh + d, mask=d_mask, other=0.0)[None, :]
-                cache_dtype = kc_ptr.dtype.element_ty
-                k_new = to_cache(k_new.to(tl.float32), k_store_scale, FP8_STORE).to(cache_dtype)
-                v_new = to_cache(v_new.to(tl.float32), v_store_scale, FP8_STORE).to(cache_dtype)
-                if slot >= 0:
-                    dst = (slot * num_kv_heads + kvh) * HEAD_DIM + d[None, :]
-                    tl.store(kc_ptr + dst, k_new, mask=d_mask[None, :])
-                    tl.store(vc_ptr + dst, v_new, mask=d_mask[None, :])
-                # One more key in the online softmax.
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(dtype).to(tl.float32), 1) * sm_scale_log2
-                m_new = tl.maximum(m_i, s_new)
-                alpha = tl.math.exp2(m_i - m_new)
-                p_new = tl.math.exp2(s_new - m_new)
-                l_i = l_i * alpha + p_new
-                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(dtype).to(tl.float32)
-                m_i = m_new
 
         out_mask = g_mask[:, None] & d_mask[None, :]
         # A piece with nothing visible to a row (past the end of its view) leaves l_i == 0 there: zeros,
@@ -341,52 +272,13 @@ _default_scratch = DecodeScratch()
 MAX_TILE_ROWS = 128
 
 
-class _PackedQKV(NamedTuple):
-    """What a decode from the packed qkv rows needs besides them (paged_decode_qkv)."""
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    cos: torch.Tensor
-    sin: torch.Tensor
-    eps: float
-
-
-def paged_decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, cos: torch.Tensor,
-                     sin: torch.Tensor, eps: float, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     scratch: DecodeScratch | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                     num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
-    """A plain decode (one query row a sequence) straight from the qkv projection's packed rows
-    qkv [B, (num_heads + 2 * num_kv_heads) * head_dim]: what kernels/qk_norm_rope.py's kernel does between
-    the projection and attention (q/k RMSNorm with q_weight / k_weight, None: none; neox rotary at
-    `positions` over the whole cos / sin tables; this step's k and v into the caches at slot_mapping, -1:
-    nothing) happens inside the decode's programs, so a decode layer launches one kernel fewer and q and
-    this step's k and v never make a round trip through memory before attention reads them. Returns the
-    attention output [B, num_heads, head_dim], as paged_decode does on the stored caches and normed q.
-
-    pdl: as paged_decode's; the positions and slots are also read before the wait."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    T = qkv.shape[0]
-    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, \
-        "qkv: rows of (num_heads + 2 * num_kv_heads) * head_dim, contiguous"
-    assert head_dim % 2 == 0 and cos.shape[1] * 2 == head_dim and cos.stride(1) == 1 and cos.stride() == sin.stride()
-    assert positions.shape[0] == T and slot_mapping.shape[0] == T and seq_lens.shape[0] == T, \
-        "positions / slot_mapping / seq_lens: one per sequence"
-    assert (q_weight is None) == (k_weight is None), "q_weight/k_weight: both or neither"
-    return paged_decode(qkv.view(T, num_heads + 2 * num_kv_heads, head_dim), k_cache, v_cache, block_tables,
-                        seq_lens, scale, num_splits=num_splits, scratch=scratch, k_scale=k_scale, v_scale=v_scale,
-                        pdl=pdl, _qkv=_PackedQKV(positions, slot_mapping, q_weight, k_weight, cos, sin, eps))
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                  num_splits: int | None = None, scratch: DecodeScratch | None = None,
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
-                 pdl: bool = False, _qkv: _PackedQKV | None = None) -> torch.Tensor:
+                 pdl: bool = False) -> torch.Tensor:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
@@ -402,8 +294,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     must come from kernels further back; q and the rows' own K/V may come from the kernel just before."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if _qkv is not None:        # q holds every head of the packed row: q's, then k's, then v's
-        num_heads -= 2 * num_kv_heads
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = num_heads // num_kv_heads
@@ -416,7 +306,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         tree = seq_lens   # never read
     if out is None:
-        out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
     if batch == 0:
         return out
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
@@ -439,16 +329,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_n, num_warps, num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
     scratch = scratch or _default_scratch
     mid_o, mid_lse, counts = scratch.get(tokens * num_heads * num_splits, head_dim, batch * num_kv_heads, q.device)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if not fp8:
+    if k_cache.dtype != torch.float8_e4m3fn:
         k_scale = v_scale = 1.0
-    if _qkv is not None:
-        assert rows_per_seq == 1 and tree_mask is None, "a decode from packed qkv rows: one plain row a sequence"
-        qkv_args = (_qkv.positions, _qkv.slot_mapping, _qkv.q_weight if _qkv.q_weight is not None else _qkv.cos,
-                    _qkv.k_weight if _qkv.k_weight is not None else _qkv.cos, _qkv.cos, _qkv.sin,
-                    _qkv.cos.stride(0), float(_qkv.eps), float(k_scale), float(v_scale))
-    else:
-        qkv_args = (seq_lens, seq_lens, seq_lens, seq_lens, seq_lens, seq_lens, 0, 0.0, 1.0, 1.0)   # never read
     block_d = triton.next_power_of_2(head_dim)
     block_r = triton.next_power_of_2(rows_per_seq * group)      # the merge's rows: no padding to 16
     _decode_kernel[(batch, num_kv_heads, num_splits)](
@@ -456,12 +338,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
-        num_splits, max(block_n, min_split or 0), *qkv_args, GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
+        num_splits, max(block_n, min_split or 0), GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
         CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=_qkv is not None,
-        HAS_NORM=_qkv is not None and _qkv.q_weight is not None, FP8_STORE=fp8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, **pdl_launch(pdl),
     )
     return out

@@ -46,23 +46,7 @@ def _norm_rope(src, w_ptr, cos, sin, heads, i, mask, eps, dtype, HALF: tl.conste
 
 
 @triton.jit
-def norm_rope_rows(x, x_partner, w, w_partner, cos, sin, sign, eps, dtype, HEAD_DIM: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
-    """_norm_rope over whole rows of heads, for a kernel that holds each head as one [R, BLOCK_D] block
-    (the decode attention, kernels/paged_decode.py): x and x_partner (each element's rotate_half partner)
-    in float32, w / w_partner the norm weight the same way, cos / sin over the head (column d % HALF), sign
-    -1 in the first half and +1 in the second. Rounds where _norm_rope does; returns dtype."""
-    if HAS_NORM:
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        x = ((x * inv).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
-        x_partner = ((x_partner * inv).to(dtype).to(tl.float32) * w_partner[None, :]).to(dtype).to(tl.float32)
-    return (x * cos[None, :] + sign[None, :] * x_partner * sin[None, :]).to(dtype)
-
-
-@triton.jit
-def to_cache(x, scale, FP8: tl.constexpr):
-    """A float32 K or V element as the cache stores it: divided by the per-tensor scale and saturated to
-    e4m3's range for an FP8 cache (the caller casts), as is for others."""
+def _to_cache(x, scale, FP8: tl.constexpr):
     if FP8:
         x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
     return x
@@ -104,13 +88,13 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_p
                                 HEAD_DIM, HAS_NORM)
             dst = (slot * NUM_K_HEADS + kh[:, None]) * HEAD_DIM + i[None, :]
             cache_dtype = kc_ptr.dtype.element_ty
-            tl.store(kc_ptr + dst, to_cache(o1, k_scale, FP8).to(cache_dtype), mask=mask)
-            tl.store(kc_ptr + dst + HALF, to_cache(o2, k_scale, FP8).to(cache_dtype), mask=mask)
+            tl.store(kc_ptr + dst, _to_cache(o1, k_scale, FP8).to(cache_dtype), mask=mask)
+            tl.store(kc_ptr + dst + HALF, _to_cache(o2, k_scale, FP8).to(cache_dtype), mask=mask)
             v_src = row + (NUM_Q_HEADS + NUM_K_HEADS) * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
             v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
             v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
-            tl.store(vc_ptr + dst, to_cache(v1, v_scale, FP8).to(cache_dtype), mask=mask)
-            tl.store(vc_ptr + dst + HALF, to_cache(v2, v_scale, FP8).to(cache_dtype), mask=mask)
+            tl.store(vc_ptr + dst, _to_cache(v1, v_scale, FP8).to(cache_dtype), mask=mask)
+            tl.store(vc_ptr + dst + HALF, _to_cache(v2, v_scale, FP8).to(cache_dtype), mask=mask)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

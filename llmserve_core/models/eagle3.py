@@ -35,7 +35,6 @@ from torch import nn
 
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
-from llmserve_core.layers.attention.base import QKPrep
 from llmserve_core.layers.fast_path import fast_path
 from llmserve_core.layers.linear import MAX_ROWS as GEMV_MAX_ROWS
 from llmserve_core.layers.norm import RMSNorm
@@ -179,12 +178,15 @@ class Eagle3Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
 
-    def prep(self, cos: torch.Tensor, sin: torch.Tensor) -> QKPrep:
-        """What the fused path's attention needs to norm (when the draft has q/k norm), rotate and store this
-        step's q / k / v from the packed qkv rows; cos / sin: the whole tables."""
+    def q_storing_kv(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Fused (packed rows [T, 2H]; cos/sin the whole tables): q [T, heads, d], with k and v already
+        written into the cache at batch.slot_mapping, by one kernel."""
+        from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
         norm = self.q_norm is not None
-        return QKPrep(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight if norm else None,
-                      self.k_norm.weight if norm else None, cos, sin, self.q_norm.eps if norm else 0.0)
+        return qk_norm_rope_store(self.qkv_proj(x), batch.positions, batch.slot_mapping,
+                                  self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                  cos, sin, self.q_norm.eps if norm else 0.0, self.num_heads, self.num_kv_heads,
+                                  self.head_dim, kv_cache[0], kv_cache[1])
 
 
 class Eagle3MLP(nn.Module):
@@ -306,8 +308,8 @@ class Eagle3DraftModel(nn.Module):
         x, residual = layer.attn_input(F.embedding(input_ids, self.embed_weight), hidden)
         attn = layer.self_attn
         if self.fused:
-            out = self.attn_backend.attend_qkv(attn.qkv_proj(x), attn.prep(self.rotary.cos, self.rotary.sin),
-                                               kv_cache[0], kv_cache[1], batch, attn.scale)
+            q = attn.q_storing_kv(x, self.rotary.cos, self.rotary.sin, batch, kv_cache)
+            out = self.attn_backend.attend(q, kv_cache[0], kv_cache[1], batch, attn.scale)
         else:
             q, k, v = attn.qkv(x, *self.rotary.cos_sin(batch.positions))
             out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)

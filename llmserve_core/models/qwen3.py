@@ -12,7 +12,6 @@ from torch import nn
 
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
-from llmserve_core.layers.attention.base import QKPrep
 from llmserve_core.layers.fast_path import fast_path, use_pdl
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import CUBLASLT_MAX_ROWS, MAX_ROWS, Linear
@@ -52,11 +51,13 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
         if self.fused:
-            # q/k norm, rotary and the K/V store run in the backend's kernels (layers/attention/base.py).
-            prep = QKPrep(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight, self.k_norm.weight,
-                          cos, sin, self.q_norm.eps)
-            out = attn_backend.attend_qkv(qkv, prep, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
-                                          v_scale=self.v_scale, pdl=self.pdl)
+            # One kernel norms and rotates q and k and stores k and v in the cache; attention reads it there.
+            from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
+            q = qk_norm_rope_store(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+                                   cos, sin, self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   k_cache, v_cache, self.k_scale, self.v_scale, pdl=self.pdl)
+            out = attn_backend.attend(q, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
+                                      v_scale=self.v_scale, pdl=self.pdl)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)

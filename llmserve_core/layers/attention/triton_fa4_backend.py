@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve_core.layers.attention.base import AttentionBackend, QKPrep
+from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.attention.flash_attn_backend import fa4_paged, load_fa4
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
@@ -49,13 +49,6 @@ class TritonFA4Backend(AttentionBackend):
                               f"SM{''.join(map(str, torch.cuda.get_device_capability()))}")
         self.fa4 = load_fa4()
         self.triton = TritonAttentionBackend()
-
-    def attend_qkv(self, qkv: torch.Tensor, prep: QKPrep, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   batch: ForwardBatch, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                   pdl: bool = False) -> torch.Tensor:
-        if batch.is_decode:       # decodes are Triton's
-            return self.triton.attend_qkv(qkv, prep, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl)
-        return super().attend_qkv(qkv, prep, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
