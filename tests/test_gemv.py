@@ -227,6 +227,16 @@ def test_gemv_argmax_refuses_more_rows_than_it_has_slots():
         gemv_argmax(x, w)
 
 
+def test_cublaslt_rows_by_weight_shape():
+    """Qwen3-8B's projections: down_proj (12,288 in, 4,096 out) up to 64 rows, o_proj (square) up to 48,
+    qkv and gate_up (wider than deep) never."""
+    with torch.device("meta"):
+        rows = {name: Linear(k, n).cublaslt_max_rows() for name, (n, k) in
+                {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}.items()}
+    assert rows == {"qkv": 0, "o_proj": linear_module.SQUARE_CUBLASLT_MAX_ROWS, "gate_up": 0,
+                    "down": linear_module.CUBLASLT_MAX_ROWS}
+
+
 def test_cublaslt_only_for_deep_weights_on_the_fast_path(tiny_model_dir):
     """The model sends F.linear through cuBLASLt on weights with twice as many inputs as outputs (down_proj),
     and only on the fast path; on the CPU the layer keeps F.linear whatever it is told."""

@@ -22,6 +22,7 @@ PROJECTION_MAX_ROWS = 16
 # kernel. H200, Qwen3-8B's down_proj, us per call: 28.9 against 26.8 at 32 rows, 31.2 against 27.5 at 64;
 # at 16 rows cuBLAS wins (28.2 against 30.1) and past 64 it varies (benchmarks/results/blas_library_h200.md).
 CUBLASLT_MAX_ROWS = 64
+SQUARE_CUBLASLT_MAX_ROWS = 48
 
 
 class Linear(nn.Module):
@@ -59,8 +60,14 @@ class Linear(nn.Module):
             y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
 
-    def prefers_cublaslt(self) -> bool:
-        return self.in_features >= 2 * self.out_features
+    def cublaslt_max_rows(self) -> int:
+        """The most rows for which this weight's shape takes cuBLASLt on the fast path (0: never). cuBLAS
+        splits K there and reduces in a kernel of its own: on weights at least twice as deep as wide
+        (down_proj) up to 64 rows, on square ones (o_proj) up to 48 (11.9 against 13.4 us at 32 rows;
+        at 64 they tie)."""
+        if self.in_features >= 2 * self.out_features:
+            return CUBLASLT_MAX_ROWS
+        return SQUARE_CUBLASLT_MAX_ROWS if self.in_features == self.out_features else 0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"

@@ -14,7 +14,7 @@ from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
 from llmserve_core.layers.fp8_linear import Fp8Linear
-from llmserve_core.layers.linear import CUBLASLT_MAX_ROWS, MAX_ROWS, Linear
+from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
@@ -159,7 +159,7 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(m, (Linear, Fp8Linear)):
                 m.fast_kernel = "stream" if chain else None
             if isinstance(m, Linear):
-                m.cublaslt_rows = CUBLASLT_MAX_ROWS if fused and m.prefers_cublaslt() else 0
+                m.cublaslt_rows = m.cublaslt_max_rows() if fused else 0
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Linear, Fp8Linear)):
                 m.pdl = pdl
         if self.lm_head is not None:
