@@ -4,8 +4,8 @@
 lm_head takes kernels.gemv for 1-64 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
 projections take kernels.stream_gemv for a single row (a batch-1 decode) and kernels.gemv for 2-16 rows
 where its measured table has the shape, chained under PDL with the kernels around them. Everywhere else
-it is F.linear, which is also the reference the fast paths are tested against; on the fast path a weight
-much deeper than wide (down_proj) takes cuBLASLt's kernel instead of cuBLAS's at decode batch sizes.
+it is F.linear, which is also the reference the fast paths are tested against; on the fast path down_proj
+and o_proj take cuBLASLt's kernel instead of cuBLAS's at 17-64 / 17-48 rows (cublaslt_max_rows).
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class Linear(nn.Module):
     # measured shape, launched under PDL when `pdl`).
     fast_kernel: str | None = None
     pdl = False
-    # Set by the model on the fast path for weights deeper than wide: F.linear of 17 up to this many rows
-    # goes through cuBLASLt (see CUBLASLT_MAX_ROWS).
+    # Set by the model on the fast path (cublaslt_max_rows): F.linear of 17 up to this many rows goes
+    # through cuBLASLt.
     cublaslt_rows = 0
 
     def __init__(self, in_features: int, out_features: int):
