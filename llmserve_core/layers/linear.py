@@ -22,6 +22,8 @@ PROJECTION_MAX_ROWS = 16
 # kernel. H200, Qwen3-8B's down_proj, us per call: 28.9 against 26.8 at 32 rows, 31.2 against 27.5 at 64;
 # at 16 rows cuBLAS wins (28.2 against 30.1) and past 64 it varies (benchmarks/results/blas_library_h200.md).
 CUBLASLT_MAX_ROWS = 64
+# On a square weight (o_proj) cuBLAS splits K too, at 32 and 48 rows (13.4 against 11.9 us at 32); at 64 the
+# two tie.
 SQUARE_CUBLASLT_MAX_ROWS = 48
 
 
