@@ -259,16 +259,17 @@ def test_cublaslt_only_for_deep_weights_on_the_fast_path(tiny_model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("m", [16, 17, 32, 64, 65])
-def test_cublaslt_linear_matches_cublas_and_restores_the_preference(m):
-    """Qwen3-8B's down_proj shape in bf16 through cuBLASLt against cuBLAS (the default), and torch's BLAS
-    preference is what it was after the call."""
+@pytest.mark.parametrize("m", [16, 17, 32, 48, 64, 65])
+@pytest.mark.parametrize("n,k", [(4096, 12288), (4096, 4096)])
+def test_cublaslt_linear_matches_cublas_and_restores_the_preference(m, n, k):
+    """Qwen3-8B's down_proj and o_proj shapes in bf16 with the model's cuBLASLt rows, against cuBLAS (the
+    default), and torch's BLAS preference is what it was after the call."""
     before = torch.backends.cuda.preferred_blas_library()
-    x, w = inputs(m, 4096, 12288, torch.bfloat16, seed=m)
-    lin = Linear(12288, 4096).to(device=DEVICE, dtype=torch.bfloat16)
+    x, w = inputs(m, n, k, torch.bfloat16, seed=m)
+    lin = Linear(k, n).to(device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(w)
     ref = torch.nn.functional.linear(x, w)
-    lin.cublaslt_rows = linear_module.CUBLASLT_MAX_ROWS
+    lin.cublaslt_rows = lin.cublaslt_max_rows()
     assert rel_err(lin(x), ref) < 1e-2
     assert torch.backends.cuda.preferred_blas_library() == before
