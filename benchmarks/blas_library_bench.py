@@ -1,6 +1,6 @@
 """cuBLAS against cuBLASLt (torch.backends.cuda.preferred_blas_library) on the decoder's projections at
-decode-batch row counts (default 16 to 256), the Qwen3-8B shapes in bf16: microseconds per F.linear inside a CUDA graph of back-to-back
-calls over weight copies larger than L2 (gemv_bench.bench), and TB/s of weight.
+decode-batch row counts (default 16 to 256), the Qwen3-8B shapes in bf16: microseconds per F.linear inside
+a CUDA graph of back-to-back calls over weight copies larger than L2 (gemv_bench.bench), and TB/s of weight.
 
     PYTHONPATH=$PWD python3 benchmarks/blas_library_bench.py [--rows 64,256] [--out $OUT/blas_library.json]  # H200, ~30 s
 """

@@ -237,9 +237,9 @@ def test_cublaslt_rows_by_weight_shape():
                     "down": linear_module.CUBLASLT_MAX_ROWS}
 
 
-def test_cublaslt_only_for_deep_weights_on_the_fast_path(tiny_model_dir):
-    """The model sends F.linear through cuBLASLt on weights with twice as many inputs as outputs (down_proj),
-    and only on the fast path; on the CPU the layer keeps F.linear whatever it is told."""
+def test_model_sets_cublaslt_rows_only_on_the_fast_path(tiny_model_dir):
+    """The model sends down_proj's and o_proj's F.linear through cuBLASLt (the tiny model's o_proj is square
+    like Qwen3-8B's), and only on the fast path; on the CPU the layer keeps F.linear whatever it is told."""
     from llmserve_core.layers.attention import get_backend
     from llmserve_core.models.config import ModelConfig
     from llmserve_core.models.loader import load_model
@@ -248,13 +248,15 @@ def test_cublaslt_only_for_deep_weights_on_the_fast_path(tiny_model_dir):
     model.set_fused(True)
     layer = model.model.layers[0]
     assert cfg.intermediate_size >= 2 * cfg.hidden_size
+    assert cfg.q_size == cfg.hidden_size
     assert layer.mlp.down_proj.cublaslt_rows == linear_module.CUBLASLT_MAX_ROWS
+    assert layer.self_attn.o_proj.cublaslt_rows == linear_module.SQUARE_CUBLASLT_MAX_ROWS
     assert layer.mlp.gate_up_proj.cublaslt_rows == layer.self_attn.qkv_proj.cublaslt_rows == 0
     x = torch.randn(3, cfg.intermediate_size)
     down = layer.mlp.down_proj
     torch.testing.assert_close(down(x), torch.nn.functional.linear(x, down.weight), atol=0, rtol=0)
     model.set_fused(False)
-    assert down.cublaslt_rows == 0
+    assert down.cublaslt_rows == layer.self_attn.o_proj.cublaslt_rows == 0
 
 
 @pytest.mark.gpu

@@ -63,10 +63,8 @@ class Linear(nn.Module):
         return y if out_dtype is None else y.to(out_dtype)
 
     def cublaslt_max_rows(self) -> int:
-        """The most rows for which this weight's shape takes cuBLASLt on the fast path (0: never). cuBLAS
-        splits K there and reduces in a kernel of its own: on weights at least twice as deep as wide
-        (down_proj) up to 64 rows, on square ones (o_proj) up to 48 (11.9 against 13.4 us at 32 rows;
-        at 64 they tie)."""
+        """The most rows for which this weight's shape takes cuBLASLt on the fast path (0: never): the
+        shapes on which cuBLAS splits K (CUBLASLT_MAX_ROWS, SQUARE_CUBLASLT_MAX_ROWS say where)."""
         if self.in_features >= 2 * self.out_features:
             return CUBLASLT_MAX_ROWS
         return SQUARE_CUBLASLT_MAX_ROWS if self.in_features == self.out_features else 0
