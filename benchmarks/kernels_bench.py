@@ -30,6 +30,7 @@ if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a m
     os.environ["TRITON_INTERPRET"] = "1"
 import llmserve_core.kernels  # noqa: E402,F401  (interpreter on CPU for --smoke)
 from llmserve_core.kernels.attention_reference import paged_attention_reference  # noqa: E402
+from llmserve_core.kernels.fp8_format import FP8, to_cache_dtype  # noqa: E402
 from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode  # noqa: E402
 from llmserve_core.kernels.paged_prefill import paged_prefill  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
@@ -38,6 +39,7 @@ from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa:
 from gemv_bench import warm_up_on_side_stream  # noqa: E402
 
 ROTATE_BYTES = 256 << 20     # decode KV touched per graph replay, several times the 60 MB L2
+FP8_KV_SCALES = (0.02, 0.02)  # k_scale, v_scale of --fp8-kv's caches: randn / 0.02 stays inside e4m3's 448
 
 
 class Bench:
@@ -126,8 +128,9 @@ class Bench:
 
     # ------------------------------------------------------------ data
 
-    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int):
-        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences."""
+    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int, fp8: bool = False):
+        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences; with fp8,
+        e4m3 caches at FP8_KV_SCALES."""
         per_seq = [math.ceil(s / block_size) for s in seq_lens]
         width = max(per_seq)
         per_copy = sum(per_seq)
@@ -135,6 +138,8 @@ class Bench:
         shape = (num_blocks, block_size, self.KVH, self.D)
         kc = torch.randn(shape, device=self.device, dtype=self.dtype)
         vc = torch.randn(shape, device=self.device, dtype=self.dtype)
+        if fp8:
+            kc, vc = (to_cache_dtype(c, FP8, s) for c, s in zip((kc, vc), FP8_KV_SCALES))
         perm = (torch.randperm(num_blocks - 1) + 1).int()
         tables = []
         for c in range(copies):
@@ -148,31 +153,32 @@ class Bench:
 
     # ------------------------------------------------------------ decode
 
-    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=()):
-        kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
+    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=(), fp8: bool = False):
+        kv_bytes = batch * ctx * self.KVH * self.D * 2 * (1 if fp8 else self.dtype.itemsize)
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
         seq_lens = [ctx] * batch
-        kc, vc, tables = self.paged_kv(seq_lens, block_size, copies)
+        kc, vc, tables = self.paged_kv(seq_lens, block_size, copies, fp8)
+        scales = dict(zip(("k_scale", "v_scale"), FP8_KV_SCALES)) if fp8 else {}
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
         out = torch.full_like(q, float("nan"))
         scratch = DecodeScratch()
         check = min(batch, 8)
-        ref = paged_attention_reference(q[:check], kc, vc, lens[:check], tables[0][:check], self.scale)
+        ref = paged_attention_reference(q[:check], kc, vc, lens[:check], tables[0][:check], self.scale, **scales)
         shape = dict(kind="decode", batch=batch, ctx=ctx, block_size=block_size, kv_bytes=kv_bytes,
-                     kv_copies=copies)
+                     kv_copies=copies, kv="fp8" if fp8 else "model")
         n_launch = max(copies, 4 if kv_bytes > ROTATE_BYTES else 8)
 
         variants = [{}] + list(sweep)
         last = tables[(n_launch - 1) % copies]
-        ref_last = paged_attention_reference(q[:check], kc, vc, lens[:check], last[:check], self.scale)
+        ref_last = paged_attention_reference(q[:check], kc, vc, lens[:check], last[:check], self.scale, **scales)
         for var in variants:
             splits = var.get("num_splits") or choose_num_splits(batch, self.KVH)
             try:
-                paged_decode(q, kc, vc, tables[0], lens, self.scale, out=out, scratch=scratch, **var)
+                paged_decode(q, kc, vc, tables[0], lens, self.scale, out=out, scratch=scratch, **var, **scales)
                 err = rel_err(out[:check], ref)
                 launches = [lambda t=tables[i % copies]: paged_decode(q, kc, vc, t, lens, self.scale, out=out,
-                                                                      scratch=scratch, **var)
+                                                                      scratch=scratch, **var, **scales)
                             for i in range(n_launch)]
                 us, method = self.time_us(launches)
                 # After the timed graph replays, out holds the last launch's result: check it too.
@@ -183,7 +189,7 @@ class Bench:
             except Exception as e:
                 self.add(**shape, impl=f"triton {var}", error=f"{type(e).__name__}: {e}"[:300])
 
-        if with_fa4 and self.fa4 is not None:
+        if with_fa4 and self.fa4 is not None and not fp8:
             for splits in (1,):
                 def fa4_call(t, splits=splits):
                     return fa4_decode(self.fa4, q, kc, vc, t, lens, self.scale, splits)
@@ -249,26 +255,28 @@ class Bench:
     # ------------------------------------------------------------ prefill / extend
 
     def prefill(self, name: str, query_lens: list[int], ctx_lens: list[int], block_size: int, with_fa4: bool,
-                configs=()):
+                configs=(), fp8: bool = False):
         seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
-        kc, vc, tables = self.paged_kv(seq_lens, block_size, 1)
+        kc, vc, tables = self.paged_kv(seq_lens, block_size, 1, fp8)
+        scales = dict(zip(("k_scale", "v_scale"), FP8_KV_SCALES)) if fp8 else {}
+        with_fa4 = with_fa4 and not fp8
         bt = tables[0]
         q = torch.randn(sum(query_lens), self.H, self.D, device=self.device, dtype=self.dtype)
         qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         maxq = max(query_lens)
         out = torch.full_like(q, float("nan"))
-        ref = paged_attention_reference(q, kc, vc, lens, bt, self.scale, query_start_loc=qsl)
+        ref = paged_attention_reference(q, kc, vc, lens, bt, self.scale, query_start_loc=qsl, **scales)
         pairs = sum(ql * c + ql * (ql + 1) // 2 for ql, c in zip(query_lens, ctx_lens))
         flops = 4 * self.H * self.D * pairs
         shape = dict(kind=name, batch=len(query_lens), query_len=maxq, ctx=max(ctx_lens), block_size=block_size,
-                     flops=flops)
+                     flops=flops, kv="fp8" if fp8 else "model")
         for cfg in [{}] + list(configs):
             try:
-                paged_prefill(q, kc, vc, qsl, lens, bt, maxq, self.scale, out=out, **cfg)
+                paged_prefill(q, kc, vc, qsl, lens, bt, maxq, self.scale, out=out, **cfg, **scales)
                 err = rel_err(out, ref)
                 us, method = self.time_us(
-                    [lambda: paged_prefill(q, kc, vc, qsl, lens, bt, maxq, self.scale, out=out, **cfg)] * 10)
+                    [lambda: paged_prefill(q, kc, vc, qsl, lens, bt, maxq, self.scale, out=out, **cfg, **scales)] * 10)
                 impl = "triton" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
                 self.add(**shape, impl=impl, us=us, tflops=flops / us / 1e6, rel_err=err, method=method)
             except Exception as e:
@@ -431,23 +439,25 @@ def table(rows: list[dict]) -> str:
     lines = []
     dec = [r for r in rows if r["kind"] == "decode" and "us" in r and r["impl"] != "torch reference"]
     if dec:
-        lines += ["| decode B | ctx | page | triton us | TB/s | splits | best variant us | FA4 us | FA4 TB/s | "
-                  "FA4/triton | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for key, rs in grouped(dec, lambda r: (r["batch"], r["ctx"], r["block_size"])):
+        lines += ["| decode B | ctx | page | KV | triton us | TB/s | splits | best variant us | FA4 us | FA4 TB/s | "
+                  "FA4/triton | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for key, rs in grouped(dec, lambda r: (r["batch"], r["ctx"], r["block_size"], r.get("kv", "model"))):
             t = next((r for r in rs if r["impl"] == "triton"), None)
             f = next((r for r in rs if r["impl"] == "fa4 num_splits=1"), None)
             best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
             if t is None:
                 continue
-            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {t['us']:.1f} | {t['tbps']:.2f} | {t['num_splits']} | "
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {t['us']:.1f} | {t['tbps']:.2f} | "
+                         f"{t['num_splits']} | "
                          f"{best['us']:.1f} ({best['impl'].replace('triton ', '') or 'default'}) | "
                          f"{fmt(f and f['us'], '.1f')} | {fmt(f and f['tbps'], '.2f')} | "
                          f"{fmt(f and f['us'] / t['us'], '.2f')} | {t['rel_err']:.1e} |")
     pre = [r for r in rows if r["kind"] in ("prefill", "extend") and "us" in r and r["impl"] != "torch reference"]
     if pre:
-        lines += ["", "| shape | page | triton us | TFLOP/s | best variant us | FA4 us | FA4 TFLOP/s | FA4/triton | "
-                  "engine path | engine speed / FA4 |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for key, rs in grouped(pre, lambda r: (r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"])):
+        lines += ["", "| shape | page | KV | triton us | TFLOP/s | best variant us | FA4 us | FA4 TFLOP/s | FA4/triton | "
+                  "engine path | engine speed / FA4 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for key, rs in grouped(pre, lambda r: (r["kind"], r["batch"], r["query_len"], r["ctx"], r["block_size"],
+                                               r.get("kv", "model"))):
             t = next((r for r in rs if r["impl"] == "triton"), None)
             f = next((r for r in rs if r["impl"] == "fa4"), None)
             best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
@@ -456,7 +466,7 @@ def table(rows: list[dict]) -> str:
             name = f"{key[0]} {key[1]}x{key[2]}" + (f" over {key[3]}" if key[3] else "")
             # What --attention-backend auto (triton-fa4) runs at this shape, and its speed relative to FA4.
             path = f if (f is not None and engine_takes_fa4(key[2])) else t
-            lines.append(f"| {name} | {key[4]} | {t['us']:.1f} | {t['tflops']:.0f} | "
+            lines.append(f"| {name} | {key[4]} | {key[5]} | {t['us']:.1f} | {t['tflops']:.0f} | "
                          f"{best['us']:.1f} ({best['impl']}) | {fmt(f and f['us'], '.1f')} | "
                          f"{fmt(f and f['tflops'], '.0f')} | {fmt(f and f['us'] / t['us'], '.2f')} | "
                          f"{'fa4' if path is f else 'triton'} | {fmt(f and f['us'] / path['us'], '.2f')} |")
@@ -496,6 +506,9 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only decode at batch 64 and 256 (512 and 640 keys, the step benchmarks' contexts), "
                          "the default tiles against a sweep of splits, key tiles, warps and stages")
+    ap.add_argument("--fp8-kv", action="store_true",
+                    help="only decode and extend over FP8 (e4m3) caches beside the model-dtype cache at the "
+                         "same shapes, with a sweep of FP8 decode tiles")
     ap.add_argument("--verify-only", action="store_true",
                     help="only speculative verify shapes (rows per sequence, causal and tree-masked), the "
                          "decode kernel's rows path in several tile configs against the prefill kernel")
@@ -534,6 +547,20 @@ def main():
         for batch in (64, 256):
             for ctx in (512, 640):
                 step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False, sweep=tiles[batch])
+    elif args.fp8_kv:
+        def dv(bn, w=4, st=3):
+            return dict(num_splits=1, block_n=bn, num_warps=w, num_stages=st)
+        # An e4m3 tile holds half the bytes of a bf16 one with as many keys: longer key tiles for the same bytes.
+        fp8_tiles = [dv(64, 4, 3), dv(64, 4, 4), dv(128, 2, 2), dv(128, 2, 3), dv(128, 4, 2), dv(128, 4, 3),
+                     dv(128, 4, 4), dv(128, 8, 3), dv(256, 4, 2), dv(256, 8, 2), dv(256, 8, 3)]
+        for batch, ctx in ((1, 4096), (64, 512), (64, 4096), (256, 512), (256, 2048)):
+            step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False)
+            step(f"decode b{batch} {ctx} p16 fp8", b.decode, batch, ctx, 16, False, fp8=True,
+                 sweep=fp8_tiles if batch >= 64 else [dict(block_n=128), dict(block_n=128, num_warps=8)])
+        for fp8 in (False, True):
+            step(f"extend 4x1024+2048 p16{' fp8' * fp8}", b.prefill, "extend", [1024] * 4, [2048] * 4, 16, False,
+                 fp8=fp8)
+            step(f"prefill 8x512 p16{' fp8' * fp8}", b.prefill, "prefill", [512] * 8, [0] * 8, 16, False, fp8=fp8)
     elif args.verify_only:
         # Chain verifies (4 rows), static trees (~10), dynamic trees (32): GROUP 4 makes 16-128 tile rows.
         # The merge of a split's pieces grows with the rows, so fewer, longer pieces may pay for verifies.

@@ -12,10 +12,10 @@ from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, fp8_gemv
     fp8_gemv_reference, num_sms
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
-from llmserve_core.kernels.paged_decode import paged_decode
+from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
-from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, dequantize_weight, quantize_per_block, \
-    quantize_per_channel, to_cache_dtype
+from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, dequantize_weight, multiplies_fp8_cache_in_f16, \
+    quantize_per_block, quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from test_kernels import paged_cache, prefill_case, rel_err
 
@@ -273,6 +273,30 @@ def test_paged_decode_fp8_cache(dtype):
     assert rel_err(ref, full) < 0.1
 
 
+def test_a_16_bit_query_meets_an_fp8_cache_in_float16():
+    """bf16 q over an FP8 cache: the dots run in float16, which holds every e4m3 value and every bf16 query
+    component up to 65504. A query past that (bf16 reaches 3e38) gives the same attention, not inf / NaN
+    and not a clamped query's (which would pick other keys once the softmax is all but one-hot)."""
+    assert multiplies_fp8_cache_in_f16(torch.bfloat16, FP8) and multiplies_fp8_cache_in_f16(torch.float16, FP8)
+    assert not multiplies_fp8_cache_in_f16(torch.float32, FP8)
+    assert not multiplies_fp8_cache_in_f16(torch.bfloat16, torch.bfloat16)
+    q, kc, vc, bt, qsl, lens, _ = prefill_case([5, 1, 3], [40, 9, 0], 4, 2, 16, 8, torch.float32, DEVICE, 21)
+    kc8, vc8 = fp8_cache(kc, vc, 0.01, 0.02)
+    q = q.to(torch.bfloat16)
+    dec_q = q[qsl[1:].long() - 1]                       # each sequence's last row, as a decode brings it
+    for big in (False, True):
+        if big:       # past float16's 65504 (bf16 holds it); every row's softmax is then all but one-hot
+            q = q * 1e5
+            dec_q = dec_q * 1e5
+        kw = dict(k_scale=0.01, v_scale=0.02)
+        out = paged_prefill(q, kc8, vc8, qsl, lens, bt, 5, 0.25, **kw)
+        ref = paged_attention_reference(q, kc8, vc8, lens, bt, query_start_loc=qsl, scale=0.25, **kw)
+        assert out.isfinite().all() and rel_err(out, ref) < 5e-3
+        out = paged_decode(dec_q, kc8, vc8, bt, lens, 0.25, num_splits=2, **kw)
+        ref = paged_attention_reference(dec_q, kc8, vc8, lens, bt, 0.25, **kw)
+        assert out.isfinite().all() and rel_err(out, ref) < 5e-3
+
+
 def test_paged_prefill_fp8_cache():
     q, kc, vc, bt, qsl, lens, _ = prefill_case([5, 33, 3], [7, 40, 0], 4, 2, 16, 4, torch.float32, DEVICE, 5)
     kc8, vc8 = fp8_cache(kc, vc, 0.02, 0.5)
@@ -357,6 +381,15 @@ def test_fp8_kv_at_qwen3_8b_shapes():
     q = torch.randn(4, 32, 128, generator=gen).to("cuda", torch.bfloat16)
     out = paged_decode(q, kc8, vc8, bt, lens, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
     assert rel_err(out, paged_attention_reference(q, kc8, vc8, lens, bt, 128 ** -0.5, k_scale=0.01, v_scale=0.02)) < 2e-2
+    # 40 sequences take the one-piece decode and its FP8 tile (FP8_DECODE_BLOCK_N keys, ragged last tiles)
+    seq_lens = [1 + (37 * i) % 700 for i in range(40)]
+    kc, vc, bt = paged_cache(seq_lens, 16, 8, 128, torch.float32, "cuda", gen)
+    kc8, vc8 = fp8_cache(kc, vc, 0.01, 0.02)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(40, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    assert choose_num_splits(40, 8) == 1
+    out = paged_decode(q, kc8, vc8, bt, lens, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
+    assert rel_err(out, paged_attention_reference(q, kc8, vc8, lens, bt, 128 ** -0.5, k_scale=0.01, v_scale=0.02)) < 5e-3
     q, kc, vc, bt, qsl, lens, _ = prefill_case([512, 1, 300], [0, 900, 64], 32, 8, 128, 16, torch.float32, "cuda", 1)
     kc8, vc8 = fp8_cache(kc, vc, 0.01, 0.02)
     q = q.to(torch.bfloat16)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.fp8_format import multiplies_fp8_cache_in_f16
+from llmserve_core.kernels.f16_query import f16_query
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
@@ -38,6 +40,11 @@ MERGE_TILE = 8192
 # (benchmarks/results/decode_tiles_h200.md), whole decode steps at 512 context: batch 1 4.196 -> 4.178 ms,
 # batch 4 4.717 -> 4.642; at 4,096: 4.498 -> 4.446 and 5.409 -> 5.299. One-piece decodes: 32 lost at batch 256.
 DECODE_BLOCK_N = 64
+# One-piece decodes over an FP8 cache: 128 keys, the bytes of a 64-key bf16 tile. On the H200
+# (benchmarks/results/fp8_kv_decode_h200.md, float16 products) 128 x 2 stages ran within 1.5% of the best
+# tile at batch 64 and 256, 512 to 4,096 keys: 100.9 against 134.4 us for 64-key tiles at 256 x 512.
+# Split decodes keep 64 (at batch 1 x 4,096, 128-key pieces ran 14.4 against 12.5 us).
+FP8_DECODE_BLOCK_N = 128
 
 
 # The split count, piece length, block-table width and tree width vary with the batch; none is worth a
@@ -50,7 +57,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,6 +101,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         g_mask = i < ROWS * GROUP
         q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_F16:     # an FP8 cache: both dots in float16 (fp8_format.multiplies_fp8_cache_in_f16)
+            q, sm_scale_log2 = f16_query(q, sm_scale_log2)
         limit = prefix + j + 1           # causal: query row j sits at position prefix + j
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -286,8 +295,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     num_splits: programs per (sequence, KV head), by default from the batch size; min_split: the fewest
     keys a piece takes (default one K/V tile), so shorter contexts run in fewer pieces.
-    An FP8 cache is widened to q's dtype as it is read; its per-tensor k_scale folds into the softmax scale
-    and v_scale into the output. Other caches ignore both.
+    An FP8 cache is widened as it is read (to float16 for a 16-bit q: `multiplies_fp8_cache_in_f16`); its
+    per-tensor k_scale folds into the softmax scale and v_scale into the output. Other caches ignore both.
 
     pdl: launch under PDL. A split decode then reads the lengths, the block tables and its first tile's
     prefix K/V (positions before this call's rows) before the wait on the kernel just before, so those
@@ -314,14 +323,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if rows_per_seq > 1:
         splits, tile_n, warps = verify_tiles(rows_per_seq, block_g, splits)
     num_splits = num_splits if num_splits is not None else splits
+    one_piece = num_splits == 1 and rows_per_seq == 1
+    fp8_tiles = one_piece and k_cache.dtype == torch.float8_e4m3fn
     if block_n is None:
-        block_n = (tile_n or DECODE_BLOCK_N) if q.is_cuda else 16
+        block_n = (tile_n or (FP8_DECODE_BLOCK_N if fp8_tiles else DECODE_BLOCK_N)) if q.is_cuda else 16
     num_warps = num_warps if num_warps is not None else warps
     if num_stages is None:
         # One piece per (sequence, KV head), 64-key tiles: a third K/V tile in flight read 3-6% faster at
         # batch 64 and 256, 512 and 640 keys (36.7 against 37.8 us, 160.6 against 170.2; kernels_bench.py
-        # --decode-sweep, benchmarks/results/decode_sweep_h200_f3f7a22.md). Split decodes keep 2.
-        num_stages = 3 if num_splits == 1 and rows_per_seq == 1 else 2
+        # --decode-sweep, benchmarks/results/decode_sweep_h200_f3f7a22.md). Split decodes keep 2, and so
+        # do FP8 caches' 128-key tiles (FP8_DECODE_BLOCK_N).
+        num_stages = 3 if one_piece and not fp8_tiles else 2
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
         cfg = decode_config(block_g, block_n, triton.next_power_of_2(head_dim), q.element_size(),
@@ -343,6 +355,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
         CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, **pdl_launch(pdl),
     )
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.fp8_format import multiplies_fp8_cache_in_f16
+from llmserve_core.kernels.f16_query import f16_query
 from llmserve_core.kernels.tiling import prefill_config, smem_limit_for
 
 
@@ -25,7 +27,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
                     stride_tree,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HAS_TREE: tl.constexpr, PRECISION: tl.constexpr):
+                    HAS_TREE: tl.constexpr, PRECISION: tl.constexpr, DOT_F16: tl.constexpr):
     # The longest (last) query tiles go first so the tail of the grid is short work.
     mt = num_m_tiles - 1 - tl.program_id(0)
     b = tl.program_id(1)
@@ -46,6 +48,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F16:     # an FP8 cache: both dots in float16 (fp8_format.multiplies_fp8_cache_in_f16)
+        q, sm_scale_log2 = f16_query(q, sm_scale_log2)
 
     if HAS_TREE:
         full_end = ctx_len
@@ -116,8 +120,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, num_heads, head_dim] packed by query_start_loc; K/V of every position already in the cache.
 
-    An FP8 cache is widened to q's dtype as it is read, its k_scale folded into the softmax scale and its
-    v_scale into the output; other caches ignore both."""
+    An FP8 cache is widened as it is read (to float16 for a 16-bit q: `multiplies_fp8_cache_in_f16`), its
+    k_scale folded into the softmax scale and its v_scale into the output; other caches ignore both."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -152,6 +156,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_TREE=tree_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
