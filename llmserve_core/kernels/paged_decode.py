@@ -40,10 +40,11 @@ MERGE_TILE = 8192
 # (benchmarks/results/decode_tiles_h200.md), whole decode steps at 512 context: batch 1 4.196 -> 4.178 ms,
 # batch 4 4.717 -> 4.642; at 4,096: 4.498 -> 4.446 and 5.409 -> 5.299. One-piece decodes: 32 lost at batch 256.
 DECODE_BLOCK_N = 64
-# One-piece decodes over an FP8 cache: 128 keys, the bytes of a 64-key bf16 tile. On the H200
-# (benchmarks/results/fp8_kv_decode_h200.md, float16 products) 128 x 2 stages ran within 1.5% of the best
-# tile at batch 64 and 256, 512 to 4,096 keys: 100.9 against 134.4 us for 64-key tiles at 256 x 512.
-# Split decodes keep 64 (at batch 1 x 4,096, 128-key pieces ran 14.4 against 12.5 us).
+# One-piece decodes over an FP8 cache: 128 keys, the bytes of a 64-key bf16 tile, over 2 warps and 2 stages.
+# On the H200 (benchmarks/results/fp8_kv_decode_h200.md, float16 products), us at batch 64 x 512 / 4,096
+# keys: 29.8 / 191.7 against 35.0 / 212.3 for 4 warps and 46.0 / 312.3 for 64-key tiles; at batch 256 they
+# tie 4 warps (103.4 / 355.2 against 101.3 / 355.5; 64-key tiles 134.2 / 486.4). Split decodes keep 64 (at
+# batch 1 x 4,096, 128-key pieces ran 14.1 against 12.5 us).
 FP8_DECODE_BLOCK_N = 128
 
 
@@ -327,12 +328,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     fp8_tiles = one_piece and k_cache.dtype == torch.float8_e4m3fn
     if block_n is None:
         block_n = (tile_n or (FP8_DECODE_BLOCK_N if fp8_tiles else DECODE_BLOCK_N)) if q.is_cuda else 16
-    num_warps = num_warps if num_warps is not None else warps
+    num_warps = num_warps if num_warps is not None else (2 if fp8_tiles else warps)
     if num_stages is None:
         # One piece per (sequence, KV head), 64-key tiles: a third K/V tile in flight read 3-6% faster at
         # batch 64 and 256, 512 and 640 keys (36.7 against 37.8 us, 160.6 against 170.2; kernels_bench.py
         # --decode-sweep, benchmarks/results/decode_sweep_h200_f3f7a22.md). Split decodes keep 2, and so
-        # do FP8 caches' 128-key tiles (FP8_DECODE_BLOCK_N).
+        # do FP8 caches' 128-key tiles (FP8_DECODE_BLOCK_N says why).
         num_stages = 3 if one_piece and not fp8_tiles else 2
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
