@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from kernel_trace import KINDS, busy_us, kernel_kind, profile_calls, span_us  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
+from llmserve_client.child_process import die_with_parent  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -192,7 +193,8 @@ def inprocess_closed_loop(args, model_dir):
 def start_core(model_dir, endpoint, extra):
     cmd = [sys.executable, "-m", "llmserve_core", "--model", model_dir, "--load-format", "dummy", "--listen", endpoint,
            "--log-interval", "0", "--log-level", "WARNING"] + extra
-    return subprocess.Popen(cmd)
+    # A benchmark killed mid-run (a device call's timeout) must not leave its core holding the GPU.
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
 
 
 def stop_core(proc):

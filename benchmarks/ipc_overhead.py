@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from llmserve_client import AsyncClient, Client  # noqa: E402
+from llmserve_client.child_process import die_with_parent  # noqa: E402
 from llmserve_client import run as run_async  # noqa: E402
 
 
@@ -143,7 +144,7 @@ def main() -> int:
              "--num-kv-blocks", str(engine_args["num_kv_blocks"]), "--log-interval", "0"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(args.torch_threads)}
     core = subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model, "--listen", endpoint, *flags],
-                            env=env, stderr=open(os.path.join(tmp, "core.log"), "wb"))
+                            env=env, stderr=open(os.path.join(tmp, "core.log"), "wb"), preexec_fn=die_with_parent)
     engine = Engine(EngineConfig(model=model, **engine_args))
     vocab = engine.model_info.vocab_size
     prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=1)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from h200_e2e import bench, pick, stop_core  # noqa: E402
+from llmserve_client.child_process import die_with_parent  # noqa: E402
 from spec_timing import write_models  # noqa: E402
 
 PAIR = ROOT / "llmserve_core" / "data" / "trained_pair"
@@ -33,7 +34,7 @@ STEP_KEYS = ("spec_num_drafted_steps", "spec_num_plain_steps", "spec_num_probe_s
 
 def start(model: str, endpoint: str, flags: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model, "--listen", endpoint,
-                             "--log-interval", "0", "--log-level", "WARNING"] + flags)
+                             "--log-interval", "0", "--log-level", "WARNING"] + flags, preexec_fn=die_with_parent)
 
 
 def loops(endpoint: str, out_dir: str, tag: str, concurrencies, argv: list[str], warm: str, secs: str) -> dict:

@@ -2,7 +2,8 @@
 
 The core listens on an ipc socket in a fresh private directory and logs to a file there (its periodic stats
 lines would tear the progress bar). It runs in its own session, so a Ctrl-C at the terminal reaches only the
-bench, which then aborts its requests and stops the core itself: SIGTERM, then SIGKILL if it lingers.
+bench, which then aborts its requests and stops the core itself: SIGTERM, then SIGKILL if it lingers. A
+bench that dies without doing so (SIGKILL) takes its core with it (`die_with_parent`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from llmserve_client.child_process import die_with_parent
 
 
 class CoreStartError(RuntimeError):
@@ -61,7 +64,7 @@ class CoreProcess:
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True, preexec_fn=die_with_parent)
         return self
 
     def check_running(self) -> None:

@@ -1,6 +1,8 @@
-"""Ctrl-C always ends the bench, and the core it started, within a bounded time.
+"""Ctrl-C (or SIGTERM, as `timeout` and `kill` send) always ends the bench, and the core it started, within a
+bounded time.
 
-The first SIGINT raises KeyboardInterrupt as usual, so the run unwinds, prints what it must and stops its
+SIGTERM is taken as a SIGINT: without a handler it would end the process without unwinding, leaving the
+core it started running. The first SIGINT raises KeyboardInterrupt as usual, so the run unwinds, prints what it must and stops its
 core. That unwinding runs asyncio's cancellation of every task, which hangs for good if one task swallows
 its cancellation (asyncio.wait_for in Python 3.11 can, when its future completes as it is cancelled) or an
 executor thread never returns. So the first SIGINT also arms a watchdog: if the process is still alive
@@ -23,7 +25,8 @@ EXIT_INTERRUPTED = 130
 
 @contextmanager
 def bounded_interrupt(stop_core: Callable[[], None], grace_s: float = 15.0):
-    """While inside, SIGINT is handled as described above; `stop_core` must be safe to call twice."""
+    """While inside, SIGINT and SIGTERM are handled as described above; `stop_core` must be safe to call
+    twice."""
     fired = threading.Event()
 
     def force_exit() -> None:
@@ -47,11 +50,12 @@ def bounded_interrupt(stop_core: Callable[[], None], grace_s: float = 15.0):
         signal.default_int_handler(signum, frame)        # raises KeyboardInterrupt
 
     try:
-        previous = signal.signal(signal.SIGINT, on_sigint)
+        previous = {sig: signal.signal(sig, on_sigint) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:                                   # not the main thread: leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

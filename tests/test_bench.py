@@ -467,6 +467,63 @@ def test_warns_when_a_workload_without_shared_prefixes_hits_the_cache(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_sigterm_unwinds_the_bench_as_ctrl_c_does():
+    """`timeout` and `kill` send SIGTERM; without a handler Python ends at once without unwinding, which
+    left the core a bench had started running (and holding the GPU)."""
+    code = textwrap.dedent("""
+        import asyncio
+        from llmserve_bench.interrupt import bounded_interrupt
+
+        async def main():
+            print("ready", flush=True)
+            await asyncio.sleep(3600)
+
+        with bounded_interrupt(lambda: print("core stopped", flush=True), grace_s=600):
+            try:
+                asyncio.run(main())
+            except KeyboardInterrupt:
+                print("unwound", flush=True)
+        print("returned normally", flush=True)
+    """)
+    with _killed_on_failure(_python("-c", code)) as p:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "unwound" in out and "returned normally" in out
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (an orphan's reaper may be slow or absent in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_started_with_die_with_parent_ends_when_its_owner_is_killed():
+    """llmserve-bench's core, the HTTP frontend's cores and the benchmarks' cores are started this way, so
+    a SIGKILLed owner does not leave a core running."""
+    code = textwrap.dedent("""
+        import subprocess, sys, time
+        from llmserve_client.child_process import die_with_parent
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=die_with_parent)
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    with _killed_on_failure(_python("-c", code)) as p:
+        child = int(p.stdout.readline())
+        assert not _exited(child)
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 60
+    while not _exited(child):
+        assert time.monotonic() < deadline, "the child outlived its SIGKILLed owner"
+        time.sleep(0.1)
+
+
 def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
     """asyncio's unwinding after Ctrl-C cancels every task and waits for it; a task that swallows its
     cancellation would hang the bench (and leave its core running) for good. The watchdog stops the core

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from llmserve_client.child_process import die_with_parent
+
 log = logging.getLogger("llmserve_client.http")
 
 CORE_STOP_TIMEOUT_S = 30.0     # how long a core may drain on SIGTERM before it is killed
@@ -77,15 +79,6 @@ def _cuda_device_count() -> int:
         if os.path.isdir("/dev") else 0
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if this frontend dies without stopping it (Linux only)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def start_cores(model: str, core_flags: list[str], num_cores: int) -> tuple[list[OwnedCore], str | None]:
     """Start num_cores llmserve-core processes; returns them and the private directory to remove afterwards.
     One core listens where a --listen among core_flags says (if any), else each on a socket in a fresh
@@ -106,7 +99,7 @@ def start_cores(model: str, core_flags: list[str], num_cores: int) -> tuple[list
             log.info("starting llmserve-core %d%s: %s", i, f" on CUDA devices {devices}" if devices else "",
                      " ".join(cmd))
             # Its own session: a terminal's Ctrl-C reaches only us, and we stop the core after the HTTP side.
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
             cores.append(OwnedCore(proc, endpoint, devices))
     except BaseException:
         stop_cores(cores)
