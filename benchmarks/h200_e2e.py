@@ -36,7 +36,12 @@ from llmserve_client.child_process import die_with_parent  # noqa: E402
 RESULTS: dict = {}
 
 
+SECTIONS: list[str] = []    # every section's name, in run order: what --skip may name
+
+
 def section(name):
+    SECTIONS.append(name)
+
     def wrap(fn):
         def run(args, *a):
             if name in args.skip:
@@ -374,7 +379,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--inprocess-concurrency", type=int, nargs="+", default=[64])
-    ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, metavar="SECTION",
+                    help=f"sections not to run: {' '.join(SECTIONS)}")
     ap.add_argument("--core-args", default="",
                     help="more flags for the closed loops' core, e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'")
     args = ap.parse_args()
