@@ -470,26 +470,8 @@ def test_warns_when_a_workload_without_shared_prefixes_hits_the_cache(capsys):
 def test_sigterm_unwinds_the_bench_as_ctrl_c_does():
     """`timeout` and `kill` send SIGTERM; without a handler Python ends at once without unwinding, which
     left the core a bench had started running (and holding the GPU)."""
-    code = textwrap.dedent("""
-        import asyncio
-        from llmserve_bench.interrupt import bounded_interrupt
-
-        async def main():
-            print("ready", flush=True)
-            await asyncio.sleep(3600)
-
-        with bounded_interrupt(lambda: print("core stopped", flush=True), grace_s=600):
-            try:
-                asyncio.run(main())
-            except KeyboardInterrupt:
-                print("unwound", flush=True)
-        print("returned normally", flush=True)
-    """)
-    with _killed_on_failure(_python("-c", code)) as p:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err
+    returncode, out, err = _interrupted(signal.SIGTERM, stubborn=False, grace_s=600)
+    assert returncode == 0, err
     assert "unwound" in out and "returned normally" in out
 
 
@@ -524,11 +506,10 @@ def test_a_child_started_with_die_with_parent_ends_when_its_owner_is_killed():
         time.sleep(0.1)
 
 
-def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
-    """asyncio's unwinding after Ctrl-C cancels every task and waits for it; a task that swallows its
-    cancellation would hang the bench (and leave its core running) for good. The watchdog stops the core
-    and exits 130 once the grace period has passed."""
-    code = textwrap.dedent("""
+def _interrupted(sig: int, stubborn: bool, grace_s: float) -> tuple[int, str, str]:
+    """A script inside bounded_interrupt whose asyncio loop gets `sig` once it runs (with a task that
+    swallows its cancellation if `stubborn`): its exit code, stdout and stderr."""
+    code = textwrap.dedent(f"""
         import asyncio
         from llmserve_bench.interrupt import bounded_interrupt
 
@@ -540,12 +521,13 @@ def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
                     pass
 
         async def main():
-            asyncio.create_task(stubborn())
-            await asyncio.sleep(0.1)                    # stubborn() is inside its sleep now
+            if {stubborn}:
+                asyncio.create_task(stubborn())
+                await asyncio.sleep(0.1)                # stubborn() is inside its sleep now
             print("ready", flush=True)
             await asyncio.sleep(3600)
 
-        with bounded_interrupt(lambda: print("core stopped", flush=True), grace_s=1.0):
+        with bounded_interrupt(lambda: print("core stopped", flush=True), grace_s={grace_s}):
             try:
                 asyncio.run(main())
             except KeyboardInterrupt:
@@ -554,8 +536,16 @@ def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
     """)
     with _killed_on_failure(_python("-c", code)) as p:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()      # the loop runs: interrupt it now
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         out, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err
+    return p.returncode, out, err
+
+
+def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
+    """asyncio's unwinding after Ctrl-C cancels every task and waits for it; a task that swallows its
+    cancellation would hang the bench (and leave its core running) for good. The watchdog stops the core
+    and exits 130 once the grace period has passed."""
+    returncode, out, err = _interrupted(signal.SIGINT, stubborn=True, grace_s=1.0)
+    assert returncode == 130, err
     assert "core stopped" in out and "returned normally" not in out
     assert "cleanup did not finish" in err
