@@ -2,8 +2,8 @@
 bounded time.
 
 SIGTERM is taken as a SIGINT: without a handler it would end the process without unwinding, leaving the
-core it started running. The first SIGINT raises KeyboardInterrupt as usual, so the run unwinds, prints what it must and stops its
-core. That unwinding runs asyncio's cancellation of every task, which hangs for good if one task swallows
+core it started running. The first SIGINT raises KeyboardInterrupt as usual, so the run unwinds, prints
+what it must and stops its core. That unwinding runs asyncio's cancellation of every task, which hangs for good if one task swallows
 its cancellation (asyncio.wait_for in Python 3.11 can, when its future completes as it is cancelled) or an
 executor thread never returns. So the first SIGINT also arms a watchdog: if the process is still alive
 `grace_s` later, it stops the core and exits 130. A second SIGINT does that at once. Once armed the watchdog

@@ -60,8 +60,9 @@ def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> t
 def multiplies_fp8_cache_in_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the attention kernels multiply a 16-bit query against an FP8 cache in float16.
 
-    Every e4m3 value is exact in float16 (and subnormal e4m3 values are normal there), and the card widens
-    two e4m3 bytes to two float16 in one instruction, where bfloat16 takes a detour through float32. A
-    bfloat16 query past float16's range is scaled by a power of two first (`kernels.f16_query`); float32
-    queries keep float32."""
+    Every e4m3 value is exact in float16 (and subnormal e4m3 values are normal there). The card widens two
+    e4m3 bytes to two float16 in one instruction (`cvt.rn.f16x2.e4m3x2`); bfloat16 products need a second
+    conversion from there, which made an FP8 cache slower to read than a bf16 one
+    (benchmarks/results/fp8_kv_decode_h200.md). A bfloat16 query past float16's range is scaled by a power
+    of two first (`kernels.f16_query`); float32 queries keep float32."""
     return cache_dtype == FP8 and q_dtype in (torch.bfloat16, torch.float16)
