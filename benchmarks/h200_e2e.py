@@ -195,9 +195,9 @@ def inprocess_closed_loop(args, model_dir):
     return out
 
 
-def start_core(model_dir, endpoint, extra):
-    cmd = [sys.executable, "-m", "llmserve_core", "--model", model_dir, "--load-format", "dummy", "--listen", endpoint,
-           "--log-interval", "0", "--log-level", "WARNING"] + extra
+def start_core(model_dir, endpoint, extra, load_format="dummy"):
+    cmd = [sys.executable, "-m", "llmserve_core", "--model", model_dir, "--load-format", load_format,
+           "--listen", endpoint, "--log-interval", "0", "--log-level", "WARNING"] + extra
     # A benchmark killed mid-run (a device call's timeout) must not leave its core holding the GPU.
     return subprocess.Popen(cmd, preexec_fn=die_with_parent)
 

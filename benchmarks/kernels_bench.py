@@ -39,7 +39,8 @@ from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa:
 from gemv_bench import warm_up_on_side_stream  # noqa: E402
 
 ROTATE_BYTES = 256 << 20     # decode KV touched per graph replay, several times the 60 MB L2
-FP8_KV_SCALES = (0.02, 0.02)  # k_scale, v_scale of --fp8-kv's caches: randn / 0.02 stays inside e4m3's 448
+# The scales of --fp8-kv's caches, as paged_decode / paged_prefill take them: randn / 0.02 stays inside 448.
+FP8_KV_SCALES = {"k_scale": 0.02, "v_scale": 0.02}
 
 
 class Bench:
@@ -139,7 +140,8 @@ class Bench:
         kc = torch.randn(shape, device=self.device, dtype=self.dtype)
         vc = torch.randn(shape, device=self.device, dtype=self.dtype)
         if fp8:
-            kc, vc = (to_cache_dtype(c, FP8, s) for c, s in zip((kc, vc), FP8_KV_SCALES))
+            kc = to_cache_dtype(kc, FP8, FP8_KV_SCALES["k_scale"])
+            vc = to_cache_dtype(vc, FP8, FP8_KV_SCALES["v_scale"])
         perm = (torch.randperm(num_blocks - 1) + 1).int()
         tables = []
         for c in range(copies):
@@ -158,7 +160,7 @@ class Bench:
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
         seq_lens = [ctx] * batch
         kc, vc, tables = self.paged_kv(seq_lens, block_size, copies, fp8)
-        scales = dict(zip(("k_scale", "v_scale"), FP8_KV_SCALES)) if fp8 else {}
+        scales = FP8_KV_SCALES if fp8 else {}
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
         out = torch.full_like(q, float("nan"))
@@ -258,7 +260,7 @@ class Bench:
                 configs=(), fp8: bool = False):
         seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
         kc, vc, tables = self.paged_kv(seq_lens, block_size, 1, fp8)
-        scales = dict(zip(("k_scale", "v_scale"), FP8_KV_SCALES)) if fp8 else {}
+        scales = FP8_KV_SCALES if fp8 else {}
         with_fa4 = with_fa4 and not fp8
         bt = tables[0]
         q = torch.randn(sum(query_lens), self.H, self.D, device=self.device, dtype=self.dtype)

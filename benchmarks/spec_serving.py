@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,17 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from h200_e2e import bench, pick, stop_core  # noqa: E402
-from llmserve_client.child_process import die_with_parent  # noqa: E402
+from h200_e2e import bench, pick, start_core, stop_core  # noqa: E402
 from spec_timing import write_models  # noqa: E402
 
 PAIR = ROOT / "llmserve_core" / "data" / "trained_pair"
 STEP_KEYS = ("spec_num_drafted_steps", "spec_num_plain_steps", "spec_num_probe_steps")
-
-
-def start(model: str, endpoint: str, flags: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model, "--listen", endpoint,
-                             "--log-interval", "0", "--log-level", "WARNING"] + flags, preexec_fn=die_with_parent)
 
 
 def loops(endpoint: str, out_dir: str, tag: str, concurrencies, argv: list[str], warm: str, secs: str) -> dict:
@@ -50,13 +43,12 @@ def loops(endpoint: str, out_dir: str, tag: str, concurrencies, argv: list[str],
 
 def run_8b(args, tmp: Path) -> dict:
     target, draft = write_models(tmp, smoke=False)
-    common = ["--load-format", "dummy", "--max-model-len", "2048", "--max-num-seqs", "256",
-              "--gpu-memory-utilization", "0.85"]
+    common = ["--max-model-len", "2048", "--max-num-seqs", "256", "--gpu-memory-utilization", "0.85"]
     argv = ["--input-len", "512", "--output-len", "256", "--prompt-mode", "random"]
     out = {}
     for tag, extra in (("plain", []), ("spec_adaptive", ["--speculative-model", draft, "--speculative-policy", "adaptive"])):
         endpoint = f"ipc://{tmp}/{tag}.sock"
-        core = start(target, endpoint, common + extra)
+        core = start_core(target, endpoint, common + extra)                   # dummy weights
         try:
             out[tag] = loops(endpoint, args.out, f"8b_{tag}", args.concurrency, argv,
                              "3" if args.quick else "5", "8" if args.quick else "15")
@@ -75,7 +67,8 @@ def run_trained(args, tmp: Path) -> dict:
                 ("spec_adaptive", ["--speculative-model", str(PAIR / "draft"), "--speculative-policy", "adaptive"]))
     for tag, extra in variants:
         endpoint = f"ipc://{tmp}/pair-{tag}.sock"
-        core = start(str(PAIR / "target"), endpoint, ["--max-num-seqs", "64", "--gpu-memory-utilization", "0.3"] + extra)
+        core = start_core(str(PAIR / "target"), endpoint, ["--max-num-seqs", "64", "--gpu-memory-utilization", "0.3"]
+                          + extra, load_format="auto")
         try:
             out[tag] = loops(endpoint, args.out, f"pair_{tag}", (1, 8), argv, "2", "5" if args.quick else "10")
         finally:
