@@ -1,14 +1,18 @@
-"""Units of the daemon's defences: log escaping and rate limits, the unread-output bound, and the waiting
-queue's round-robin order (end to end in test_hostile_clients.py)."""
+"""Units of the daemon's defences: log escaping and rate limits, the unread-output bound, the waiting
+queue's round-robin order, and the busy loop's request bookkeeping (end to end in test_hostile_clients.py)."""
 from __future__ import annotations
+
+import queue
 
 import pytest
 
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.waiting_queue import WaitingQueue
+from llmserve_core.server.busy_loop import BusyLoop
+from llmserve_core.server.events import AbortRequests, ClientGone, ErrorReply, NewRequest, StepResult
 from llmserve_core.server.log_safety import LogLimiter, printable
 from llmserve_core.server.outbox import Outbox
-from llmserve_proto import SamplingParams
+from llmserve_proto import Generate, SamplingParams
 
 
 @pytest.mark.parametrize("raw, logged", [
@@ -119,3 +123,53 @@ def test_waiting_queue_preempted_first_counts_and_removal():
     assert q.count("A") == 2 and q.count("B") == 1 and len(q) == 4
     assert q.remove(a0) and not q.remove(a0) and len(q) == 3
     assert [q.pop().request_id for _ in range(3)] == ["p", "a1", "b0"]
+
+
+# ---- the busy loop's request bookkeeping, against a real tiny engine ----------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    from llmserve_core import Engine, EngineConfig
+    return Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=512, num_kv_blocks=64))
+
+
+def _run_events(engine, events) -> tuple[BusyLoop, list]:
+    """Hand `events` to a busy loop at once (as one turn of its input queue), step the engine until it is
+    idle, and return the loop and everything it queued for the output thread."""
+    in_q, out_q = queue.SimpleQueue(), queue.SimpleQueue()
+    for e in events:
+        in_q.put(e)
+    busy = BusyLoop(engine, in_q, out_q, log_interval=0)
+    busy._drain_inputs(block=False)
+    while engine.has_unfinished():
+        busy._step()
+    out = []
+    while not out_q.empty():
+        out.append(out_q.get())
+    return busy, out
+
+
+def _finals(out) -> list[tuple[bytes, str, str]]:
+    """(client, request id, finish reason) of each final item the busy loop sent."""
+    finals = []
+    for item in out:
+        if isinstance(item, StepResult):
+            finals += [(c, rid, so.finish_reason) for c, rid, so, _ in item.items if so.finish_reason]
+        elif isinstance(item, ErrorReply):
+            finals.append((item.client, item.request_id, "error"))
+    return finals
+
+
+def _generate(client: bytes, rid: str, max_tokens: int) -> NewRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return NewRequest(client, Generate(request_id=rid, prompt_token_ids=[1, 2, 3], params=params), 0.0)
+
+
+def test_a_request_id_reused_after_the_session_ended_is_not_ended_by_the_old_ones_abort(tiny_engine):
+    # A client that says goodbye and hello again on the same socket (one identity) and reuses an id: the
+    # first request's abort must not end the second, nor leave the second running with nobody to stop it.
+    busy, out = _run_events(tiny_engine, [_generate(b"A", "r", 400), ClientGone(b"A", "said goodbye"),
+                                          _generate(b"A", "r", 3)])
+    assert _finals(out) == [(b"A", "r", "length")]
+    assert not busy.live and not tiny_engine.requests
+    tiny_engine.block_manager.check_invariants()

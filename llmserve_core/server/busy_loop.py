@@ -4,11 +4,14 @@ Each turn drains the input queue (add/abort requests, forget vanished clients, a
 engine step when there is work, and queues the step's outputs for the output thread. It never touches a
 socket and never encodes; when idle it blocks on the input queue (with a short timeout to notice shutdown).
 
-Engine request ids are "<client routing id hex>/<client's request id>", so clients may reuse each other's
-ids; `live` maps them back and guarantees each accepted request exactly one final output.
+Engine request ids are "<client routing id hex>/<serial>/<client's request id>", so clients may reuse each
+other's ids, and a client may reuse its own once a request has ended in the daemon but not yet in the engine
+(an abort's final output comes from the next step: with the bare id it would end the new request). `live`
+maps them back and guarantees each accepted request exactly one final output.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -47,6 +50,7 @@ class BusyLoop:
         self.stop_event = stop                               # a threading.Event: set = drain as on SIGTERM
         self.live: dict[str, Live] = {}
         self.by_client: dict[bytes, dict[str, str]] = {}     # client -> its request id -> engine id
+        self._serials = itertools.count()
         self.stop_reason: str | None = None                  # set (from a signal handler) to start draining
         self.force_stop = False                              # set by a second signal: stop draining now
         self.fatal: str | None = None
@@ -94,7 +98,7 @@ class BusyLoop:
         if msg.request_id in mine:
             self._reject(item.client, msg.request_id, "request_id", "already in flight on this connection")
             return
-        eid = f"{item.client.hex()}/{msg.request_id}"
+        eid = f"{item.client.hex()}/{next(self._serials)}/{msg.request_id}"
         try:
             self.engine.add_request(eid, msg.prompt_token_ids, msg.params, client=item.client)
         except ValidationError as e:       # also QueueFull: the client's waiting queue is at its cap
