@@ -173,3 +173,10 @@ def test_a_request_id_reused_after_the_session_ended_is_not_ended_by_the_old_one
     assert _finals(out) == [(b"A", "r", "length")]
     assert not busy.live and not tiny_engine.requests
     tiny_engine.block_manager.check_invariants()
+
+
+def test_repeated_and_unknown_aborts_count_each_aborted_request_once(tiny_engine):
+    busy, out = _run_events(tiny_engine, [_generate(b"A", "r", 400), AbortRequests(b"A", ["r", "r", "nope"]),
+                                          AbortRequests(b"A", ["r"]), AbortRequests(b"B", ["r"])])
+    assert _finals(out) == [(b"A", "r", "abort")]
+    assert busy.counters["requests_aborted_by_client"] == 1

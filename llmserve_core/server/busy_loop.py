@@ -37,6 +37,7 @@ class Live:
     num_prompt_tokens: int
     first_token_time: float | None = None
     num_generated: int = 0
+    aborted: bool = False
 
 
 class BusyLoop:
@@ -82,7 +83,9 @@ class BusyLoop:
             mine = self.by_client.get(item.client, {})
             for rid in item.request_ids:
                 eid = mine.get(rid)
-                if eid is not None:
+                lv = self.live.get(eid) if eid is not None else None
+                if lv is not None and not lv.aborted:   # it stays live until that output: count it once
+                    lv.aborted = True
                     self.counters["requests_aborted_by_client"] += 1
                     self.engine.abort(eid)      # its final "abort" output comes from the next step
         elif isinstance(item, ClientGone):
