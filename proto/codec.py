@@ -5,8 +5,10 @@ socket thread, a client on its caller and transport threads.
 """
 from __future__ import annotations
 
+import itertools
 import re
 import threading
+import types
 import typing
 
 import msgspec
@@ -77,6 +79,8 @@ def _field_path(struct_type, indices: list[int]) -> str:
 
 def _struct_field_type(t, name):
     hint = typing.get_type_hints(t).get(name)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):     # an optional struct: GuidedDecoding | None
+        hint = next((h for h in typing.get_args(hint) if h is not type(None)), None)
     return hint if isinstance(hint, type) and hasattr(hint, "__struct_fields__") else None
 
 
@@ -93,11 +97,19 @@ def decode_client_checked(frame: bytes | memoryview):
         tag = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
         rid = raw[1] if tag == "generate" and len(raw) > 1 and isinstance(raw[1], str) else None
         field = ""
-        m = re.search(r"at `\$((?:\[\d+\])+)`", str(e))
-        if m and tag in _TAGS:
-            field = _field_path(_TAGS[tag], [int(x) for x in re.findall(r"\[(\d+)\]", m.group(1))])
-            # Sampling fields are named bare ("temperature"), as SamplingParams.validate() names them.
-            field = field.removeprefix("params.")
+        if tag in _TAGS:
+            # A request_error with no field says the request was fine (retry it): name one whenever msgspec
+            # says where. Its path ends at a map ("`key` in `$[3][14]`", "`$[3][14][...]`"), and an array
+            # that is too short is missing the element at the length it has.
+            path = re.search(r"`\$((?:\[(?:\d+|\.\.\.)\])*)`", str(e))
+            steps = re.findall(r"\[(\d+|\.\.\.)\]", path.group(1)) if path else []
+            indices = [int(i) for i in itertools.takewhile(str.isdigit, steps)]
+            short = re.match(r"Expected `array` of at least length \d+, got (\d+)", str(e))
+            if short:
+                indices.append(int(short.group(1)))
+            if indices:
+                # Sampling fields are named bare ("temperature"), as SamplingParams.validate() names them.
+                field = _field_path(_TAGS[tag], indices).removeprefix("params.")
         raise BadMessage(f"invalid message: {e}", rid, field) from None
     except msgspec.DecodeError as e:
         raise BadMessage(f"malformed frame: {e}") from None

@@ -103,7 +103,8 @@ def bad_fields(values: dict) -> set[str]:
 
 
 def field_matches(reported: str, fields: set[str]) -> bool:
-    return any(reported == f or reported.startswith(f + "[") for f in fields)
+    """The field, an element of it ("stop_token_ids[0]") or a field of a nested struct ("guided.kind")."""
+    return any(reported == f or reported.startswith((f + "[", f + ".")) for f in fields)
 
 
 @pytest.fixture(scope="module")

@@ -80,12 +80,22 @@ def test_the_two_directions_do_not_mix():
         decode_core(encode(Ping()))
 
 
+# Every SamplingParams field but `guided`, at its default, as the wire array.
+PARAMS = [16, 1.0, 1.0, -1, 0.0, None, [], False, None, [], True, 0.0, 0.0, 1.0, {}, 0, False]
+
+
 @pytest.mark.parametrize("frame, request_id, field", [
     (msgspec.msgpack.encode(["generate", "r1", [1, 2], [5, "hot"]]), "r1", "temperature"),
     (msgspec.msgpack.encode(["generate", "r2", [1, "x"]]), "r2", "prompt_token_ids[1]"),
     (msgspec.msgpack.encode(["generate", "r3", "not a list"]), "r3", "prompt_token_ids"),
     (msgspec.msgpack.encode(["generate", "r4", [1], [5, 1.0, 1.0, -1, 0.0, None, ["no"]]]), "r4", "stop_token_ids[0]"),
     (msgspec.msgpack.encode(["generate", 17, [1]]), None, "request_id"),
+    # An empty field would tell the client its request was fine and may be retried (PROTOCOL.md §6).
+    (msgspec.msgpack.encode(["generate", "r5"]), "r5", "prompt_token_ids"),
+    (msgspec.msgpack.encode(["generate", "r6", [1], PARAMS[:14] + [{"a": 1.0}]]), "r6", "logit_bias"),
+    (msgspec.msgpack.encode(["generate", "r7", [1], PARAMS[:14] + [{1: "a"}]]), "r7", "logit_bias"),
+    (msgspec.msgpack.encode(["generate", "r8", [1], PARAMS + [["regex", 5]]]), "r8", "guided.spec"),
+    (msgspec.msgpack.encode(["generate", "r9", [1], PARAMS + [["choice", "", ["a", 5]]]]), "r9", "guided.choices[1]"),
     (msgspec.msgpack.encode(["abort", "r1"]), None, "request_ids"),
     (msgspec.msgpack.encode(["no_such_tag", 1]), None, ""),
     (msgspec.msgpack.encode({"tag": "hello"}), None, ""),
@@ -107,6 +117,29 @@ def test_random_bytes_never_escape_as_anything_but_bad_message(data):
         decode_client_checked(data)
     except BadMessage:
         pass
+
+
+wire_values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=3),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.integers(-1, 3) | st.text(max_size=2),
+                                                                                       inner, max_size=2),
+                           max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 4), st.integers(-1, len(PARAMS)), wire_values)
+def test_a_bad_generate_whose_id_is_read_names_a_field(length, pos, value):
+    # A generate cut short, or with any value in any field (pos -1: the prompt): the request_error it gets
+    # names some field, never "" (which says the request was fine: retry it).
+    ids, params = [1], PARAMS + [None]
+    if pos < 0:
+        ids = value
+    else:
+        params[pos] = value
+    frame = msgspec.msgpack.encode(["generate", "r", ids, params][:length])
+    try:
+        decode_client_checked(frame)
+    except BadMessage as e:
+        assert e.request_id == "r" and e.field, e.message
 
 
 @settings(max_examples=100, deadline=None)
