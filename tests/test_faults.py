@@ -130,3 +130,27 @@ def test_sigstopped_core_is_declared_dead_and_serves_again_after_sigcont(tiny_mo
     finally:
         proc.send_signal(signal.SIGCONT)
         assert stop_core(proc) == 0, open(log).read()[-3000:]
+
+
+def test_a_failing_output_thread_ends_the_core_instead_of_leaving_it_deaf(tiny_model_dir, tmp_path):
+    # The output thread hits a bug (here: a stats value no msgpack integer holds). The core must say so to
+    # its clients and exit non-zero, not live on with nobody reading its socket or sending for it.
+    from llmserve_core import Engine, EngineConfig
+    from llmserve_core.server import DaemonConfig, serve
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=512, num_kv_blocks=64))
+    real_stats = eng.stats
+    eng.stats = lambda: {**real_stats(), "unencodable": 2**70}
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    codes, stop = [], threading.Event()
+    t = threading.Thread(target=lambda: codes.append(serve(eng, DaemonConfig(heartbeat_interval=0.2, log_interval=0),
+                                                           endpoint, stop=stop)), daemon=True)
+    t.start()
+    try:
+        with Client(endpoint, connect_timeout=READY_TIMEOUT, reconnect=False) as c:
+            with pytest.raises(EngineDeadError, match="output thread failed"):
+                c.stats()
+        t.join(60)
+        assert codes == [1]
+    finally:
+        stop.set()
+        t.join(60)

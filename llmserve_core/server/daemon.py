@@ -118,7 +118,7 @@ def serve(engine, cfg: DaemonConfig, endpoint: str, stop: threading.Event | None
     pair_addr = f"inproc://llmserve-outputs-{os.getpid()}"
     sock_thread = SocketThread(ctx, router, pair_addr, in_q, welcome, cfg.heartbeat_interval, cfg.client_timeout,
                                cfg.max_unread_bytes)
-    out_thread = OutputThread(ctx, pair_addr, out_q)
+    out_thread = OutputThread(ctx, pair_addr, out_q, in_q)
     busy = BusyLoop(engine, in_q, out_q, log_interval=cfg.log_interval, drain_timeout=cfg.drain_timeout,
                     num_clients=lambda: len(sock_thread.clients), stop=stop)
 

@@ -35,6 +35,7 @@ class StatsQuery:
 
 @dataclass
 class SocketFailed:
+    """The socket thread or the output thread failed (the latter puts it too): no client can be served."""
     reason: str
 
 

@@ -8,8 +8,8 @@ import threading
 
 import zmq
 
-from llmserve_proto import (Logprobs, OutputBatch, RequestError, RequestOutput, StatsReply, encode)
-from llmserve_core.server.events import Broadcast, ErrorReply, StatsResult, StepResult
+from llmserve_proto import (EngineError, Logprobs, OutputBatch, RequestError, RequestOutput, StatsReply, encode)
+from llmserve_core.server.events import Broadcast, ErrorReply, SocketFailed, StatsResult, StepResult
 
 log = logging.getLogger("llmserve_core.server")
 
@@ -37,9 +37,10 @@ def scalar_stats(stats: dict) -> dict:
 
 
 class OutputThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context, pair_addr: str, out_q: queue.SimpleQueue):
+    def __init__(self, ctx: zmq.Context, pair_addr: str, out_q: queue.SimpleQueue, in_q: queue.SimpleQueue):
         super().__init__(name="llmserve-output", daemon=True)
         self.out_q = out_q
+        self.in_q = in_q
         self.pair = ctx.socket(zmq.PAIR)
         self.pair.setsockopt(zmq.SNDHWM, 0)
         self.pair.connect(pair_addr)
@@ -57,8 +58,13 @@ class OutputThread(threading.Thread):
                     for client, payload in self._encode(item):
                         self.pair.send_multipart([client, payload], copy=False)
         except Exception:
+            # Without this thread nothing reaches a client again: tell them, and end the core (the socket
+            # thread stops at the end marker; the busy loop exits non-zero).
             log.exception("output thread failed")
+            reason = "output thread failed; see the core's log"
+            self.pair.send_multipart([BROADCAST, encode(EngineError(message=reason, fatal=True))])
             self.pair.send_multipart([BROADCAST, b""])
+            self.in_q.put(SocketFailed(reason))
         finally:
             self.pair.close(linger=1000)
 
