@@ -52,6 +52,11 @@ def model_difference(old: ModelInfo, new: ModelInfo) -> str | None:
 class Transport:
     def __init__(self, endpoint: str, *, connect_timeout: float = 60.0, heartbeat_timeout: float = 5.0,
                  client_name: str = "", reconnect: bool = True):
+        # Written so that NaN fails too: a NaN heartbeat timeout would never declare a stopped core dead.
+        if not connect_timeout >= 0:
+            raise ValueError(f"connect_timeout: must be a number of seconds >= 0, got {connect_timeout!r}")
+        if not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout: must be a number of seconds > 0, got {heartbeat_timeout!r}")
         self.endpoint = endpoint
         self.connect_timeout = connect_timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -84,7 +89,7 @@ class Transport:
     # ---- caller side (any thread) -----------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> Welcome:
         """Block until the first handshake completed; raise the transport's death otherwise."""
-        self._ready.wait(timeout)
+        self._ready.wait(None if timeout is None else min(timeout, threading.TIMEOUT_MAX))   # inf: no limit
         if self.welcome is None:
             raise self.dead or HandshakeTimeoutError(f"no handshake from a core at {self.endpoint}")
         return self.welcome

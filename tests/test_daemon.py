@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -400,6 +401,37 @@ def test_no_core_means_a_bounded_wait():
     with pytest.raises(HandshakeTimeoutError):
         Client("ipc:///nonexistent-dir/llmserve.sock", connect_timeout=0.5)
     assert time.monotonic() - t0 < 3.0
+
+
+def test_an_infinite_connect_timeout_waits_for_a_core_instead_of_raising():
+    from llmserve_client.transport import Transport
+    t = Transport("ipc:///nonexistent-dir/llmserve.sock", connect_timeout=math.inf)
+    got = []
+
+    def wait():
+        try:
+            t.wait_ready(math.inf)
+        except Exception as e:
+            got.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(1.0)
+    assert not got, got          # still waiting, as asked
+    t.close()                    # ...until the client is closed
+    waiter.join(10)
+    assert len(got) == 1 and isinstance(got[0], EngineDeadError), got
+
+
+@pytest.mark.parametrize("name, value", [("heartbeat_timeout", math.nan), ("heartbeat_timeout", 0.0),
+                                         ("heartbeat_timeout", -1.0), ("connect_timeout", math.nan),
+                                         ("connect_timeout", -1.0)])
+def test_a_timeout_that_could_never_fire_or_always_fires_is_refused(name, value):
+    # A NaN heartbeat timeout would never declare a stopped core dead: calls would hang on it.
+    kw = {"connect_timeout": 0.1, name: value}
+    for cls in (Client, AsyncClient):
+        with pytest.raises(ValueError, match=name):
+            cls("ipc:///nonexistent-dir/llmserve.sock", **kw)
 
 
 @pytest.mark.parametrize("args, needle", [
