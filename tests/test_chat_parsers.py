@@ -61,7 +61,7 @@ def test_hermes_whole():
     assert parse_tool_calls(broken) == (broken, [])
     deep = "<tool_call>\n" + "[" * 5000 + "\n</tool_call>"     # a model may nest past the JSON parser's depth
     assert parse_tool_calls(deep) == (deep, [])
-    assert ChoiceShaper(False, "", True).delta(deep, final=True) == {}
+    assert ChoiceShaper(False, "", True).delta(deep, final=True) == {"content": deep}
 
 
 def test_hermes_streamed_at_every_split_like_openai():
@@ -85,3 +85,27 @@ def test_hermes_full_message_and_finish_reason():
     assert len(msg["tool_calls"]) == 2 and msg["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
     msg, finish = ChoiceShaper(False, "", True).message("plain answer", "length")
     assert finish == "length" and msg == {"role": "assistant", "content": "plain answer"}
+
+
+@pytest.mark.parametrize("text", [
+    "ok <tool_call>\n{not json}\n</tool_call> and more",      # closed, but not JSON
+    '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',  # JSON, but no name
+    "ok <tool_call>\n{not json",                                # cut short inside it
+])
+def test_hermes_streamed_malformed_call_is_content_as_whole(text):
+    """A call that does not parse is text, streamed or not, and no call means no "tool_calls" finish."""
+    assert parse_tool_calls(text) == (text, [])
+    for cut in range(len(text) + 1):
+        shaper = ChoiceShaper(False, "", True)
+        _, content, deltas = stream_in_pieces(shaper, text, [cut, min(len(text), cut + 5)])
+        assert (content, deltas) == (text, []), cut
+        assert shaper.finish_reason("stop") == "stop", cut
+
+
+def test_hermes_streamed_call_indexes_count_only_calls_sent():
+    text = ("<tool_call>\n{not json}\n</tool_call>"
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    shaper = ChoiceShaper(False, "", True)
+    _, _, deltas = stream_in_pieces(shaper, text, [])
+    assert {d["index"] for d in deltas} == {0} and deltas[0]["function"]["name"] == "add"
+    assert shaper.finish_reason("stop") == "tool_calls"

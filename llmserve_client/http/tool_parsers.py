@@ -1,9 +1,10 @@
 """Tool-call parsers: find a model's tool calls in its text and stream them as OpenAI does.
 
 `hermes` (vLLM's name; Qwen3's format): each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-Text before the first call is content. While streaming, a call's id, type and name go out as soon as the
-name is complete, then its arguments as fragments of the model's own text (held back where they might
-still turn out to be the wrapper's closing brace), so the fragments concatenate to the arguments' JSON.
+Text before the first call is content, and so is a call that does not parse (whole or streamed, unless
+its name already went out). While streaming, a call's id, type and name go out as soon as the name is
+complete, then its arguments as fragments of the model's own text (held back where they might still turn
+out to be the wrapper's closing brace), so the fragments concatenate to the arguments' JSON.
 `required` and named tool choices are enforced with a grammar (`forced_call_guided`), not hoped for.
 """
 from __future__ import annotations
@@ -64,10 +65,9 @@ class ToolCallStream:
         self.buf = ""
         self.in_call = False
         self.call = ""              # the current call's text so far
-        self.index = -1             # OpenAI's tool_calls index of the current call
+        self.index = -1             # OpenAI's tool_calls index of the last call sent: only calls sent count
         self.head_sent = False
         self.args_sent = ""
-        self.seen_call = False
 
     @property
     def num_calls(self) -> int:
@@ -80,15 +80,13 @@ class ToolCallStream:
             if not self.in_call:
                 i = self.buf.find(START)
                 if i >= 0:
-                    if not self.seen_call:
+                    if not self.num_calls:
                         content.append(self.buf[:i])
                     self.buf = self.buf[i + len(START):]
                     self.in_call, self.call, self.head_sent, self.args_sent = True, "", False, ""
-                    self.seen_call = True
-                    self.index += 1
                     continue
                 keep = partial_tag_len(self.buf, START)
-                if not self.seen_call:       # text between or after calls is dropped, as vLLM does
+                if not self.num_calls:       # text between or after calls is dropped, as vLLM does
                     content.append(self.buf[:len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 break
@@ -96,8 +94,9 @@ class ToolCallStream:
             if i >= 0:
                 self.call += self.buf[:i]
                 self.buf = self.buf[i + len(END):]
-                calls.extend(self._finish_call())
-                self.in_call = False
+                text, done = self._end_call(END)
+                content.append(text)
+                calls.extend(done)
                 continue
             keep = partial_tag_len(self.buf, END)
             self.call += self.buf[:len(self.buf) - keep]
@@ -111,13 +110,13 @@ class ToolCallStream:
         if self.in_call:
             self.call += self.buf
             self.buf = ""
-            self.in_call = False
-            return "", self._finish_call()
+            return self._end_call("")
         buf, self.buf = self.buf, ""
-        return ("" if self.seen_call else buf), []
+        return ("" if self.num_calls else buf), []
 
     def _head(self, name: str) -> dict:
         self.head_sent = True
+        self.index += 1
         return {"index": self.index, "id": new_call_id(), "type": "function",
                 "function": {"name": name, "arguments": ""}}
 
@@ -135,10 +134,21 @@ class ToolCallStream:
             out.append(self._args(safe[len(self.args_sent):]))
         return out
 
-    def _finish_call(self) -> list[dict]:
+    def _end_call(self, closing: str) -> tuple[str, list[dict]]:
+        """The current call's text is all in (closing: its end tag, "" when the output ended inside it) ->
+        (content, tool_call deltas). A call that does not parse is text, as parse_tool_calls has it, unless
+        its head already went out (a stream cannot take that back)."""
+        self.in_call = False
+        calls = self._finish_call()
+        if calls is None:
+            return ("" if self.num_calls else START + self.call + closing), []
+        return "", calls
+
+    def _finish_call(self) -> list[dict] | None:
+        """The rest of the current call's deltas; None when it does not parse and nothing of it was sent."""
         loaded = _load_call(self.call.strip())
         if loaded is None:
-            return []
+            return [] if self.head_sent else None
         name, args = loaded
         out = [] if self.head_sent else [self._head(name)]
         m = _HEAD.match(self.call)
