@@ -109,3 +109,15 @@ def test_hermes_streamed_call_indexes_count_only_calls_sent():
     _, _, deltas = stream_in_pieces(shaper, text, [])
     assert {d["index"] for d in deltas} == {0} and deltas[0]["function"]["name"] == "add"
     assert shaper.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("args", ['"{\\"a\\": 1}"', '[1, 2]', '{"a": "}"}'])
+def test_hermes_streamed_arguments_equal_whole_whatever_their_json_type(args):
+    """A model may write the arguments as a JSON string: streamed, they are its text, as in whole responses
+    (not the string's JSON spelling)."""
+    text = '<tool_call>\n{"name": "f", "arguments": ' + args + '}\n</tool_call>'
+    (call,) = parse_tool_calls(text)[1]
+    for cut in range(len(text) + 1):
+        _, _, deltas = stream_in_pieces(ChoiceShaper(False, "", True), text, [cut, min(len(text), cut + 4)])
+        streamed = "".join(d["function"]["arguments"] for d in deltas)
+        assert json.loads(streamed) == json.loads(call["function"]["arguments"]), cut

@@ -129,7 +129,10 @@ class ToolCallStream:
         if m is None:
             return []
         out = [] if self.head_sent else [self._head(json.loads(f'"{m.group(1)}"'))]
-        safe = self.call[m.end():].rstrip(" \t\r\n}")
+        value = self.call[m.end():]
+        if not value.startswith("{"):
+            return out       # arguments as a JSON string (or no object): their text goes out whole at the end
+        safe = value.rstrip(" \t\r\n}")
         if len(safe) > len(self.args_sent) and safe.startswith(self.args_sent):
             out.append(self._args(safe[len(self.args_sent):]))
         return out
@@ -153,7 +156,7 @@ class ToolCallStream:
         out = [] if self.head_sent else [self._head(name)]
         m = _HEAD.match(self.call)
         raw = self.call[m.end():].rstrip() if m else ""
-        if m and raw.endswith("}") and raw[:-1].rstrip().startswith(self.args_sent):
+        if isinstance(args, dict) and raw.endswith("}") and raw[:-1].rstrip().startswith(self.args_sent):
             rest = raw[:-1].rstrip()[len(self.args_sent):]
         elif not self.args_sent:
             rest = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
