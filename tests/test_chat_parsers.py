@@ -91,6 +91,8 @@ def test_hermes_full_message_and_finish_reason():
     "ok <tool_call>\n{not json}\n</tool_call> and more",      # closed, but not JSON
     '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',  # JSON, but no name
     "ok <tool_call>\n{not json",                                # cut short inside it
+    '<tool_call>\n{"name": "a\\x", "arguments": {"q": 1}}\n</tool_call>',   # a name JSON cannot decode
+    '<tool_call>\n{"name": "a\nb", "arguments": {"q": 1}}\n</tool_call>',
 ])
 def test_hermes_streamed_malformed_call_is_content_as_whole(text):
     """A call that does not parse is text, streamed or not, and no call means no "tool_calls" finish."""

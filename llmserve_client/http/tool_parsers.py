@@ -36,6 +36,15 @@ def _load_call(text: str) -> tuple[str, object] | None:
     return obj["name"], obj.get("arguments", {})
 
 
+def _json_string(body: str) -> str | None:
+    """The text of a JSON string literal's body; None where JSON has no such string (a bad escape, a raw
+    control character)."""
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return None
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content before the calls or None, OpenAI tool_calls). A call that is not valid JSON leaves the
     whole text as content, as vLLM does."""
@@ -128,7 +137,12 @@ class ToolCallStream:
         m = _HEAD.match(self.call)
         if m is None:
             return []
-        out = [] if self.head_sent else [self._head(json.loads(f'"{m.group(1)}"'))]
+        out = []
+        if not self.head_sent:
+            name = _json_string(m.group(1))
+            if name is None:
+                return out   # the model's text is not JSON after all: the call is judged whole at its end
+            out.append(self._head(name))
         value = self.call[m.end():]
         if not value.startswith("{"):
             return out       # arguments as a JSON string (or no object): their text goes out whole at the end
