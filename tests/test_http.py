@@ -249,6 +249,18 @@ def test_token_id_prompt_and_raw_http(server, core):
     assert all(json.loads(e[len("data: "):])["object"] == "chat.completion.chunk" for e in events[:-1])
 
 
+def test_null_means_the_default_where_openai_allows_null(server):
+    """OpenAI's schema makes n, stream, logprobs and echo nullable; clients generated from it send null for
+    what they leave unset."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "max_tokens": 2, "temperature": 0}
+    for path, body in [("/v1/chat/completions", {"messages": CHAT, **nulls, "top_logprobs": None}),
+                       ("/v1/completions", {"prompt": "def f(x):", **nulls, "echo": None})]:
+        r = httpx.post(server + path, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]                      # n: 1
+        assert choice["logprobs"] is None and not choice.get("text", "").startswith("def f(x):")   # no echo
+
+
 def test_concurrent_streams_each_get_their_own_tokens(server, core):
     prompts = ["def add(a, b):", "Return the value of", "The quick brown fox", "class Stack:", "while True:",
                "for i in range(10):", "print('hello')", "import os"]

@@ -37,8 +37,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1              # OpenAI's schema lets n, stream, echo and chat's logprobs be null: the default
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -61,13 +61,21 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def __post_init__(self):
+        self.n = 1 if self.n is None else self.n
+        self.stream = bool(self.stream)
+
 
 class CompletionRequest(_Request):
     prompt: str | list[Any]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.echo = bool(self.echo)
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -110,12 +118,16 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True):
 class ChatRequest(_Request):
     messages: list[Message]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.logprobs = bool(self.logprobs)
 
 
 def decode(body: bytes, kind: type[_Request]) -> _Request:
