@@ -367,6 +367,8 @@ def test_bad_completion_requests(oai, server):
     r = httpx.post(server + "/v1/completions", json={"max_tokens": 3}, timeout=10)   # no prompt
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert httpx.get(server + "/v1/nothing-here", timeout=10).status_code == 404
+    r = httpx.get(server + "/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------ disconnects

@@ -546,7 +546,7 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
     async def http_error(request: Request, exc: HTTPException) -> Response:
         err = ApiError(exc.detail or "error", None, status=exc.status_code,
                        type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)   # 405's Allow
 
     routes = [
         Route("/v1/completions", fe.completions, methods=["POST"]),
