@@ -170,6 +170,23 @@ def test_chat_matches_client_library_streaming_and_not(oai, core):
     assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + 16
 
 
+def test_sdk_message_dumped_back_into_the_history(oai, core):
+    """messages.append(r.choices[0].message.model_dump()) writes every field of the SDK's message, null
+    where unused (refusal, annotations, audio, function_call): the next turn must take it."""
+    r = oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, temperature=0)
+    history = [*CHAT, r.choices[0].message.model_dump(), {"role": "user", "content": "Another one."}]
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(history[2])
+    ref = core[1].generate([*CHAT, {"role": "assistant", "content": r.choices[0].message.content},
+                            {"role": "user", "content": "Another one."}], max_tokens=4, temperature=0)
+    again = oai.chat.completions.create(model=NAME, messages=history, max_tokens=4, temperature=0)
+    assert again.choices[0].message.content == ref.text
+    # What a template cannot carry is refused, not dropped.
+    for field, value in [("refusal", "I can't."), ("function_call", {"name": "f", "arguments": "{}"})]:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=NAME, messages=[*CHAT, {"role": "assistant", field: value}])
+        assert e.value.response.json()["error"]["param"] == f"messages[2].{field}"
+
+
 def test_seed_reproducible(oai):
     kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=16, temperature=1.0)
     a = oai.completions.create(**kw, seed=7).choices[0].text

@@ -101,6 +101,13 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     tool_calls: list[ToolCall] | None = None        # an assistant turn that called tools
     tool_call_id: str | None = None                 # a tool turn: the call it answers
     reasoning_content: str | None = None            # an assistant turn's thinking, as this server returned it
+    # The rest of OpenAI's assistant message, which its SDK writes back (model_dump()) as null when unused:
+    # accepted at that neutral value only, since the templates have no place for it. annotations describe
+    # the content (citations) and ask for nothing, so any is accepted and left out.
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
 
 
 class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
@@ -249,6 +256,9 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         if m.role not in CHAT_ROLES:
             raise ApiError(f"role {m.role!r} is not supported; expected one of {', '.join(CHAT_ROLES)}",
                            f"messages[{i}].role")
+        for name in ("refusal", "audio", "function_call"):
+            if getattr(m, name) is not None:
+                raise ApiError(f"{name} is not supported in messages (only null)", f"messages[{i}].{name}")
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
