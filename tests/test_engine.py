@@ -168,6 +168,23 @@ def test_duplicate_id_and_unknown_abort(engine):
     _assert_all_blocks_free(engine)
 
 
+def test_generate_keeps_the_outputs_of_requests_it_did_not_add(engine):
+    """generate() steps the whole engine: a request queued through add_request() that makes progress (or
+    ends) meanwhile still reports every token and its finish from the caller's next step()."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    alone = engine.generate([[1, 2, 3]], params)[0].token_ids
+    engine.add_request("queued", [1, 2, 3], params)
+    engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    tokens, finish = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "queued" and finish is None
+            tokens += out.new_token_ids
+            finish = out.finish_reason
+    assert tokens == alone and finish == "length"
+    _assert_all_blocks_free(engine)
+
+
 def test_abort_mid_generation_frees_blocks(engine):
     engine.add_request("a", list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", list(range(2, 30)), SamplingParams(max_tokens=50, ignore_eos=True))

@@ -395,13 +395,14 @@ class Engine:
     # ---- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[Completion]:
-        """Run prompts to completion; results in input order."""
+        """Run prompts to completion; results in input order. Requests queued through add_request() step
+        along: their outputs meanwhile come from the next step()."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValidationError("params", f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = [f"generate-{self.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
-        added = []
+        added, others = [], []
         try:
             for rid, p, sp in zip(ids, prompts, params_list):
                 self.add_request(rid, p, sp)
@@ -411,6 +412,7 @@ class Engine:
                 for out in self.step():
                     res = results.get(out.request_id)
                     if res is None:
+                        others.append(out)
                         continue
                     res.token_ids.extend(out.new_token_ids)
                     res.num_cached_tokens = out.num_cached_tokens
@@ -422,7 +424,7 @@ class Engine:
         finally:
             for rid in added:
                 self.abort(rid)   # no-op for the finished ones; frees the rest if we were interrupted
-            self._pending = [o for o in self._pending if o.request_id not in results]
+            self._pending = others + [o for o in self._pending if o.request_id not in results]
         return [results[rid] for rid in ids]
 
     def stats(self) -> dict:
