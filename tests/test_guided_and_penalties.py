@@ -349,6 +349,41 @@ def test_request_waits_in_queue_until_its_grammar_compiles(tiny_model_dir, tok, 
     assert tok.decode(text, skip_special_tokens=True) == "ok"
 
 
+def test_a_grammar_failing_as_a_step_starts_ends_only_its_request(tiny_model_dir, tok, monkeypatch):
+    """Compilation runs beside the step loop, so it may fail after a step dropped the failed grammars and
+    before it schedules: the request must not start then (its mask cannot be built, and the failing step
+    would take every request of its batch down) but end with "abort" at the next step."""
+    import threading
+    from llmserve_core.engine import grammar as grammar_mod
+    gate = threading.Event()
+
+    def failing_compile(self, g):
+        assert gate.wait(120)
+        raise RuntimeError("grammar too large")
+
+    monkeypatch.setattr(grammar_mod.GrammarService, "_compile", failing_compile)
+    eng = engine(tiny_model_dir)
+    eng.add_request("guided", tok.encode("a"), SamplingParams(max_tokens=8, temperature=1.0, seed=0,
+                                                             guided=GuidedDecoding(kind="choice", choices=["ok"])))
+    eng.add_request("plain", tok.encode("b"), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    grammar = eng.requests["guided"].grammar
+    real_drop = eng._drop_failed_grammars
+
+    def drop_then_fail():
+        real_drop()
+        gate.set()
+        grammar.future.exception(timeout=120)      # the compilation has failed by the time the step schedules
+
+    monkeypatch.setattr(eng, "_drop_failed_grammars", drop_then_fail)
+    finished = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finish_reason:
+                finished[o.request_id] = o.finish_reason
+    assert finished == {"guided": "abort", "plain": "length"}
+    assert eng.stats()["used_kv_blocks"] == 0
+
+
 def test_grammar_and_penalty_requests_decode_plainly_in_a_speculative_core(tiny_model_dir, tok, tmp_path):
     """Requests with a grammar or penalties never draft (exactness without per-draft masks); the others
     in the same batch still do, and greedy output equals the plain engine's."""

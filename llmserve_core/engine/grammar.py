@@ -154,7 +154,9 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        return self.future.done()
+        """Compiled. A failed compilation never is: it may land after this step dropped the failed grammars
+        (Engine._drop_failed_grammars), and a started request would fail its whole batch at its mask."""
+        return self.future.done() and self.future.exception() is None
 
     @property
     def failed(self) -> BaseException | None:
