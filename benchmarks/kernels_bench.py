@@ -509,8 +509,8 @@ def main():
                     help="only decode at batch 64 and 256 (512 and 640 keys, the step benchmarks' contexts), "
                          "the default tiles against a sweep of splits, key tiles, warps and stages")
     ap.add_argument("--fp8-kv", action="store_true",
-                    help="only decode and extend over FP8 (e4m3) caches beside the model-dtype cache at the "
-                         "same shapes, with a sweep of FP8 decode tiles")
+                    help="only decode, extend and prefill over FP8 (e4m3) caches beside the model-dtype cache "
+                         "at the same shapes, with sweeps of FP8 decode and prefill tiles")
     ap.add_argument("--verify-only", action="store_true",
                     help="only speculative verify shapes (rows per sequence, causal and tree-masked), the "
                          "decode kernel's rows path in several tile configs against the prefill kernel")
@@ -559,10 +559,16 @@ def main():
             step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False)
             step(f"decode b{batch} {ctx} p16 fp8", b.decode, batch, ctx, 16, False, fp8=True,
                  sweep=fp8_tiles if batch >= 64 else [dict(block_n=128), dict(block_n=128, num_warps=8)])
+        # The prefill tiles were chosen for 16-bit caches; an e4m3 K/V tile of as many keys is half the shared
+        # memory, so deeper pipelines and longer key tiles fit too.
+        fp8_prefill = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                       for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
+                                             (64, 64, 4, 3), (64, 64, 4, 4), (128, 256, 8, 2))]
         for fp8 in (False, True):
             step(f"extend 4x1024+2048 p16{' fp8' * fp8}", b.prefill, "extend", [1024] * 4, [2048] * 4, 16, False,
-                 fp8=fp8)
-            step(f"prefill 8x512 p16{' fp8' * fp8}", b.prefill, "prefill", [512] * 8, [0] * 8, 16, False, fp8=fp8)
+                 configs=fp8_prefill if fp8 else (), fp8=fp8)
+            step(f"prefill 8x512 p16{' fp8' * fp8}", b.prefill, "prefill", [512] * 8, [0] * 8, 16, False,
+                 configs=fp8_prefill if fp8 else (), fp8=fp8)
     elif args.verify_only:
         # Chain verifies (4 rows), static trees (~10), dynamic trees (32): GROUP 4 makes 16-128 tile rows.
         # The merge of a split's pieces grows with the rows, so fewer, longer pieces may pay for verifies.
