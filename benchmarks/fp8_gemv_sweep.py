@@ -7,6 +7,7 @@ against the copy bandwidth. It ends with the best config per (shape, rows, scale
 kernels/fp8_gemv.py's default table.
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --out $OUT/fp8_gemv_sweep.json   # H200, ~90 s
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --a8x --out $OUT/fp8_a8x_sweep.json
     python3 benchmarks/fp8_gemv_sweep.py --smoke --out /tmp/fp8_gemv_sweep.json          # CPU interpreter
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
-from llmserve_core.kernels.fp8_gemv import (fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config,  # noqa: E402
-                                             fp8_gemv_reference)
+from llmserve_core.kernels.fp8_gemv import (fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
+                                             fp8_gemv_config, fp8_gemv_reference)
+from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
 from gemv_bench import launches_us  # noqa: E402
 
@@ -48,6 +50,15 @@ FMA_MAX_ROWS = 4
 # beside the tree's defaults and, at one row, the stream kernel the engine runs today (plain and under PDL)
 A8_CANDIDATES = (("a8", 64, 128, 4, 3, 4), ("a8", 64, 128, 4, 5, 4), ("a8", 64, 128, 4, 8, 4),
                  ("a8", 128, 128, 4, 4, 2), ("a8", 128, 128, 8, 4, 2), ("a8", 64, 128, 4, 4, 8))
+# --a8x: one row, every tile under PDL; "a8x" reads an x quantized ahead (e4m3 + a scale per 1 x 128 piece,
+# what the kernel before could write), "a8" quantizes it in the kernel, beside the same tiles. Every program
+# repeats that amax pass for its tile, so a narrow tile pays it per fewer weight bytes: if the pass is what
+# keeps narrow, unsplit tiles (no split-K merge) behind, "a8x" shows it.
+A8X_CANDIDATES = (("a8x", 64, 128, 4, 3, 4), ("a8x", 64, 128, 4, 4, 1), ("a8x", 64, 128, 4, 6, 1),
+                  ("a8x", 32, 128, 4, 3, 4), ("a8x", 32, 128, 4, 4, 2), ("a8x", 32, 128, 4, 4, 1),
+                  ("a8x", 32, 128, 2, 4, 1), ("a8x", 32, 64, 4, 6, 1), ("a8x", 128, 128, 8, 4, 2),
+                  ("a8", 64, 128, 4, 4, 1), ("a8", 32, 128, 4, 4, 2), ("a8", 32, 128, 4, 4, 1))
+X_GROUP = 128
 
 
 def split_for(n, k, block_n, block_k, sms, per_sm):
@@ -59,13 +70,18 @@ def split_for(n, k, block_n, block_k, sms, per_sm):
     return split
 
 
-def kernel_call(label, cfg):
-    """x, weight, scale, block -> y for one row of the sweep: fp8_gemv in a config, or the stream kernel."""
+def kernel_call(label, cfg, x_ahead=None):
+    """x, weight, scale, block -> y for one row of the sweep: fp8_gemv in a config, or the stream kernel.
+    A config marked X_AHEAD reads x_ahead (x quantized before the timed calls) in place of x."""
     if cfg is None:
         pdl = label == "stream_pdl"
         return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl)
     cfg = dict(cfg)
     pdl = cfg.pop("PDL", False)
+    if cfg.pop("X_AHEAD", False):
+        xq, xs = x_ahead
+        return lambda x, q, s, b: fp8_gemv(xq, q, s, b, config=cfg, pdl=pdl, x_scale=xs, x_group=X_GROUP,
+                                           out_dtype=x.dtype)
     return lambda x, q, s, b: fp8_gemv(x, q, s, b, config=cfg, pdl=pdl)
 
 
@@ -90,6 +106,8 @@ def main():
     p.add_argument("--budget-s", type=float, default=90.0, help="stop starting new timings after this many seconds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes through the CPU interpreter")
     p.add_argument("--a8", action="store_true", help="the W8A8 tiles against the defaults and the stream kernel")
+    p.add_argument("--a8x", action="store_true",
+                   help="one row: W8A8 tiles reading an x quantized ahead against the same tiles quantizing it")
     args = p.parse_args()
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -104,6 +122,9 @@ def main():
     candidates = (CANDIDATES[3], CANDIDATES[4], CANDIDATES[-1]) if args.smoke else CANDIDATES
     if args.a8:
         candidates = A8_CANDIDATES[:1] if args.smoke else A8_CANDIDATES
+    if args.a8x:
+        candidates = (A8X_CANDIDATES[3], A8X_CANDIDATES[-1]) if args.smoke else A8X_CANDIDATES
+    rows = (1,) if args.a8x else ROWS
     for name, (n, k) in shapes.items():
         copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
         w = [torch.randn(n, k, device=dev, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
@@ -111,32 +132,43 @@ def main():
                    "block": [quantize_per_block(t, BLOCK) + (BLOCK,) for t in w]}
         del w
         for scale, ws in weights.items():
-            for m in ROWS:
+            for m in rows:
                 x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+                x_ahead = quantize_activation(x, X_GROUP)
                 refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
                         "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
                 case = {}
-                configs = {"current": fp8_gemv_config(m, n, k, ws[0][2], sms)}
+                # what the engine runs here (under PDL on the GPU, as the decode chain launches it)
+                current = fp8_gemv_config(m, n, k, ws[0][2], sms, fp8_dot=cuda and fp8_dot_supported(x.device),
+                                          stream=cuda)
+                if current["KERNEL"] == "stream":
+                    configs = {"stream_pdl": None}
+                else:
+                    configs = {"current": dict(current, PDL=cuda and current["KERNEL"] == "a8")}
                 if args.a8 and m == 1 and cuda:     # (PDL launches need the GPU)
                     configs["stream"] = configs["stream_pdl"] = None
                 for kernel, bn, bk, warps, stages, per_sm in candidates:
-                    if kernel in ("dot", "a8") and scale == "block" and BLOCK[1] % bk:
+                    if kernel in ("dot", "a8", "a8x") and scale == "block" and BLOCK[1] % bk:
                         continue    # the tensor-core kernel's K tile must not straddle a scale block
                     if kernel.startswith("fma") and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
                         continue    # (late reduction holds BLOCK_M times the registers: one row only)
                     split = split_for(n, k, bn, bk, sms, per_sm)
                     label = f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"
                     configs[label] = dict(
-                        KERNEL=kernel, BLOCK_M=1 << (m - 1).bit_length() if kernel.startswith("fma") else 16,
-                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
-                    if kernel == "a8" and cuda:
+                        KERNEL="a8" if kernel == "a8x" else kernel,
+                        BLOCK_M=1 << (m - 1).bit_length() if kernel.startswith("fma") else 16,
+                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
+                        **({"X_AHEAD": True} if kernel == "a8x" else {}))
+                    if args.a8x and cuda:        # as the decode chain launches them: under PDL only
+                        configs[label] = dict(configs[label], PDL=True)
+                    elif kernel == "a8" and cuda:
                         configs[label + "_pdl"] = dict(configs[label], PDL=True)
                 for label, cfg in configs.items():
                     if time.time() - t_start > args.budget_s and label != "current":
                         case[label] = {"skipped": "time budget"}
                         continue
                     try:
-                        call = kernel_call(label, cfg)
+                        call = kernel_call(label, cfg, x_ahead)
                         ref = refs["a8" if cfg and cfg.get("KERNEL") == "a8" else "weight_only"]
                         err = rel_err(call(x, *ws[0]), ref)
                         row = {"config": cfg, "rel_err": err}
@@ -155,10 +187,16 @@ def main():
                 timed = {lbl: r for lbl, r in case.items() if "us" in r}
                 if timed:
                     best = min(timed, key=lambda c: timed[c]["us"])
-                    cur = timed.get("current", {})
+                    cur = timed.get("current", timed.get("stream_pdl", {}))
                     print(f"{name:>8} m{m:<3}{scale:<8} current {cur.get('tb_s', float('nan')):5.2f} TB/s  "
                           f"best {best} {timed[best]['tb_s']:5.2f} TB/s ({100 * timed[best]['fraction_of_copy']:.0f}% of copy)"
                           f"  [{time.time() - t_start:.0f} s]", flush=True)
+                    if args.a8x:
+                        for kind in ("a8x", "a8"):
+                            mine = {lbl: r for lbl, r in timed.items() if lbl.startswith(kind + "_")}
+                            if mine:
+                                top = min(mine, key=lambda c: mine[c]["us"])
+                                print(f"{'':>8} best {kind:<4} {top} {mine[top]['tb_s']:5.2f} TB/s", flush=True)
                 with open(args.out, "w") as f:
                     json.dump(res, f, indent=1)
         del weights
@@ -168,12 +206,14 @@ def main():
     table = {}
     for key, case in res["cases"].items():
         timed = {lbl: r for lbl, r in case.items() if "us" in r}
-        timed = {lbl: r for lbl, r in timed.items() if r["config"] is not None}    # the stream kernel has no entry
+        # (the stream kernel has no entry, and no layer hands the GEMV an x quantized ahead)
+        timed = {lbl: r for lbl, r in timed.items() if r["config"] is not None and not r["config"].get("X_AHEAD")}
         if timed:
             best = min(timed, key=lambda c: timed[c]["us"])
             name, rows, scale = key.split("_m")[0], int(key.split("_m")[1].split("_")[0]), key.rsplit("_", 1)[1]
             n, k = shapes[name]
-            table[repr((n, k, rows, scale))] = dict(timed[best]["config"])
+            # (how it was launched is the caller's: the table holds the tile)
+            table[repr((n, k, rows, scale))] = {c: v for c, v in timed[best]["config"].items() if c != "PDL"}
     res["best"] = table
     res["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:

@@ -168,6 +168,31 @@ def test_fp8_gemv_a8(m, n, k, block, dtype, block_n, split_k):
         assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 4e-2
 
 
+@pytest.mark.parametrize("m,n,k,block,block_n,group,split_k", [
+    (1, 48, 256, None, 16, 32, 1),
+    (3, 40, 200, None, 16, 64, 3),                # ragged N and K, two K tiles per x scale, a split past K
+    (16, 64, 384, (32, 32), 32, 32, 2),           # block scales, split-K
+])
+def test_fp8_gemv_on_an_x_quantized_ahead(m, n, k, block, block_n, group, split_k):
+    """The a8 kernel reading an e4m3 x with its scales (what a producer kernel could hand it) computes what
+    quantizing x in the kernel does, to float precision."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w, s = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE) * torch.rand(m, 1, generator=gen).to(DEVICE)
+    x[0, :40] = 0.0                  # a whole zero group keeps a finite scale
+    xq, xs = quantize_activation(x, group)
+    config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
+    for _ in range(2):                  # twice: the split-K counters must re-arm themselves
+        out = fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=group, out_dtype=torch.float32)
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        assert rel_err(out, fp8_gemv_a8_reference(x, w, s, block, group=group)) < A8_TOL
+    with pytest.raises(AssertionError, match="x_scale"):
+        fp8_gemv(xq, w, s, block, config=config, out_dtype=torch.float32)
+    with pytest.raises(AssertionError, match="BLOCK_K must divide"):
+        fp8_gemv(xq, w, s, block, config=dict(config, BLOCK_K=128), x_scale=xs, x_group=group,
+                 out_dtype=torch.float32)
+
+
 def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
     gen = torch.Generator().manual_seed(5)
     w, s = random_fp8_weight(64, 128, (32, 32), gen)
@@ -396,3 +421,21 @@ def test_fp8_kv_at_qwen3_8b_shapes():
     out = paged_prefill(q, kc8, vc8, qsl, lens, bt, 512, 128 ** -0.5, k_scale=0.01, v_scale=0.02)
     ref = paged_attention_reference(q, kc8, vc8, lens, bt, query_start_loc=qsl, scale=128 ** -0.5, k_scale=0.01, v_scale=0.02)
     assert rel_err(out, ref) < 2e-2
+
+
+def test_fp8_gemv_sweep_smoke(tmp_path):
+    """benchmarks/fp8_gemv_sweep.py --a8x on tiny shapes in the interpreter, so the script the device runs
+    cannot rot unseen: every tile, x quantized ahead or in the kernel, checked against its reference."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_gemv_sweep.py"
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, str(script), "--smoke", "--a8x", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4                              # two shapes x two scale kinds, one row
+    for rows in cases.values():
+        assert {lbl.split("_")[0] for lbl in rows} >= {"current", "a8x", "a8"}, rows
+        assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows.values()), rows

@@ -25,19 +25,20 @@ import triton.language as tl
 
 from llmserve_core.kernels.gemv import TABLE_SMS, gemv_config, num_sms, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
-from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, dequantize_weight
+from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, dequantize_weight
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 MAX_ROWS = 16     # the measured tables' row classes; layers/fp8_linear.py quantizes x for a W8A8 GEMM past it
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
-                     stride_sn, stride_sk,
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_xs, stride_y,
+                     k_per_split, stride_sn, stride_sk,
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr,
+                     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr, X_GROUP: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+    """X_GROUP > 0: x is already e4m3, with a float32 scale per 1 x X_GROUP piece of each row at xs_ptr."""
     pdl_wait_and_release(PDL)      # x comes from the kernel before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,7 +60,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
         else:
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
-        if QUANT_X:
+        if X_GROUP > 0:
+            # W8A8 on an x quantized ahead: no amax pass across the tile, whatever the tile's width.
+            x_s = tl.load(xs_ptr + offs_m * stride_xs + k0 // X_GROUP, mask=m_mask & (k0 < K), other=0.0)
+            part = tl.dot(w, tl.trans(xv)) * x_s[None, :]
+        elif QUANT_X:
             # W8A8: each row's K tile is quantized on the fly with its own scale (one per 1 x BLOCK_K
             # piece), so the FP8 weight meets the tensor cores as it was loaded, never widened.
             xf = xv.to(tl.float32)
@@ -181,12 +186,18 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-             config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+             config: dict | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
+             x_group: int = 128, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
 
     config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
     FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead. pdl: launch
-    under PDL (the tensor-core kernels), as a link of the decode chain."""
+    under PDL (the tensor-core kernels), as a link of the decode chain.
+
+    x may come quantized already (e4m3, x_scale [M, ceil(K / x_group)] float32, as
+    fp8_quant.quantize_activation(x, x_group) makes it; the result in out_dtype): the "a8" kernel then
+    skips its amax pass, which every program repeats for its tile (benchmarks/fp8_gemv_sweep.py --a8x
+    measures what that pass costs)."""
     m, k = x.shape
     n = w.shape[0]
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
@@ -195,6 +206,12 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     kernel = cfg.pop("KERNEL", "dot")
     assert kernel in ("dot", "a8", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
+    prequantized = x.dtype == FP8
+    if prequantized:
+        assert kernel == "a8", "fp8_gemv: an e4m3 x needs the a8 kernel"
+        assert x_group % block_k == 0, "fp8_gemv: BLOCK_K must divide x's scale group"
+        assert x_scale is not None and x_scale.shape == (m, triton.cdiv(k, x_group)) and out_dtype is not None, \
+            f"fp8_gemv: an e4m3 x takes x_scale [{m}, {triton.cdiv(k, x_group)}] and an out_dtype"
     fma = kernel.startswith("fma")
     assert not (pdl and fma), "fp8_gemv: the CUDA-core kernel does not launch under PDL"
     assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
@@ -208,7 +225,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     else:
         assert scale.shape == (n,), f"fp8_gemv: per-channel scale must be [{n}], got {tuple(scale.shape)}"
         stride_sn, stride_sk = 1, 0
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype if prequantized else x.dtype, device=x.device)
     n_blocks = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     parts, counts = SPLIT_K_SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
@@ -219,9 +236,12 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     if fma:
         _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
-        _fp8_gemv_kernel[(n_blocks, split)](*args, **common, DOT_IEEE=x.dtype == torch.float32,
-                                            QUANT_X=kernel == "a8", FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                                            PDL=pdl, **cfg, **pdl_launch(pdl))
+        xs, stride_xs = (x_scale, x_scale.stride(0)) if prequantized else (x, 0)   # (x: any pointer, unread)
+        _fp8_gemv_kernel[(n_blocks, split)](x, xs, w, scale, y, parts, counts, m, n, k, x.stride(0), stride_xs,
+                                            y.stride(0), k_per_split, stride_sn, stride_sk,
+                                            **common, DOT_IEEE=x.dtype == torch.float32,
+                                            QUANT_X=kernel == "a8", X_GROUP=x_group if prequantized else 0,
+                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 
