@@ -174,6 +174,7 @@ class Workload:
                 raise ValueError(f"the corpus has {len(self.corpus)} tokens, fewer than the input length {longest}")
         self.prefixes = [self._tokens(cfg.shared_prefix_len) for _ in range(cfg.num_prefixes)] \
             if cfg.shared_prefix_len else []
+        self._order: list[int] = []       # dataset indices still to hand out in this pass
         self.count = 0
 
     def _tokens(self, n: int) -> list[int]:
@@ -185,7 +186,12 @@ class Workload:
     def next(self) -> RequestSpec:
         self.count += 1
         if self.dataset is not None:
-            ids, n_out = self.dataset[self.rng.randrange(len(self.dataset))]
+            # Each entry once per pass, in a seeded order (as vLLM samples ShareGPT): drawing with replacement
+            # repeats prompts early, and a repeat is served from the prefix cache.
+            if not self._order:
+                self._order = list(range(len(self.dataset)))
+                self.rng.shuffle(self._order)
+            ids, n_out = self.dataset[self._order.pop()]
             return RequestSpec(list(ids), n_out, "dataset")
         cfg = self.cfg
         if cfg.mix:

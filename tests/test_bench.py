@@ -189,6 +189,22 @@ def test_sharegpt_dataset(tok, tmp_path):
                  max_model_len=4)
 
 
+def test_dataset_prompts_are_drawn_without_replacement(tok, tmp_path):
+    # Drawing with replacement repeats prompts long before the dataset is used up, and a repeat is a full
+    # prefix-cache hit: TTFT too good, and the "seen these prompts before" note blaming the core.
+    data = [{"conversations": [{"from": "human", "value": f"question number {i}"},
+                               {"from": "gpt", "value": f"answer {i}"}]} for i in range(20)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    cfg = WorkloadConfig(dataset=str(path), output_len=None, seed=5)
+    w = Workload(cfg, vocab_size=tok.vocab_size, special_ids=tok.special_ids, tokenizer=tok, max_model_len=256)
+    prompts = [tuple(s.prompt_token_ids) for s in w.take(40)]
+    assert len(set(prompts[:20])) == 20 and set(prompts[20:]) == set(prompts[:20])   # each once per pass
+    assert prompts[:20] != [tuple(ids) for ids, _ in w.dataset]                           # in a seeded random order
+    again = Workload(cfg, vocab_size=tok.vocab_size, special_ids=tok.special_ids, tokenizer=tok, max_model_len=256)
+    assert [tuple(s.prompt_token_ids) for s in again.take(40)] == prompts
+
+
 def test_bench_imports_neither_torch_nor_core():
     code = ("import sys, llmserve_bench, llmserve_bench.cli, llmserve_bench.report, llmserve_bench.compare; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('llmserve_core')]; "
