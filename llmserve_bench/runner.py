@@ -182,11 +182,11 @@ async def run_finite(client: AsyncClient, workload: Workload, *, num_requests: i
     try:
         due = t0
         for spec, rec, gap in zip(specs, records, gaps):
-            due += gap
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(spec, rec)))
+            due += gap      # gaps come between requests: a wait before the first would idle inside the duration
         await asyncio.gather(*tasks)
     finally:
         for t in tasks:

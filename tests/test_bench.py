@@ -212,6 +212,73 @@ def test_bench_imports_neither_torch_nor_core():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
 
 
+# ---------------------------------------------------------------- the runners against a scripted client
+
+class FakeClient:
+    """Answers every request with max_tokens tokens, one every `token_s` seconds after `ttft_s` (or per-request
+    durations from `ttft_for(prompt_len)`): the runners' scheduling and bookkeeping without a core."""
+
+    def __init__(self, ttft_s=0.0, token_s=0.0, ttft_for=None):
+        from types import SimpleNamespace
+        self.model_info = SimpleNamespace(model="fake", name="fake", vocab_size=100, max_model_len=4096,
+                                          eos_token_ids=[], speculative=None, speculative_model=None)
+        self.ttft_for = ttft_for or (lambda _n: ttft_s)
+        self.token_s = token_s
+        self.in_flight = self.max_in_flight = 0
+
+    async def stats(self, timeout=None):
+        return {"running": self.in_flight}
+
+    async def stream(self, ids, detokenize=False, max_tokens=1, **_):
+        return FakeStream(self, len(ids), max_tokens)
+
+
+class FakeStream:
+    def __init__(self, client, n_in, n_out):
+        from types import SimpleNamespace
+        self.client, self.n_in, self.n_out = client, n_in, n_out
+        self.completion = SimpleNamespace(timings=SimpleNamespace(sent=time.monotonic(), token_times=[], done=None),
+                                          finish_reason="length", usage=SimpleNamespace(cached_tokens=0))
+
+    async def __aenter__(self):
+        self.client.in_flight += 1
+        self.client.max_in_flight = max(self.client.max_in_flight, self.client.in_flight)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.client.in_flight -= 1
+
+    async def __aiter__(self):
+        import asyncio
+        from types import SimpleNamespace
+        t = self.completion.timings
+        for i in range(self.n_out):
+            await asyncio.sleep(self.client.ttft_for(self.n_in) if i == 0 else self.client.token_s)
+            t.token_times.append(time.monotonic())
+            yield SimpleNamespace(token_ids=[1])
+        t.done = time.monotonic()
+
+
+def _fake_workload(**kw):
+    return Workload(WorkloadConfig(**{"input_len": 8, "output_len": 2, **kw}), vocab_size=100)
+
+
+def test_poisson_arrivals_start_with_the_first_request():
+    # vLLM sends the first request at the start and waits the drawn gaps between requests. Waiting one gap
+    # before the first request added an idle stretch (mean 1 / rate) to the benchmark duration, so every
+    # throughput came out low.
+    import asyncio
+    from llmserve_bench.runner import run_finite
+    rng = random.Random(1 + 1)                         # the arrival generator of --seed 1
+    gaps = [rng.gammavariate(1.0, 1.0 / 5.0) for _ in range(3)]
+    assert gaps[0] > 0.5                               # a first gap that would show
+    res = asyncio.run(run_finite(FakeClient(), _fake_workload(seed=1), num_requests=3, request_rate=5.0,
+                                 progress=False, stats_interval=0.05))
+    sent = [r.sent - res.t0 for r in res.records]
+    assert sent[0] < gaps[0] / 2
+    assert sent[1] == pytest.approx(gaps[0], abs=0.2) and sent[2] == pytest.approx(gaps[0] + gaps[1], abs=0.2)
+
+
 # ---------------------------------------------------------------- bad arguments: exit 2, nothing started
 
 @pytest.mark.parametrize("argv, message", [
