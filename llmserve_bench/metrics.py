@@ -155,19 +155,21 @@ def window_summary(records: list[RequestRecord], start: float, end: float, slo: 
     """Steady state of a closed loop between `start` and `end`.
 
     Throughput counts only what happened inside the window: output tokens received in it, prompt tokens of
-    requests whose first token arrived in it (their prefill finished there), requests that finished in it.
-    Latencies cover only requests sent and finished inside the window; `window_requests` says how many.
+    requests whose first token arrived in it (their prefill finished there), requests that finished in it,
+    and for goodput those of them that met the SLO. Latencies cover the requests sent inside the window, to
+    their end (the closed loop keeps its concurrency until they have finished): requiring them to finish
+    inside too would keep out the slowest ones. `window_requests` says how many.
     """
     length = end - start
     inside = lambda t: t is not None and start <= t <= end   # noqa: E731
     out_tokens = sum(1 for r in records if r.ok for t in r.token_times if inside(t))
     prefilled = sum(r.prompt_len for r in records if r.ok and r.token_times and inside(r.token_times[0]))
     finished = [r for r in records if r.ok and inside(r.done)]
-    contained = [r for r in records if r.ok and r.sent >= start and r.done <= end]
-    s = summarize(contained, length, slo, percentiles)
+    measured = [r for r in records if r.ok and start <= r.sent < end]
+    s = summarize(measured, length, None, percentiles)
     s.update({
         "window_seconds": length,
-        "window_requests": len(contained),
+        "window_requests": len(measured),
         "window_output_tokens": out_tokens,
         "window_prefill_tokens": prefilled,
         "window_finished_requests": len(finished),
@@ -176,8 +178,9 @@ def window_summary(records: list[RequestRecord], start: float, end: float, slo: 
         "total_token_throughput": (prefilled + out_tokens) / length,
     })
     if slo:
+        s["good_requests"] = sum(1 for r in finished if meets_slo(r, slo))
         s["request_goodput"] = s["good_requests"] / length
-    # completed/total_* describe the contained requests the latencies come from.
+    # completed/total_* describe the measured requests the latencies come from.
     return s
 
 

@@ -126,7 +126,7 @@ def _format_main(result) -> str:
         s = result.steady_state
         head = (f"Closed loop: concurrency {result.config.get('max_concurrency')}, measurement window "
                 f"{s['window_seconds']:.1f} s: {s['window_output_tokens']} output tokens received in it, "
-                f"{s['window_requests']} requests sent and finished in it (their latencies are the "
+                f"{s['window_requests']} requests sent in it (their latencies, to their end, are the "
                 f"steady-state column); max in flight {result.max_in_flight}.")
         return head + "\n" + format_columns([("steady state", s), ("whole run", result.summary)])
     return format_columns([("", result.summary)])

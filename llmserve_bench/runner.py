@@ -208,7 +208,8 @@ async def run_closed_loop_async(client: AsyncClient, workload: Workload, *, max_
                                 slo: dict | None = None, stats_interval: float = 0.5, progress: bool = True,
                                 config: dict | None = None) -> BenchResult:
     """max_concurrency workers each send a request, wait for it, and send the next at once, until the end of the
-    measurement window; then the requests in flight drain. Steady state = the window."""
+    measurement window and then for as long as a request sent before that end is in flight; then the rest
+    drain. Steady state = the window (window_summary)."""
     sampling = sampling or Sampling()
     records: list[RequestRecord] = []
     inflight, samples = InFlight(), []
@@ -217,14 +218,24 @@ async def run_closed_loop_async(client: AsyncClient, workload: Workload, *, max_
     t_e = t_w + measurement_seconds
     bar = Progress(seconds=warmup_seconds + measurement_seconds, label="closed-loop", enabled=progress)
 
+    # Requests sent before the end of the window and still in flight. Until they have all finished the
+    # workers keep sending (requests that are not measured), so the measured ones run at the requested
+    # concurrency to their end rather than speeding up as the load drains away.
+    pending = 0
+
     async def worker():
-        while time.monotonic() < t_e:
+        nonlocal pending
+        while (measured := time.monotonic() < t_e) or pending:
             spec = workload.next()
             rec = RequestRecord(len(records), len(spec.prompt_token_ids), spec.max_tokens, group=spec.group)
             records.append(rec)
-            await send_one(client, spec, rec, sampling, inflight, bar, strict=True)
+            pending += measured
+            try:
+                await send_one(client, spec, rec, sampling, inflight, bar, strict=True)
+            finally:
+                pending -= measured
             bar.update(note="warmup" if time.monotonic() < t_w else
-                       "measuring" if time.monotonic() < t_e else "draining")
+                       "measuring" if time.monotonic() < t_e else "holding the load" if pending else "draining")
 
     poller = asyncio.create_task(poll_stats(client, samples, stats_interval, [t_w, t_e]))
     workers = [asyncio.create_task(worker()) for _ in range(max_concurrency)]
@@ -244,8 +255,8 @@ async def run_closed_loop_async(client: AsyncClient, workload: Workload, *, max_
         summary["by_group"] = groups
     steady = window_summary(records, t_w, t_e, slo)
     steady.update(stats_summary(samples, t_w - 1e-3, t_e + stats_interval))
-    contained = [r for r in records if r.ok and r.sent >= t_w and r.done <= t_e]
-    if groups := by_group(contained, t_e - t_w, slo):
+    measured = [r for r in records if r.ok and t_w <= r.sent < t_e]
+    if groups := by_group(measured, t_e - t_w, slo):
         steady["by_group"] = groups
     return BenchResult("closed-loop", config or {}, _info_dict(client.model_info), first, end, records, samples,
                        summary, steady, (t_w, t_e), inflight.max)

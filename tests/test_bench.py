@@ -71,15 +71,32 @@ def test_summary_follows_vllm_definitions():
 def test_window_counts_only_what_happened_inside():
     before = rec(0, 0.0, [0.5, 1.5, 2.5])            # straddles the start: only 2 of its tokens count
     inside = rec(1, 1.2, [1.4, 1.6, 1.8, 2.0])        # sent and finished inside: latencies come from it
-    after = rec(2, 2.5, [2.9, 3.5, 4.0])              # straddles the end: 1 token counts
+    after = rec(2, 2.5, [2.9, 3.5, 4.0])              # straddles the end: 1 token counts, and its latencies
     s = window_summary([before, inside, after], 1.0, 3.0)
     assert s["window_output_tokens"] == 2 + 4 + 1
     assert s["output_throughput"] == pytest.approx(7 / 2.0)
     assert s["window_prefill_tokens"] == 20              # first tokens of `inside` and `after` arrived inside
     assert s["total_token_throughput"] == pytest.approx((20 + 7) / 2.0)
     assert s["window_finished_requests"] == 2 and s["request_throughput"] == pytest.approx(1.0)
-    assert s["window_requests"] == s["completed"] == 1
-    assert s["mean_ttft_ms"] == pytest.approx(200) and s["mean_e2el_ms"] == pytest.approx(800)
+    assert s["window_requests"] == s["completed"] == 2
+    assert s["mean_ttft_ms"] == pytest.approx(300) and s["mean_e2el_ms"] == pytest.approx(1150)
+
+
+def test_window_latencies_cover_every_request_sent_inside_it():
+    # Only requests sent and finished inside the window used to count: a request of duration D fits only if
+    # sent before end - D, so the slow ones were the ones left out and latencies came out too good.
+    fast = [rec(i, 1.0 + 0.5 * i, [1.1 + 0.5 * i, 1.2 + 0.5 * i]) for i in range(3)]   # 0.2 s each
+    slow = rec(3, 2.5, [3.5, 4.5])                    # sent inside, finished after the end (the load held)
+    warm = rec(4, 0.5, [1.5, 2.0])                    # sent in the warm-up: not measured, but finished inside
+    s = window_summary([*fast, slow, warm], 1.0, 3.0, slo={"e2el": 2500})
+    assert s["window_requests"] == s["completed"] == 4
+    assert s["mean_e2el_ms"] == pytest.approx((3 * 200 + 2000) / 4)
+    assert s["mean_ttft_ms"] == pytest.approx((3 * 100 + 1000) / 4)
+    # Goodput counts the requests request throughput counts (finished inside), so their ratio is the share
+    # that met the SLO: all of them here.
+    assert s["window_finished_requests"] == 4 and s["request_throughput"] == pytest.approx(2.0)
+    assert s["good_requests"] == 4 and s["request_goodput"] == pytest.approx(s["request_throughput"])
+    assert window_summary([*fast, warm], 1.0, 3.0, slo={"e2el": 1000})["good_requests"] == 3   # warm: 1.5 s
 
 
 def test_stats_summary_uses_counter_deltas_and_spec_keys():
@@ -279,6 +296,25 @@ def test_poisson_arrivals_start_with_the_first_request():
     assert sent[1] == pytest.approx(gaps[0], abs=0.2) and sent[2] == pytest.approx(gaps[0] + gaps[1], abs=0.2)
 
 
+def test_closed_loop_holds_its_concurrency_until_the_measured_requests_finish():
+    import asyncio
+    from llmserve_bench.runner import run_closed_loop_async
+    client = FakeClient(token_s=0.01, ttft_for=lambda n: 0.02 if n == 8 else 0.4)   # short and long requests
+    wl = Workload(WorkloadConfig(mix=parse_mix("0.5:8:2,0.5:64:2"), seed=0), vocab_size=100)
+    res = asyncio.run(run_closed_loop_async(client, wl, max_concurrency=2, warmup_seconds=0.2,
+                                            measurement_seconds=1.0, progress=False, stats_interval=0.05))
+    t_w, t_e = res.window
+    st, measured = res.steady_state, [r for r in res.records if t_w <= r.sent < t_e]
+    assert client.max_in_flight == 2 and any(r.done > t_e for r in measured)
+    assert st["window_requests"] == len(measured)
+    assert st["mean_e2el_ms"] == pytest.approx(1000 * sum(r.e2el for r in measured) / len(measured))
+    # Each measured request ran at the requested concurrency to its end: when it finished, the other worker
+    # still had a request in flight (one sent after the window if need be, which is not measured).
+    for r in measured:
+        assert any(q is not r and q.sent <= r.done <= q.done for q in res.records), r
+    assert not any(r.sent >= t_e and r.sent > max(q.done for q in measured) for r in res.records)
+
+
 # ---------------------------------------------------------------- bad arguments: exit 2, nothing started
 
 @pytest.mark.parametrize("argv, message", [
@@ -406,15 +442,16 @@ def test_closed_loop_end_to_end(closed_json):
     # Concurrency: never more than 3 in flight, as sent and as the engine saw it.
     assert data["max_in_flight"] == 3 and max(r["in_flight_at_send"] for r in reqs) == 3
     assert all(s["running"] + s["waiting"] <= 3 for s in data["core_stats"])
-    # New requests stop at the end of the window; the rest drain.
-    assert all(r["sent"] <= end for r in reqs) and whole["completed"] == len(reqs)
+    # After the window the loop holds its concurrency while measured requests are in flight (the scripted
+    # client's test checks that), then every request drains.
+    measured = [r for r in reqs if start <= r["sent"] < end]
+    assert whole["completed"] == len(reqs)
     # Window throughput counts exactly the tokens received inside it.
     in_window = sum(1 for r in reqs for t in r["token_times"] if start <= t <= end)
     assert st["window_output_tokens"] == in_window > 0
     assert st["output_throughput"] * st["window_seconds"] == pytest.approx(in_window)
-    contained = [r for r in reqs if r["sent"] >= start and r["done"] <= end]
-    assert st["window_requests"] == st["completed"] == len(contained) >= 1
-    assert st["mean_e2el_ms"] == pytest.approx(sum(r["e2el_ms"] for r in contained) / len(contained), rel=1e-4)
+    assert st["window_requests"] == st["completed"] == len(measured) >= 1
+    assert st["mean_e2el_ms"] == pytest.approx(sum(r["e2el_ms"] for r in measured) / len(measured), rel=1e-4)
     assert st["core_stats_samples"] >= 2 and st["core_max_batch_size"] <= 3
 
 
