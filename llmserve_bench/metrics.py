@@ -184,13 +184,13 @@ def window_summary(records: list[RequestRecord], start: float, end: float, slo: 
     return s
 
 
-def by_group(records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None) -> dict[str, dict]:
-    """Summaries per workload class (e.g. each --mix entry), when there is more than one: with a mix of
-    short and long prompts the short requests' ITL/TPOT show what long prefills cost them."""
+def by_group(records: list[RequestRecord], summary) -> dict[str, dict]:
+    """`summary(records of one class)` per workload class (e.g. each --mix entry), when there is more than
+    one: with a mix of short and long prompts the short requests' ITL/TPOT show what long prefills cost them."""
     groups = sorted({r.group for r in records})
     if len(groups) < 2:
         return {}
-    return {g: summarize([r for r in records if r.group == g], duration, slo) for g in groups}
+    return {g: summary([r for r in records if r.group == g]) for g in groups}
 
 
 def throughput_timeline(records: list[RequestRecord], t0: float, bin_seconds: float = 1.0) -> list[tuple[float, float]]:

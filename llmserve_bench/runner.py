@@ -197,7 +197,7 @@ async def run_finite(client: AsyncClient, workload: Workload, *, num_requests: i
     end = max([r.done for r in records if r.done is not None], default=time.monotonic())
     summary = summarize(records, end - t0, slo)
     summary.update(stats_summary(samples))
-    if groups := by_group(records, end - t0, slo):
+    if groups := by_group(records, lambda rs: summarize(rs, end - t0, slo)):
         summary["by_group"] = groups
     return BenchResult("run", config or {}, _info_dict(client.model_info), t0, end, records, samples, summary,
                        max_in_flight=inflight.max)
@@ -251,12 +251,11 @@ async def run_closed_loop_async(client: AsyncClient, workload: Workload, *, max_
     first = min((r.sent for r in records), default=t0)
     summary = summarize(records, end - first, slo)
     summary.update(stats_summary(samples))
-    if groups := by_group(records, end - first, slo):
+    if groups := by_group(records, lambda rs: summarize(rs, end - first, slo)):
         summary["by_group"] = groups
     steady = window_summary(records, t_w, t_e, slo)
     steady.update(stats_summary(samples, t_w - 1e-3, t_e + stats_interval))
-    measured = [r for r in records if r.ok and t_w <= r.sent < t_e]
-    if groups := by_group(measured, t_e - t_w, slo):
+    if groups := by_group(records, lambda rs: window_summary(rs, t_w, t_e, slo)):
         steady["by_group"] = groups
     return BenchResult("closed-loop", config or {}, _info_dict(client.model_info), first, end, records, samples,
                        summary, steady, (t_w, t_e), inflight.max)

@@ -313,6 +313,12 @@ def test_closed_loop_holds_its_concurrency_until_the_measured_requests_finish():
     for r in measured:
         assert any(q is not r and q.sent <= r.done <= q.done for q in res.records), r
     assert not any(r.sent >= t_e and r.sent > max(q.done for q in measured) for r in res.records)
+    # Per class, the steady state counts as the window does: the classes add up to the whole.
+    groups = st["by_group"]
+    assert set(groups) == {"8:2", "64:2"}
+    assert sum(g["window_output_tokens"] for g in groups.values()) == st["window_output_tokens"]
+    assert sum(g["request_throughput"] for g in groups.values()) == pytest.approx(st["request_throughput"])
+    assert sum(g["window_requests"] for g in groups.values()) == st["window_requests"]
 
 
 # ---------------------------------------------------------------- bad arguments: exit 2, nothing started
