@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from llmserve_bench.metrics import latency_samples
+
 MAIN_METRICS = [
     ("request_throughput", "req/s", "higher"),
     ("output_throughput", "tok/s", "higher"),
@@ -46,6 +48,8 @@ def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> tuple[lis
         va, vb = sa.get(key), sb.get(key)
         if not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
             continue
+        if key.endswith("_ms") and not (latency_samples(sa, key) and latency_samples(sb, key)):
+            continue    # a 0 that measured nothing would win as the lower latency
         ratio = vb / va if va else None
         better = None
         if ratio is not None and ratio != 1.0:

@@ -6,7 +6,8 @@
   e.g. several accepted speculative tokens, form one arrival), pooled over all requests.
 - request/output/total token throughput: completed requests, output tokens, prompt + output tokens per
   second of benchmark duration.  Goodput: requests meeting every --slo bound per second.
-Each latency gets mean_/median_/std_/pNN_<name>_ms keys (percentiles interpolate linearly, as numpy's).
+Each latency gets mean_/median_/std_/pNN_<name>_ms keys (percentiles interpolate linearly, as numpy's), and
+<name>_samples: how many values they come from.
 """
 from __future__ import annotations
 
@@ -83,11 +84,19 @@ def _std(values: list[float]) -> float:
 
 
 def latency_stats(name: str, seconds: list[float], percentiles=PERCENTILES) -> dict[str, float]:
+    """The <name>_samples count says whether the 0s of no samples (kept as vLLM reports them) are measured."""
     ms = [s * 1000.0 for s in seconds]
-    out = {f"mean_{name}_ms": _mean(ms), f"median_{name}_ms": percentile(ms, 50), f"std_{name}_ms": _std(ms)}
+    out = {f"{name}_samples": len(ms), f"mean_{name}_ms": _mean(ms), f"median_{name}_ms": percentile(ms, 50),
+           f"std_{name}_ms": _std(ms)}
     for p in percentiles:
         out[f"p{_pct_label(p)}_{name}_ms"] = percentile(ms, p)
     return out
+
+
+def latency_samples(d: dict, key: str) -> int:
+    """How many values the latency key (e.g. p99_tpot_ms) of a summary comes from; results written before
+    the counts existed give their completed requests."""
+    return d.get(f"{key.split('_')[1]}_samples", d.get("completed", 0))
 
 
 def _pct_label(p: float) -> str:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from llmserve_bench.metrics import PERCENTILES, throughput_timeline
+from llmserve_bench.metrics import PERCENTILES, latency_samples, throughput_timeline
 
 # (label, key, format) in vLLM's table order; None rows are section titles.
 ROWS = [
@@ -59,10 +59,12 @@ def _fmt(value, fmt: str) -> str:
 
 
 def _shown(d: dict, key: str):
-    """Latencies of no requests print as "-" (the JSON keeps vLLM's 0 beside the request count)."""
-    if key.endswith("_ms") and not d.get("completed"):
+    """Latencies of no samples (no requests, or no TPOT/ITL from one-token outputs) print as "-" (the JSON
+    keeps vLLM's 0 beside the <name>_samples count)."""
+    if key.endswith("_ms") and not latency_samples(d, key):
         return None
     return d.get(key)
+
 
 
 def _all_rows(columns: list[dict]) -> list[tuple]:
@@ -108,9 +110,10 @@ def format_groups(summary: dict, title: str) -> str:
         return ""
     lines = [f" Per class ({title}) ".center(WIDTH, "-")]
     for g, s in groups.items():
-        lines.append(f"{g}: {s['completed']} requests, TTFT mean {s['mean_ttft_ms']:.1f} / p99 {s['p99_ttft_ms']:.1f} ms, "
-                     f"TPOT median {s['median_tpot_ms']:.2f} ms, ITL p99 {s['p99_itl_ms']:.1f} ms, "
-                     f"E2E mean {s['mean_e2el_ms']:.1f} ms")
+        v = lambda key, fmt: _fmt(_shown(s, key), fmt)   # noqa: E731
+        lines.append(f"{g}: {s['completed']} requests, TTFT mean {v('mean_ttft_ms', '.1f')} / p99 "
+                     f"{v('p99_ttft_ms', '.1f')} ms, TPOT median {v('median_tpot_ms', '.2f')} ms, ITL p99 "
+                     f"{v('p99_itl_ms', '.1f')} ms, E2E mean {v('mean_e2el_ms', '.1f')} ms")
     return "\n".join(lines)
 
 

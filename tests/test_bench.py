@@ -99,6 +99,23 @@ def test_window_latencies_cover_every_request_sent_inside_it():
     assert window_summary([*fast, warm], 1.0, 3.0, slo={"e2el": 1000})["good_requests"] == 3   # warm: 1.5 s
 
 
+def test_latencies_without_samples_are_not_shown_or_compared_as_zero():
+    # One-token outputs (a prefill study) have no TPOT and no ITL: their 0 (vLLM's JSON value for no samples)
+    # printed as "0.00 ms" and won comparisons as the lower latency.
+    from llmserve_bench.report import format_columns
+    one = summarize([rec(i, 0.0, [0.1 * (i + 1)]) for i in range(3)], duration=1.0)
+    two = summarize([rec(i, 0.0, [0.1, 0.2 + 0.1 * i]) for i in range(3)], duration=1.0)
+    assert one["tpot_samples"] == one["itl_samples"] == 0 and one["ttft_samples"] == 3
+    lines = {line.split(":")[0]: line.split()[-1] for line in format_columns([("", one)]).splitlines() if ":" in line}
+    assert lines["Mean TPOT (ms)"] == lines["P99 ITL (ms)"] == "-" and lines["Mean TTFT (ms)"] == "200.00"
+    from llmserve_bench.report import format_groups
+    assert "TPOT median - ms, ITL p99 - ms" in format_groups({"by_group": {"8:1": one, "8:2": two}}, "whole run")
+    for a, b in ((one, two), (two, one)):
+        rows, _ = compare({"summary": a}, {"summary": b})
+        metrics = {r["metric"] for r in rows}
+        assert "mean_ttft_ms" in metrics and not any("tpot" in m or "itl" in m for m in metrics)
+
+
 def test_stats_summary_uses_counter_deltas_and_spec_keys():
     samples = [(0.0, {"running": 2, "waiting": 0, "kv_usage": 0.1, "prefix_hits": 10, "prefix_queries": 100,
                       "num_steps": 5, "total_generated_tokens": 10}),
