@@ -62,8 +62,10 @@ class BenchError(RuntimeError):
 async def probe(client: AsyncClient, workload: Workload, sampling: Sampling) -> None:
     """One short request before measuring, as vLLM's bench does: it fails fast on a core that rejects the
     workload, and takes a fresh core's first-request costs out of the numbers. Its prompt is fresh random
-    tokens (own generator), so it neither shifts the seeded workload nor warms the prefix cache for it."""
-    rng = random.Random(-1 - workload.cfg.seed)
+    tokens (own generator), so it neither shifts the seeded workload nor warms the prefix cache for it. The
+    generator's seed is a string: an int seed counts by its absolute value (-1 - seed would be seed + 1, and
+    the probe would send the first prompt of the next --seed)."""
+    rng = random.Random(f"llmserve-bench probe {workload.cfg.seed}")
     n_in, n_out = length_classes(workload.cfg)[0] if not workload.cfg.dataset else (8, 2)
     ids = rng.choices(workload.allowed, k=n_in)
     try:

@@ -313,6 +313,23 @@ def test_poisson_arrivals_start_with_the_first_request():
     assert sent[1] == pytest.approx(gaps[0], abs=0.2) and sent[2] == pytest.approx(gaps[0] + gaps[1], abs=0.2)
 
 
+def test_the_probe_prompt_is_no_other_seeds_workload_prompt():
+    # random.Random seeds an int by its absolute value, so a probe seeded with -1 - seed drew the very first
+    # prompt of --seed + 1: in a seed sweep on one core, that run's first request hit the prefix cache.
+    import asyncio
+    from llmserve_bench.runner import Sampling, probe
+    sent = []
+
+    class Recorder:
+        async def generate(self, ids, **_):
+            sent.append(list(ids))
+
+    firsts = {tuple(_fake_workload(seed=s, input_len=16).next().prompt_token_ids) for s in range(-3, 5)}
+    for seed in range(-2, 4):
+        asyncio.run(probe(Recorder(), _fake_workload(seed=seed, input_len=16), Sampling()))
+        assert len(sent[-1]) == 16 and tuple(sent[-1]) not in firsts, seed
+
+
 def test_closed_loop_holds_its_concurrency_until_the_measured_requests_finish():
     import asyncio
     from llmserve_bench.runner import run_closed_loop_async
