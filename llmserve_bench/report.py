@@ -66,7 +66,6 @@ def _shown(d: dict, key: str):
     return d.get(key)
 
 
-
 def _all_rows(columns: list[dict]) -> list[tuple]:
     rows = list(ROWS)
     for name, title in LATENCY_TITLES.items():
