@@ -87,7 +87,8 @@ for stage in $stages; do
     fp8)
       python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_gpu_fp8.py > "$out/fp8_tests.log" 2>&1
       status[$stage]=$?; tail -3 "$out/fp8_tests.log"
-      python3 benchmarks/fp8_gemv_sweep.py --a8x --out "$out/fp8_a8x.json" | grep -v "^ *(" || status[$stage]=1
+      python3 benchmarks/fp8_gemv_sweep.py --a8x --out "$out/fp8_a8x.json" > "$out/fp8_a8x.log" 2>&1 || status[$stage]=1
+      grep -v "^ *(" "$out/fp8_a8x.log" | tail -30
       python3 benchmarks/kernels_bench.py "$out/fp8_kv" --fp8-kv --budget-s 150 --commit "$commit" > "$out/fp8_kv.log" 2>&1 \
         || status[$stage]=1
       grep "^| " "$out/fp8_kv/results.md" | head -60 ;;
