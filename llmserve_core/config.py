@@ -28,7 +28,7 @@ class EngineConfig:
     # Scheduler.
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    max_model_len: int | None = None      # None: the model's max_position_embeddings (x factor with YaRN)
     enable_chunked_prefill: bool = True
     max_queued_requests_per_client: int = 1024   # waiting (not yet running) requests one client may have; 0: no cap
     # Model runner.

@@ -132,6 +132,23 @@ def test_max_model_len_stops(tiny_model_dir):
     assert len(got.token_ids) == 7 and got.finish_reason == "length"
 
 
+def test_yarn_serves_factor_times_the_original_context(make_random_qwen3_dir):
+    """Qwen3's long-context recipe adds rope_scaling yarn (factor 4 over original_max_position_embeddings
+    32768) to a config.json that keeps max_position_embeddings 40960, and serves 131072 tokens. Scaled
+    down here (40 / 32 -> 128): the engine serves past max_position_embeddings, token-exact."""
+    path = make_random_qwen3_dir(seed=7, max_position_embeddings=40, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32"))
+    assert engine.max_model_len == 128
+    from transformers import Qwen3ForCausalLM
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = make_prompts(hf.config.vocab_size, seed=2)[5][:30] * 2        # 60 tokens, past 40
+    got = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert got.token_ids == hf_greedy(hf, prompt, 12)
+    with pytest.raises(ValueError, match="max_model_len: 129 exceeds the model's 128 positions"):
+        Engine(EngineConfig(model=path, device="cpu", dtype="float32", max_model_len=129))
+
+
 # ---- bad input ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,prompt,kwargs", [

@@ -70,9 +70,11 @@ class Engine:
         config.validate()
         self.config = config
         self.model_config = ModelConfig.from_hf_dir(config.model)
-        max_len = self.model_config.max_position_embeddings
+        max_len = self.model_config.max_context_len
         if config.max_model_len is not None and config.max_model_len > max_len:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings {max_len}")
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_len} positions "
+                             f"(config.json's max_position_embeddings, or factor x original_max_position_embeddings "
+                             f"with YaRN rope_scaling)")
         self.max_model_len = config.max_model_len or max_len
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

@@ -42,6 +42,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model serves. YaRN with an explicit factor extends the pretraining
+        length factor-fold: Qwen3's long-context recipe adds factor 4 over original_max_position_embeddings
+        32768 to a config.json that keeps max_position_embeddings 40960, and serves 131072 (as vLLM and
+        SGLang derive it). YaRN's frequencies do not depend on the position, so the rotary cache just
+        extends."""
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "yarn" and s.get("factor") is not None:
+            return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * s["factor"]))
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf_dir(cls, path) -> "ModelConfig":
         path = Path(path)

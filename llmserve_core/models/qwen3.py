@@ -137,7 +137,7 @@ class Qwen3ForCausalLM(nn.Module):
             apply_fp8(self, cfg, fp8)
         self.to_empty(device=device)
         self.requires_grad_(False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_context_len, cfg.rope_theta,
                                       cfg.rope_scaling, cfg.max_position_embeddings, dtype, device)
         # On CUDA with a fast attention backend, norms, q/k-norm+rotary+K/V store and SiLU-and-mul run as Triton
         # kernels: at decode sizes launch latency, not arithmetic, is what the eager versions cost.
