@@ -171,6 +171,19 @@ def test_packed_scales_hold_each_shard(fp8_pair):
     assert not isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear) or name.startswith("qwen")
 
 
+def test_regex_ignore_entries_match_from_the_start_as_compressed_tensors_does(source, prompts, tmp_path):
+    """compressed-tensors (and vLLM) match an ignore entry "re:PATTERN" with re.match: anchored at the
+    start only, so "re:model\\.layers\\.1\\.mlp" keeps every linear of that MLP unquantized."""
+    keep = ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj")
+    qc = compressed_tensors_config(("lm_head", r"re:model\.layers\.1\.mlp"))
+    path, twin = write_fp8_checkpoint(source, tmp_path / "ct", qc, keep)
+    model = load(path)
+    assert not isinstance(model.model.layers[1].mlp.gate_up_proj, Fp8Linear)
+    assert not isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert rel(logits_of(model, prompts), logits_of(load(twin), prompts)) < 1e-5
+
+
 def test_per_tensor_scales_expand_to_every_row(source, prompts, tmp_path):
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     path, twin = write_fp8_checkpoint(source, tmp_path / "tensor", qc)

@@ -55,7 +55,8 @@ class Fp8Scheme:
     def ignores(self, module: str) -> bool:
         for entry in self.ignore:
             if entry.startswith("re:"):
-                if re.fullmatch(entry[3:], module):
+                # re.match, as compressed-tensors and vLLM read these: anchored at the start only.
+                if re.match(entry[3:], module):
                     return True
             elif module == entry or module.startswith(entry + ".") or module.endswith("." + entry):
                 return True
