@@ -129,6 +129,21 @@ def test_missing_or_wrong_directory(tmp_path, tiny_model_dir):
         load(tiny_model_dir, "pickle")
 
 
+def test_a_file_that_is_not_safetensors_is_named(tiny_model_dir, tmp_path, make_random_qwen3_dir):
+    """What a clone without git-lfs leaves (a pointer file) and an interrupted download: a ValueError (which
+    the CLI reports as a config error, not a crash) naming the file, not safetensors' bare header error."""
+    lfs = copy_dir(tiny_model_dir, tmp_path / "lfs")
+    (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n"
+                                           "oid sha256:" + "0" * 64 + "\nsize 1503300328\n")
+    with pytest.raises(ValueError, match=r"model\.safetensors.* Git LFS pointer"):
+        load(lfs)
+    cut = Path(write_sharded_copy(make_random_qwen3_dir(seed=5, tie_word_embeddings=False), tmp_path / "cut"))
+    shard = cut / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors is not a readable safetensors file"):
+        load(cut)
+
+
 def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
     path = copy_dir(tiny_model_dir, tmp_path / "m")
     rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from llmserve_core.layers.batch import ForwardBatch
@@ -40,7 +39,7 @@ from llmserve_core.layers.linear import MAX_ROWS as GEMV_MAX_ROWS
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import _read_rope
-from llmserve_core.models.loader import PACKED_WEIGHTS, checkpoint_files
+from llmserve_core.models.loader import PACKED_WEIGHTS, checkpoint_files, open_checkpoint
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -380,7 +379,7 @@ def _normalize_name(name: str) -> str:
 def _read_checkpoint(path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_checkpoint(file, "speculative_model") as f:
             for name in f.keys():
                 tensors[_normalize_name(name)] = f.get_tensor(name)
     return tensors

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
@@ -24,6 +24,8 @@ from llmserve_core.models.qwen3 import Qwen3ForCausalLM
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # Checkpoint tensors that carry no weights of ours (old exports saved the rotary table).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# How a Git LFS pointer file begins: what a clone without git-lfs leaves in place of the weights.
+_LFS_POINTER = b"version https://git-lfs"
 # HF name piece -> (packed parameter piece, index of the shard within it)
 PACKED_WEIGHTS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -94,6 +96,19 @@ def checkpoint_files(path) -> list[Path]:
                             f"(use load_format='dummy' for random weights)")
 
 
+def open_checkpoint(file: Path, who: str = "model"):
+    """safe_open one checkpoint file; one that is not safetensors raises a ValueError naming it (the CLI's
+    config error, not a crash): what a clone without git-lfs leaves, or an interrupted download."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        with open(file, "rb") as f:
+            pointer = f.read(len(_LFS_POINTER)) == _LFS_POINTER
+        hint = (" but a Git LFS pointer: fetch the weights (git lfs pull)" if pointer else
+                f" ({e}; an interrupted download?)")
+        raise ValueError(f"{who}: {file} is not a readable safetensors file{hint}") from None
+
+
 def _checkpoint_names(name: str) -> list[str]:
     """The checkpoint tensor names that make up one of our parameters."""
     for piece, (packed, _) in PACKED_WEIGHTS.items():
@@ -129,7 +144,7 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                 for hf in _checkpoint_names(ck)}
     done: set[str] = set()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_checkpoint(file) as f:
             for hf_name in f.keys():
                 if _IGNORED.match(hf_name) or skips_tensor(hf_name, fp8):
                     continue
