@@ -144,6 +144,14 @@ def test_a_file_that_is_not_safetensors_is_named(tiny_model_dir, tmp_path, make_
         load(cut)
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_malformed_json_names_the_file(tiny_model_dir, tmp_path, name):
+    path = copy_dir(tiny_model_dir, tmp_path / "m")
+    (path / name).write_text('{"eos_token_id": [2, 0],}')
+    with pytest.raises(ValueError, match=f"{name} is not valid JSON"):
+        load(path)
+
+
 def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
     path = copy_dir(tiny_model_dir, tmp_path / "m")
     rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))

@@ -62,14 +62,9 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model: no config.json in {str(path)!r}")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"model: {config_file} is not valid JSON: {e}") from None
-        generation = {}
+        raw = read_json(config_file)
         gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            generation = json.loads(gen_file.read_text())
+        generation = read_json(gen_file) if gen_file.is_file() else {}
         cfg = cls.from_dict(raw, generation)
         cfg.path = str(path)
         return cfg
@@ -123,6 +118,14 @@ class ModelConfig:
             eos_token_ids=eos,
             quantization_config=raw.get("quantization_config"),
         )
+
+
+def read_json(file: Path, who: str = "model"):
+    """A JSON file of a model directory; malformed, a ValueError naming it."""
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{who}: {file} is not valid JSON: {e}") from None
 
 
 def _eos_ids(value) -> list[int]:

@@ -38,7 +38,7 @@ from llmserve_core.layers.fast_path import fast_path
 from llmserve_core.layers.linear import MAX_ROWS as GEMV_MAX_ROWS
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
-from llmserve_core.models.config import _read_rope
+from llmserve_core.models.config import _read_rope, read_json
 from llmserve_core.models.loader import PACKED_WEIGHTS, checkpoint_files, open_checkpoint
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -75,11 +75,7 @@ class Eagle3Config:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"speculative_model: no config.json in {str(path)!r}")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_model: {config_file} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json(config_file, "speculative_model"))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Eagle3Config":

@@ -8,7 +8,6 @@ in for --quantization fp8.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from llmserve_core.layers.fp8_linear import Fp8Linear
-from llmserve_core.models.config import ModelConfig
+from llmserve_core.models.config import ModelConfig, read_json
 from llmserve_core.models.quantization import Fp8Scheme, check_fp8_device, checkpoint_param_name, kv_scale_target, \
     load_fp8_tensor, load_kv_scale, resolve_quantization, skips_tensor
 from llmserve_core.models.qwen3 import Qwen3ForCausalLM
@@ -81,7 +80,7 @@ def checkpoint_files(path) -> list[Path]:
         raise FileNotFoundError(f"model: {str(path)!r} is not a directory")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"model: {index} has no weight_map")
         files = [path / name for name in sorted(set(weight_map.values()))]
