@@ -222,6 +222,7 @@ def test_config_dialects_and_eos():
     (_qwen3_raw(hidden_size=0), "hidden_size"),
     (_qwen3_raw(eos_token_id="x"), "eos_token_id"),
     (_qwen3_raw(attention_bias=True), "attention_bias"),
+    (_qwen3_raw(hidden_act="gelu"), "hidden_act 'gelu'"),
 ])
 def test_config_errors_name_the_field(raw, match):
     with pytest.raises(ValueError, match=match):

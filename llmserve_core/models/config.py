@@ -82,6 +82,9 @@ class ModelConfig:
                 raise ValueError(f"model: config.json field {name} must be a positive integer, got {raw.get(name)!r}")
         if raw.get("attention_bias"):
             raise ValueError("model: config.json field attention_bias=true is not supported (Qwen3 has no qkv bias)")
+        # transformers' Qwen3 applies whatever hidden_act names; the MLP here (and its fused kernel) is SiLU.
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model: config.json field hidden_act {raw['hidden_act']!r} is not supported (silu only)")
         if raw.get("use_sliding_window"):
             raise ValueError("model: config.json field use_sliding_window=true is not supported")
 
