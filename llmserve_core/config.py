@@ -86,6 +86,8 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_queued_requests_per_client >= 0, "max_queued_requests_per_client", "must be >= 0")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        # Room for one prompt token and one generated token.
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "must be auto, safetensors or dummy")

@@ -132,6 +132,13 @@ def test_max_model_len_stops(tiny_model_dir):
     assert len(got.token_ids) == 7 and got.finish_reason == "length"
 
 
+@pytest.mark.parametrize("value", [0, -5, 1])
+def test_max_model_len_below_two_is_refused(value):
+    # 0 used to mean "the model's length" and a negative length built an engine that refused every request.
+    with pytest.raises(ValueError, match="max_model_len: must be >= 2"):
+        EngineConfig(model="x", max_model_len=value).validate()
+
+
 def test_yarn_serves_factor_times_the_original_context(make_random_qwen3_dir):
     """Qwen3's long-context recipe adds rope_scaling yarn (factor 4 over original_max_position_embeddings
     32768) to a config.json that keeps max_position_embeddings 40960, and serves 131072 tokens. Scaled
