@@ -27,7 +27,8 @@ class CoreStartError(RuntimeError):
 
 def model_max_len(model_dir: str, core_args: list[str]) -> int | None:
     """max_model_len the core will use, when it can be told without loading anything: --max-model-len among
-    the core's flags, else config.json's max_position_embeddings."""
+    the core's flags, else config.json's max_position_embeddings. None under YaRN rope scaling, which the
+    core extends by its factor (a rule of the model's, kept in the core): its probe refuses what won't fit."""
     for i, a in enumerate(core_args):
         if a == "--max-model-len" and i + 1 < len(core_args):
             return int(core_args[i + 1]) if core_args[i + 1].isdigit() else None
@@ -36,7 +37,11 @@ def model_max_len(model_dir: str, core_args: list[str]) -> int | None:
             return int(v) if v.isdigit() else None
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            n = json.load(f).get("max_position_embeddings")
+            cfg = json.load(f)
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if isinstance(rope, dict) and "yarn" in (rope.get("rope_type"), rope.get("type")):
+            return None
+        n = cfg.get("max_position_embeddings")
         return n if isinstance(n, int) else None
     except (OSError, ValueError):
         return None

@@ -16,7 +16,7 @@ import pytest
 
 from llmserve_bench.cli import main
 from llmserve_bench.compare import compare
-from llmserve_bench.core_process import CoreProcess
+from llmserve_bench.core_process import CoreProcess, model_max_len
 from llmserve_bench.metrics import (RequestRecord, parse_slo, percentile, stats_summary, summarize,
                                     window_summary)
 from llmserve_bench.workload import TokenizerInfo, Workload, WorkloadConfig, corpus_token_ids, parse_mix
@@ -709,3 +709,16 @@ def test_ctrl_c_ends_the_bench_even_when_a_task_swallows_its_cancellation():
     assert returncode == 130, err
     assert "core stopped" in out and "returned normally" not in out
     assert "cleanup did not finish" in err
+
+
+@pytest.mark.parametrize("rope,want", [
+    (None, 40960),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, None),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, None),
+])
+def test_the_early_length_check_leaves_yarn_models_to_the_core(tmp_path, rope, want):
+    # Under YaRN the core serves factor x original positions, more than max_position_embeddings: the bench
+    # must not refuse up front what the core would serve.
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 40960, "rope_scaling": rope}))
+    assert model_max_len(str(tmp_path), []) == want
+    assert model_max_len(str(tmp_path), ["--max-model-len", "100"]) == 100
