@@ -3,7 +3,6 @@
 Greedy outputs must be token-exact whatever the scheduling: prefix caching on or off, chunked prefill
 with tiny budgets, a KV pool small enough to force preemption, each request alone or in a batch.
 """
-import itertools
 import random
 
 import pytest
