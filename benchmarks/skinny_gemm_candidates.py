@@ -13,6 +13,7 @@ Outcome at 6f7ec1a (benchmarks/results/skinny_gemm_candidates_h200_6f7ec1a.json)
 
     python benchmarks/skinny_gemm_candidates.py $OUT/candidates.json
 """
+import argparse
 import json
 import multiprocessing as mp
 import sys
@@ -132,6 +133,9 @@ def _compile(jobs):
     torch.cuda.synchronize(); return 0
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", metavar="OUT.json", help="JSON file to write")
+    args = ap.parse_args()
     jobs = [(kind, *SHAPES[p], cfg, pdl) for p in PROJ for kind in ("xa", "prefetch") for cfg in candidate_tiles(kind, *SHAPES[p]) for pdl in (False, True)]
     t = time.time()
     with mp.get_context("spawn").Pool(14) as pool: pool.map(_compile, [jobs[i::14] for i in range(14)])
@@ -180,4 +184,4 @@ if __name__ == "__main__":
         err = ((c.float() - refc.float()).norm() / refc.float().norm()).item()
         chain[f"{kind}_pdl{int(pdl)}"] = (us, err)
         print("chain m64", kind, pdl, f"{us:.1f} us/layer err {err:.3g}", flush=True)
-    json.dump({"sweep": res, "chain": chain}, open(sys.argv[1], "w"), indent=1, default=str)
+    json.dump({"sweep": res, "chain": chain}, open(args.out, "w"), indent=1, default=str)
