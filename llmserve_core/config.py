@@ -12,7 +12,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 @dataclass
 class EngineConfig:
     model: str
-    tokenizer: str | None = None          # clients only; the core never tokenizes
+    tokenizer: str | None = None          # tokenizer dir announced to clients and read for grammars (None: the model dir); the core never tokenizes text
     device: str = "auto"                  # auto: cuda when present, else cpu
     dtype: str = "auto"                   # auto: bfloat16 on cuda, float32 on cpu
     load_format: str = "auto"             # auto | safetensors | dummy (random weights from config.json)
@@ -35,8 +35,7 @@ class EngineConfig:
     attention_backend: str = "auto"       # auto | torch | triton | triton-fa4 | flash-attn
     enforce_eager: bool = False           # no CUDA graphs
     async_scheduling: bool | None = None  # launch step N+1 before reading step N back (default: on for cuda)
-    warmup: bool | None = None            # run every kind of step once before serving, so no kernel compiles
-                                          # inside a request (default: on for cuda)
+    warmup: bool | None = None            # run every kind of step once before serving, so no kernel compiles inside a request (default: on for cuda)
     # Tensor parallelism (torch.distributed: NCCL on GPUs, gloo on CPUs).
     tensor_parallel_size: int = 1         # ranks each layer is split over; rank 0 is this process
     nnodes: int = 1                       # hosts the ranks span (tensor_parallel_size / nnodes ranks on each)
