@@ -119,3 +119,12 @@ def test_repo_paths_in_readme_exist():
         if not (ROOT / p).exists():
             missing.append(p)
     assert missing == []
+
+
+def test_sampling_keywords_are_samplingparams_fields():
+    from llmserve_proto import SamplingParams
+    i = README.index("The sampling keywords are `SamplingParams`' fields")
+    text = README[i:README.index("Temperatures below", i)]
+    text = text[:text.index("e.g.")]
+    named = set(re.findall(r"`([a-z_]+)`", text)) - {"regex", "choice", "grammar", "json_object"}
+    assert named == set(SamplingParams.__struct_fields__)
