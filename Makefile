@@ -1,5 +1,7 @@
 # Two commands matter: `make demo` and `make test`. Both install what is missing into .venv first.
-# Without an NVIDIA GPU the CPU build of torch is installed, so a fresh CI machine never pulls CUDA wheels.
+# Without an NVIDIA GPU torch 2.13.0 is pinned: CI's machines find its CPU build on disk. Elsewhere PyPI's Linux
+# wheel is the CUDA build; TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu' takes the CPU one.
+TORCH_PIP_ARGS ?=
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +14,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS); fi
 	$(PY) -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*; touch $@
 
