@@ -559,3 +559,35 @@ def test_bad_core_flag_exits_2(tiny_model_dir):
     r = subprocess.run([sys.executable, "-m", "llmserve_client.http", "--model", tiny_model_dir, "--block-size", "3"],
                        env=ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--block-size" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_failure_inside_a_stream_ends_it_with_an_error_event_and_done():
+    """A bug while shaping a streamed chunk must not cut the connection mid-response (SSE clients read
+    that as a network failure): an error event, then [DONE], and the engine streams are closed."""
+    from llmserve_client.http import app as http_app
+    from llmserve_client.http.metrics import Metrics
+    fe = object.__new__(http_app.Frontend)
+    fe.metrics = Metrics("m")
+    closed = []
+
+    async def merged_streams():
+        try:
+            yield 0, "a chunk"
+            yield 0, "another"
+        finally:
+            closed.append(True)
+
+    def broken(ctx, index, chunk):
+        raise RuntimeError("a parser bug")
+    fe._stream_choice = broken
+
+    async def run():
+        merged = merged_streams()
+        first = await anext(merged)
+        ctx = http_app._Ctx("r", "m", chat=False, include_usage=False)
+        return [e async for e in fe._sse(ctx, [], merged, first)]
+
+    events = asyncio.run(run())
+    assert events[-1] == "data: [DONE]\n\n" and len(events) == 2, events
+    assert json.loads(events[0].removeprefix("data: "))["error"]["type"] == "server_error"
+    assert closed == [True]

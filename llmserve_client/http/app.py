@@ -339,6 +339,13 @@ class Frontend:
             self.metrics.on_error(err.status)
             accounted = True
             yield _sse_data(err.body())
+        except Exception:
+            # A bug here must still end the stream as a stream (an error event, then [DONE]): uvicorn would
+            # cut the connection mid-response, which SSE clients take as a network failure.
+            log.exception("stream failed")
+            self.metrics.on_error(500)
+            accounted = True
+            yield _sse_data(ApiError("internal error", None, status=500, type="server_error").body())
         finally:
             # Reached on normal ends and on cancellation (the HTTP client went away): abort what still runs.
             await merged.aclose()
