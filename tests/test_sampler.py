@@ -207,3 +207,17 @@ def test_the_cpu_sampler_needs_no_triton():
             "print(out.token_ids.tolist())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_rows_distribution_does_not_depend_on_its_batch_mates_filters():
+    """Rows that ask for no top-p keep their whole distribution when another row of the batch turns top-p on
+    (speculative verification judges drafts against these probabilities, batched with other requests). A
+    peaked row over a Qwen3-sized vocabulary: float32 rounding brings the mass before its tail tokens to 1.0."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 151936) * 4
+    mate = SamplingParams(temperature=1.0, top_p=0.9)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=100_000),
+                   SamplingParams(temperature=1.0, min_p=1e-9)):
+        alone = sampling_probs(logits, SamplingTensors.from_params([params], "cpu"))
+        batched = sampling_probs(torch.cat([logits, logits]), SamplingTensors.from_params([params, mate], "cpu"))
+        assert torch.equal(batched[0], alone[0]), params

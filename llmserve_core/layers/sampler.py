@@ -133,9 +133,11 @@ def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.need_top_p:
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Drop a token once the mass before it already reaches top_p; the first token always stays, also
-            # when top_p rounds to 0 or cumsum's rounding error makes its "mass before" positive.
+            # when top_p rounds to 0 or cumsum's rounding error makes its "mass before" positive. A row
+            # without top-p (1.0) drops nothing: rounding can bring the mass before its tail tokens to 1.0,
+            # and the row's distribution must not depend on a batch-mate having turned top-p on.
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop = mass_before >= st.top_p[:, None]
+            drop = (mass_before >= st.top_p[:, None]) & (st.top_p[:, None] < 1.0)
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
