@@ -4,6 +4,7 @@ import random
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.request import Request, RequestStatus
 from llmserve_core.engine.scheduler import Scheduler
+from llmserve_core.engine.waiting_queue import WaitingQueue
 from llmserve_proto import SamplingParams
 
 
@@ -103,3 +104,40 @@ def test_random_load_always_progresses():
     assert not s.has_unfinished()
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
     assert bm.num_used_blocks == 0
+
+
+class _Compiling:
+    """A grammar still compiling: its request may not start yet."""
+    ready = False
+
+
+def test_requests_that_may_not_start_cost_one_look_per_step(monkeypatch):
+    # One client queues thousands of guided requests whose grammars still compile; another's request
+    # behind them must not make each step walk the queue once per request passed over (a step of
+    # seconds for every client's decodes).
+    looked = 0
+    admission_order = WaitingQueue.admission_order
+
+    def counting(self, skip):
+        nonlocal looked
+        for r in admission_order(self, skip):
+            looked += 1
+            yield r
+
+    monkeypatch.setattr(WaitingQueue, "admission_order", counting)
+    s = Scheduler(BlockManager(1000, 4), max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    n = 2000
+    for i in range(n):
+        r = req(f"g{i}", 5)
+        r.client, r.grammar = "flood", _Compiling()
+        s.add(r)
+    good = req("good", 5)
+    good.client = "good"
+    s.add(good)
+    for _ in range(3):
+        looked = 0
+        batch = s.schedule()
+        assert looked <= 2 * (n + 1)
+        advance(s, batch)
+    assert good.num_output_tokens == 3 and good.num_computed_tokens == 7
+    assert s.blocks.num_used_blocks == len(good.block_ids)      # the passed-over hold no blocks

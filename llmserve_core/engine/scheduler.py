@@ -80,12 +80,18 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget = self.max_num_batched_tokens - out.total_tokens  # a victim may have returned budget
 
-        # Admit waiting requests, in admission order among those that may start now (see _may_start).
+        # Admit waiting requests, in admission order among those that may start now (see _may_start). The
+        # walk goes on past the requests it passes over and restarts only after an admission (which changes
+        # the order), so thousands waiting on their grammars cost one look each, not one walk each.
         skipped: set[str] = set()
+        candidates = self.waiting.admission_order(skipped)
         while budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting.peek(skipped)
+            req = next(candidates, None)
             if req is None:
                 break
+            if not req.ready:                   # before admit(): hashing its prompt would be wasted
+                skipped.add(req.request_id)
+                continue
             if not req.block_ids:
                 req.num_computed_tokens = self.blocks.admit(req)
             if not self._may_start(req):
@@ -104,6 +110,7 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.blocks.count_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
             self.waiting.pop(req)
+            candidates = self.waiting.admission_order(skipped)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._note_first_block(req)
@@ -113,12 +120,10 @@ class Scheduler:
         return out
 
     def _may_start(self, req: Request) -> bool:
-        """A request waits (others behind it may pass) while its grammar compiles, and while a running
-        request with the same first prompt block has not published that block yet: identical prompts
-        (n > 1 copies, retries) then share the prompt's KV through the prefix cache instead of each
+        """A request (whose grammar, if any, is compiled) waits, letting others behind it pass, while a
+        running request with the same first prompt block has not published that block yet: identical
+        prompts (n > 1 copies, retries) then share the prompt's KV through the prefix cache instead of each
         computing it."""
-        if not req.ready:
-            return False
         if not self.blocks.enable_prefix_caching or req.num_computed_tokens > 0:
             return True
         key = self._first_block(req)

@@ -47,7 +47,7 @@ class WaitingQueue:
     def peek(self, skip: frozenset[str] | set[str] = frozenset()) -> Request | None:
         """The request admission would take next, passing over the ids in `skip` (requests that may not
         start yet); None when every waiting request is skipped."""
-        return next((r for r in self._admission_order() if r.request_id not in skip), None)
+        return next(self.admission_order(skip), None)
 
     def pop(self, req: Request | None = None) -> Request:
         """Take the request peek() returned (default: the head); its client's turn passes to the next client."""
@@ -65,16 +65,20 @@ class WaitingQueue:
         self._len -= 1
         return req
 
-    def _admission_order(self):
-        """Lazily: the preempted, then each client's first request in turn, then each one's second, ..."""
-        yield from self._preempted.values()
+    def admission_order(self, skip: frozenset[str] | set[str] = frozenset()):
+        """Lazily, passing over the ids in `skip`: the preempted, then each client's first request in turn,
+        then each one's second, ... Valid until the queue changes (pop, append, remove)."""
+        for req in self._preempted.values():
+            if req.request_id not in skip:
+                yield req
         turns = [iter(fifo.values()) for fifo in self._clients.values()]
         while turns:
             alive = []
             for it in turns:
                 req = next(it, None)
                 if req is not None:
-                    yield req
+                    if req.request_id not in skip:
+                        yield req
                     alive.append(it)
             turns = alive
 
