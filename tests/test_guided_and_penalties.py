@@ -349,6 +349,45 @@ def test_request_waits_in_queue_until_its_grammar_compiles(tiny_model_dir, tok, 
     assert tok.decode(text, skip_special_tokens=True) == "ok"
 
 
+def test_aborted_requests_leave_no_compilations_behind(tiny_model_dir, tok, monkeypatch):
+    """A client that queues guided requests with distinct grammars and aborts them (or disconnects) must
+    not leave the compile worker their grammars to work through: another client's grammar would wait
+    behind all of them, and every round of it would grow the worker's queue."""
+    import threading
+    from llmserve_core.engine import grammar as grammar_mod
+    gate = threading.Event()
+    compiled = []
+    real = grammar_mod.GrammarService._compile
+
+    def gated_compile(self, g):
+        assert gate.wait(120)
+        compiled.append(g)
+        return real(self, g)
+
+    monkeypatch.setattr(grammar_mod.GrammarService, "_compile", gated_compile)
+    eng = engine(tiny_model_dir)
+    guided = [GuidedDecoding(kind="choice", choices=[f"x{i}"]) for i in range(50)]
+    for i, g in enumerate(guided):            # the first occupies the worker; the rest queue behind it
+        eng.add_request(f"flood{i}", tok.encode("a"), SamplingParams(max_tokens=4, guided=g))
+    eng.add_request("twin", tok.encode("b"), SamplingParams(max_tokens=16, guided=guided[-1]))
+    for i in range(len(guided)):
+        eng.abort(f"flood{i}")
+    eng.add_request("again", tok.encode("c"), SamplingParams(max_tokens=16, guided=guided[1]))
+    eng.add_request("good", tok.encode("d"), SamplingParams(max_tokens=16, temperature=0,
+                                                           guided=GuidedDecoding(kind="choice", choices=["ok"])))
+    gate.set()
+    finished = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finish_reason:
+                finished[o.request_id] = o.finish_reason
+    assert finished == {**{f"flood{i}": "abort" for i in range(len(guided))}, "twin": "stop", "again": "stop",
+                        "good": "stop"}
+    # The one already compiling, the twin's (still wanted), the one asked for again, and the good one's.
+    assert len(compiled) == 4
+    assert not eng.grammars._holders
+
+
 def test_a_grammar_failing_as_a_step_starts_ends_only_its_request(tiny_model_dir, tok, monkeypatch):
     """Compilation runs beside the step loop, so it may fail after a step dropped the failed grammars and
     before it schedules: the request must not start then (its mask cannot be built, and the failing step

@@ -101,6 +101,9 @@ class GrammarService:
         self._compiler = None
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
+        # Requests holding each compilation, so the last one to end cancels it if it has not started: the
+        # worker never works through a queue of grammars that every request waiting on them left.
+        self._holders: dict[Future, int] = {}
         self.num_compiled = 0
         self.num_cache_hits = 0
 
@@ -111,13 +114,23 @@ class GrammarService:
         if fut is not None and not (fut.done() and fut.exception() is not None):
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
-            return RequestGrammar(fut)
-        grammar = parse_grammar(g)
-        fut = self._pool.submit(self._compile, grammar)
-        self._cache[key] = fut
-        if len(self._cache) > CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return RequestGrammar(fut)
+        else:
+            grammar = parse_grammar(g)
+            fut = self._pool.submit(self._compile, grammar)
+            self._cache[key] = fut
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        self._holders[fut] = self._holders.get(fut, 0) + 1
+        return RequestGrammar(fut, lambda: self._release(key, fut))
+
+    def _release(self, key: bytes, fut: Future) -> None:
+        """A request holding `fut` ended. The last one cancels a compilation still queued (and drops it
+        from the cache: a cancelled future would fail the next request for the same spec)."""
+        n = self._holders.pop(fut) - 1
+        if n:
+            self._holders[fut] = n
+        elif fut.cancel() and self._cache.get(key) is fut:
+            del self._cache[key]
 
     def _compile(self, grammar):
         compiled = self._get_compiler().compile_grammar(grammar)
@@ -148,9 +161,16 @@ class GrammarService:
 class RequestGrammar:
     """One request's grammar: ready once compiled; then a matcher that follows the accepted tokens."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, release=lambda: None):
         self.future = future
         self.matcher = None
+        self._release = release
+
+    def release(self) -> None:
+        """The request ended (finished, aborted or failed): it no longer needs the compilation. Idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     @property
     def ready(self) -> bool:

@@ -179,12 +179,15 @@ class Scheduler:
         out.preempted.append(req)
 
     def finish(self, req: Request) -> None:
-        """Drop a finished or aborted request from the queues and free its blocks."""
+        """Drop a finished or aborted request from the queues and free its blocks (and its place in the
+        grammar compile queue)."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.release(req)
+        if req.grammar is not None:
+            req.grammar.release()
         req.status = RequestStatus.FINISHED
         key = self._first_block(req)
         if key is not None and self._computing_first_block.get(key) is req:
