@@ -249,3 +249,28 @@ def test_logprobs_are_consistent(engine):
         assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6   # greedy picks the top one
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
         assert lp.logprob <= 0.0
+
+
+def test_many_clients_under_their_caps_cannot_grow_the_queue_without_bound(tiny_model_dir):
+    # Per client at most 5 waiting, all together 20: two hundred connections flooding stay within twice
+    # that, and a client sending one request at a time still gets in until that doubled bound.
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
+                              max_model_len=128, max_num_seqs=1, max_queued_requests_per_client=5,
+                              max_queued_requests=20))
+    params = SamplingParams(max_tokens=4)
+    refused = 0
+    for c in range(200):
+        if c == 10:                             # the queue is full by now (10 clients x 5)
+            eng.add_request("good", [5, 6, 7], params, client="good")
+            with pytest.raises(ValidationError, match="queue full"):
+                eng.add_request("good-2", [5, 6, 7], params, client="good")   # it already has one waiting
+        for i in range(5):
+            try:
+                eng.add_request(f"c{c}-{i}", [1, 2, 3], params, client=f"c{c}")
+            except ValidationError as e:
+                assert e.field == "" and "queue full" in e.message
+                refused += 1
+    assert len(eng.scheduler.waiting) == 40 and refused == 200 * 5 - 39
+    eng.add_request("mine", [1, 2, 3], params)  # in-process requests (no client) are not capped
+    outs = eng.generate([[9, 9]], params)
+    assert outs[0].finish_reason is not None

@@ -364,7 +364,7 @@ def test_a_client_that_never_reads_is_disconnected_and_the_core_stays_small(smal
 def flood_core(tiny_model_dir, tmp_path):
     endpoint, log = f"ipc://{tmp_path}/core.sock", str(tmp_path / "core.log")
     proc = start_core(tiny_model_dir, endpoint, log, "--max-num-seqs", "8", "--max-queued-requests-per-client",
-                      "20000", "--log-interval", "0")
+                      "20000", "--max-queued-requests", "20000", "--log-interval", "0")
     try:
         wait_ready(endpoint, proc, log)
         yield endpoint, proc

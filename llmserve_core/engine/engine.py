@@ -27,12 +27,11 @@ log = logging.getLogger("llmserve.engine")
 
 
 class QueueFull(ValidationError):
-    """The client already has as many waiting requests as the engine lets one client queue. Not a fault of
-    any field (field ""): retrying once some of its requests have started succeeds."""
+    """The client already has as many waiting requests as the engine lets it queue. Not a fault of any field
+    (field ""): retrying once some of its requests have started succeeds."""
 
-    def __init__(self, cap: int):
-        super().__init__("", f"queue full: this client already has {cap} requests waiting "
-                             "(max_queued_requests_per_client); retry when some have started")
+    def __init__(self, why: str):
+        super().__init__("", f"queue full: {why}; retry when some have started")
 
 
 @dataclass
@@ -151,13 +150,12 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     client=None) -> None:
         """Queue a request. Raises ValidationError naming the bad field (QueueFull when `client` already has
-        max_queued_requests_per_client waiting); the engine is unchanged then. `client` is the fairness
-        key: waiting requests are admitted round-robin across clients."""
+        as many waiting as it may: see _check_queue_caps); the engine is unchanged then. `client` is the
+        fairness key: waiting requests are admitted round-robin across clients."""
         params = SamplingParams() if params is None else params
         self._validate(request_id, prompt_token_ids, params)
-        cap = self.config.max_queued_requests_per_client
-        if client is not None and cap and self.scheduler.waiting.count(client) >= cap:
-            raise QueueFull(cap)
+        if client is not None:
+            self._check_queue_caps(client)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(self.model_info.eos_token_ids),
                       self.max_model_len, client=client)
         if params.guided is not None:
@@ -171,6 +169,20 @@ class Engine:
             req.speculative = params.speculative and params.logprobs is None and not params.processes_logits
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _check_queue_caps(self, client) -> None:
+        """Each client may have max_queued_requests_per_client waiting. The per-client cap alone lets many
+        connections grow the core without bound, so all clients together may have max_queued_requests;
+        past that, a client with nothing waiting may still queue one (so a flood of requests cannot lock
+        out a client sending one at a time), up to twice the cap."""
+        waiting, mine = self.scheduler.waiting, self.scheduler.waiting.count(client)
+        cap = self.config.max_queued_requests_per_client
+        if cap and mine >= cap:
+            raise QueueFull(f"this client already has {cap} requests waiting (max_queued_requests_per_client)")
+        total = self.config.max_queued_requests
+        if total and len(waiting) >= total and (mine > 0 or len(waiting) >= 2 * total):
+            raise QueueFull(f"{len(waiting)} requests of all clients are waiting (max_queued_requests {total}) "
+                            f"and this client has {mine}")
 
     def _validate(self, request_id, prompt, params) -> None:
         if not isinstance(request_id, str) or not request_id:
