@@ -71,8 +71,10 @@ def test_unfinished_character_is_released_at_the_end(tok):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_token_sequence_concatenates_to_full_decode(tok, data):
-    # Arbitrary ids (including invalid byte sequences and specials), arbitrary step sizes.
-    ids = data.draw(st.lists(st.integers(0, len(tok) - 1), min_size=0, max_size=40))
+    # Arbitrary ids (including invalid byte sequences and specials), arbitrary step sizes; half of them
+    # single bytes, so partial characters, stray bytes and their mixes come up often.
+    one_byte = [i for i in range(len(tok)) if len(tok.convert_ids_to_tokens(i)) == 1]
+    ids = data.draw(st.lists(st.integers(0, len(tok) - 1) | st.sampled_from(one_byte), min_size=0, max_size=40))
     sizes = data.draw(st.lists(st.integers(1, 4), min_size=0, max_size=40))
     skip = data.draw(st.booleans())
     assert "".join(stream_deltas(tok, ids, sizes, skip)) == full_decode(tok, ids, skip)
@@ -154,3 +156,15 @@ def test_outputs_after_a_stop_string_are_ignored(tok):
     assert state.on_output(RequestOutput(request_id="r", token_ids=ids), 1.0).finish_reason == "stop"
     assert state.on_output(RequestOutput(request_id="r", token_ids=tok.encode(" more"), finish_reason="abort"), 2.0) is None
     assert state.completion().finish_reason == "stop"
+
+
+def test_bytes_that_can_never_complete_a_character_are_not_held_back(tok):
+    # A model emitting stray bytes (a random model, a logit_bias on a byte token) must neither stall the
+    # stream until the end nor make every push decode the whole held-back run again (quadratic time).
+    stray = next(i for i in range(len(tok))
+                 if len(tok.convert_ids_to_tokens(i)) == 1 and tok.decode([i]) == "\ufffd")   # one lone byte
+    ids = [stray] * 300
+    d = IncrementalDetokenizer(tok)
+    streamed = "".join(d.push([t]) for t in ids)
+    assert streamed == "\ufffd" * 299     # only the newest token waits: no later one has shown it stray yet
+    assert streamed + d.flush() == full_decode(tok, ids)
