@@ -84,9 +84,11 @@ class RequestState:
             return
         if len(self.token_ids) < self.params.min_tokens:
             return      # vLLM: stop strings count only once min_tokens are out
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        # The stop string completed first wins (the one that ends earliest; of those, the longest): what
+        # one token at a time would find, however many tokens a step brought.
+        hits = [(i + len(s), i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
         if hits:
-            i, s = min(hits)
+            _, i, s = min(hits)
             self.text = self.text[:i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
             self.finish_reason, self.stop_reason, self.needs_abort = "stop", s, True
 

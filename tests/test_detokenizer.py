@@ -168,3 +168,13 @@ def test_bytes_that_can_never_complete_a_character_are_not_held_back(tok):
     streamed = "".join(d.push([t]) for t in ids)
     assert streamed == "\ufffd" * 299     # only the newest token waits: no later one has shown it stray yet
     assert streamed + d.flush() == full_decode(tok, ids)
+
+
+@pytest.mark.parametrize("per_step", [1, 3, 100])
+def test_the_stop_string_completed_first_wins_however_tokens_are_batched(tok, per_step):
+    # "o t" is complete before "two three" is: generating one token at a time stops there, and several
+    # tokens per step (speculative decoding, a slow reader) must end the same way.
+    ids = tok.encode("xx two three yy")
+    state, chunks = feed(tok, SamplingParams(max_tokens=100, stop=["two three", "o t"]), ids, per_step)
+    assert state.completion().text == "xx tw" and state.stop_reason == "o t"
+    assert "".join(c.text for c in chunks) == "xx tw"
