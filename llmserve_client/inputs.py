@@ -49,9 +49,11 @@ def build_params(sampling: dict) -> SamplingParams:
         field = next((k for k, v in sampling.items() if _has_wide_int(v)), "params")
         raise RequestError(field, "holds an integer outside [-2**63, 2**64)") from None
     except msgspec.ValidationError as e:
-        m = re.search(r"at `\$\[(\d+)\]", str(e))
+        # The path names the field by position: "at `$[14][...]`", or "at `key` in `$[14]`" for a map key.
+        m = re.search(r"at (?:`key` in )?`\$\[(\d+)\]", str(e))
         field = SamplingParams.__struct_fields__[int(m.group(1))] if m else "params"
-        raise RequestError(field, str(e).split(" - at ")[0]) from None
+        message = str(e).split(" - at ")[0] + (" (a key)" if " - at `key` in " in str(e) else "")
+        raise RequestError(field, message) from None
     try:
         return params.validate()
     except ValidationError as e:

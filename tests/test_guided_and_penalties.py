@@ -551,7 +551,9 @@ def test_new_fields_survive_the_wire_and_extremes_are_refused_by_the_client():
                           guided={"kind": "choice", "choices": ["a"]}))
     assert p.logit_bias == {5: -100, 6: 100.0} and p.guided.choices == ["a"] and p.min_tokens == 8
     for field, bad in (("logit_bias", dict(logit_bias={2**64: 1.0})), ("min_tokens", dict(min_tokens=2**64)),
-                       ("guided", dict(guided={"kind": "regex", "x": 1}))):
+                       ("guided", dict(guided={"kind": "regex", "x": 1})),
+                       ("logit_bias", dict(logit_bias={"5": 1.0})),     # OpenAI's string keys
+                       ("guided", dict(guided={"kind": "regex", "spec": 5}))):
         with pytest.raises(RequestError) as e:
             build_params(bad)
         assert e.value.field == field
