@@ -3,7 +3,8 @@
 Shared by the sync and async clients; it only transforms messages and never touches a socket.
 Stop strings are found on the detokenized text (the core never sees text). A match ends the request:
 text is cut before the stop string, finish_reason becomes "stop", and `needs_abort` tells the caller
-to abort the request in the engine. With include_stop_str_in_output the stop string stays in the text;
+to abort the request in the engine. A stop token id's text is left out of the text likewise (the id stays
+in the token ids). With include_stop_str_in_output the stop string or token stays in the text;
 before min_tokens outputs no stop string counts. While streaming, the last len(longest stop) - 1 characters are held
 back so a stop string split across steps never leaks into streamed text.
 """
@@ -57,8 +58,13 @@ class RequestState:
             self.timings.core_finish = m.finish_time
         self.usage.completion_tokens = len(self.token_ids)
         final = out.finish_reason is not None
+        # A stop token id ends the token ids but not the text (unless include_stop_str_in_output), as a stop
+        # string does: "\n" as a stop token gives a line without its newline, as in vLLM.
+        text_ids = new_ids[:-1] if (final and out.finish_reason == "stop" and new_ids
+                                    and new_ids[-1] in self.params.stop_token_ids
+                                    and not self.params.include_stop_str_in_output) else new_ids
         if self.detok is not None:
-            self._add_text(self.detok.push(new_ids))
+            self._add_text(self.detok.push(text_ids))
             if final and not self.finished:
                 self._add_text(self.detok.flush())
         if final and not self.finished:

@@ -144,10 +144,15 @@ def test_held_back_tail_is_released_when_no_stop_string_matches(tok):
     assert not state.needs_abort
 
 
-def test_stop_token_id_is_reported(tok):
-    ids = tok.encode("abc def")
-    state, _ = feed(tok, SamplingParams(max_tokens=100, stop_token_ids=[ids[-1]]), ids, final_reason="stop")
-    assert state.finish_reason == "stop" and state.stop_reason == ids[-1]
+@pytest.mark.parametrize("per_step", [1, 3])
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_token_is_reported_and_its_text_left_out_as_a_stop_strings(tok, per_step, keep):
+    ids = tok.encode("abc def\n")
+    params = SamplingParams(max_tokens=100, stop_token_ids=[ids[-1]], include_stop_str_in_output=keep)
+    state, chunks = feed(tok, params, ids, per_step, final_reason="stop")
+    comp = state.completion()
+    assert comp.finish_reason == "stop" and comp.stop_reason == ids[-1] and comp.token_ids == ids
+    assert comp.text == "".join(c.text for c in chunks) == full_decode(tok, ids if keep else ids[:-1])
 
 
 def test_outputs_after_a_stop_string_are_ignored(tok):
