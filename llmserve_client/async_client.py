@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from llmserve_proto import Abort, ModelInfo
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
-from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
+from llmserve_client.errors import LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_state import RequestState
 from llmserve_client.transport import Transport
@@ -235,7 +235,7 @@ class AsyncStream:
     def _send_abort(self) -> None:
         try:
             self._transport.send(Abort(request_ids=[self.request_id]))
-        except EngineDeadError:
+        except LLMServeError:   # the transport is dead (EngineDeadError, or a ProtocolError): nothing runs
             pass
 
     def _abort(self) -> None:

@@ -455,3 +455,21 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
     assert main(["make-tiny-model", str(tmp_path / "deep"), "--num-hidden-layers", "3", "--untied"]) == 0
     cfg = json.loads((tmp_path / "deep" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 3 and cfg["tie_word_embeddings"] is False
+
+
+def test_closing_a_stream_over_a_transport_dead_of_a_protocol_error_does_not_raise():
+    """A reconnect that finds a core on another protocol version leaves the transport dead of a
+    ProtocolError: closing (or collecting) a stream there has nothing to abort, and must not raise."""
+    from llmserve_client.async_client import AsyncStream
+    from llmserve_client.client import Stream
+    from llmserve_client.errors import ProtocolError
+
+    class DeadTransport:
+        def send(self, msg):
+            raise ProtocolError("the core speaks protocol 99")
+
+    for cls, close in ((Stream, lambda s: s.close()), (AsyncStream, lambda s: asyncio.run(s.aclose()))):
+        stream = object.__new__(cls)
+        stream.request_id, stream._transport, stream._done = "r", DeadTransport(), False
+        close(stream)
+        assert stream._done
