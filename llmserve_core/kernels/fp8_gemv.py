@@ -32,8 +32,8 @@ MAX_ROWS = 16     # the measured tables' row classes; layers/fp8_linear.py quant
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_xs, stride_y,
-                     k_per_split, stride_sn, stride_sk,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_y, k_per_split,
+                     stride_sn, stride_sk, xs_ptr, stride_xs,
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr, X_GROUP: tl.constexpr,
@@ -237,10 +237,9 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
         _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
         xs, stride_xs = (x_scale, x_scale.stride(0)) if prequantized else (x, 0)   # (x: any pointer, unread)
-        _fp8_gemv_kernel[(n_blocks, split)](x, xs, w, scale, y, parts, counts, m, n, k, x.stride(0), stride_xs,
-                                            y.stride(0), k_per_split, stride_sn, stride_sk,
-                                            **common, DOT_IEEE=x.dtype == torch.float32,
-                                            QUANT_X=kernel == "a8", X_GROUP=x_group if prequantized else 0,
+        _fp8_gemv_kernel[(n_blocks, split)](*args, xs, stride_xs, **common, DOT_IEEE=x.dtype == torch.float32,
+                                            QUANT_X=kernel == "a8" and not prequantized,
+                                            X_GROUP=x_group if prequantized else 0,
                                             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
