@@ -191,6 +191,8 @@ def test_fp8_gemv_on_an_x_quantized_ahead(m, n, k, block, block_n, group, split_
     with pytest.raises(AssertionError, match="BLOCK_K must divide"):
         fp8_gemv(xq, w, s, block, config=dict(config, BLOCK_K=128), x_scale=xs, x_group=group,
                  out_dtype=torch.float32)
+    with pytest.raises(AssertionError, match="BLOCK_K must divide"):
+        fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=0, out_dtype=torch.float32)
 
 
 def test_fp8_gemv_fma_refuses_what_it_cannot_tile():

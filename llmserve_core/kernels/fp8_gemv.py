@@ -209,7 +209,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     prequantized = x.dtype == FP8
     if prequantized:
         assert kernel == "a8", "fp8_gemv: an e4m3 x needs the a8 kernel"
-        assert x_group % block_k == 0, "fp8_gemv: BLOCK_K must divide x's scale group"
+        assert x_group > 0 and x_group % block_k == 0, f"fp8_gemv: BLOCK_K must divide x's scale group, not {x_group}"
         assert x_scale is not None and x_scale.shape == (m, triton.cdiv(k, x_group)) and out_dtype is not None, \
             f"fp8_gemv: an e4m3 x takes x_scale [{m}, {triton.cdiv(k, x_group)}] and an out_dtype"
     fma = kernel.startswith("fma")
