@@ -123,3 +123,15 @@ def test_hermes_streamed_arguments_equal_whole_whatever_their_json_type(args):
         _, _, deltas = stream_in_pieces(ChoiceShaper(False, "", True), text, [cut, min(len(text), cut + 4)])
         streamed = "".join(d["function"]["arguments"] for d in deltas)
         assert json.loads(streamed) == json.loads(call["function"]["arguments"]), cut
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call_whole_and_streamed():
+    """OpenAI's parallel_tool_calls=false: at most one call, as vLLM does it (the first; later ones dropped)."""
+    msg, finish = ChoiceShaper(False, "", True, parallel_tool_calls=False).message(CALLS, "stop")
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"] and finish == "tool_calls"
+    for cut in range(len(CALLS) + 1):
+        shaper = ChoiceShaper(False, "", True, parallel_tool_calls=False)
+        _, content, deltas = stream_in_pieces(shaper, CALLS, [cut, min(len(CALLS), cut + 7)])
+        assert content == "Let me check.\n" and {d["index"] for d in deltas} == {0}, cut
+        assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Oslo", "when": {"d": 2}}
+        assert shaper.finish_reason("stop") == "tool_calls"

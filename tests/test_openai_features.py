@@ -141,6 +141,23 @@ def test_named_tool_choice_calls_that_tool(client):
         check_call("add", json.loads(call.function.arguments))
 
 
+TWO_CALLS = (r'<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}\n</tool_call>\n'
+             r'<tool_call>\n\{"name": "add", "arguments": \{"a": 3, "b": 4\}\}\n</tool_call>')
+
+
+def test_parallel_tool_calls_false_returns_one_call(client):
+    """The model wrote two calls (a regex makes it): parallel_tool_calls=false gets the first only, whole and
+    streamed, as from vLLM; the default gets both."""
+    kw = dict(tools=TOOLS, max_tokens=200, extra_body={"guided_regex": TWO_CALLS})
+    assert len(chat(client, **kw).choices[0].message.tool_calls) == 2
+    r = chat(client, parallel_tool_calls=False, **kw)
+    [call] = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"a": 1, "b": 2} and r.choices[0].finish_reason == "tool_calls"
+    _, _, calls, finish = streamed(client, parallel_tool_calls=False, **kw)
+    assert {c.index for c in calls} == {0} and finish == "tool_calls"
+    assert json.loads("".join(c.function.arguments for c in calls)) == {"a": 1, "b": 2}
+
+
 def test_tool_history_is_rendered_by_the_template(client, server):
     """An assistant turn with tool_calls and the tool's answer reach the template: the prompt the core got
     is exactly the template's rendering (its token count), and the model may continue from it."""

@@ -35,10 +35,12 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, kwarg
 class ChoiceShaper:
     """One chat choice's text -> message fields, whole or as stream deltas."""
 
-    def __init__(self, reasoning: bool, prompt_text: str, tools: bool):
+    def __init__(self, reasoning: bool, prompt_text: str, tools: bool, parallel_tool_calls: bool = True):
         self.reasoning = reasoning
         self.opened = reasoning and prompt_opens_thinking(prompt_text)
         self.tools = tools
+        # OpenAI's parallel_tool_calls=false allows one call: as vLLM does, the first is kept, later ones dropped.
+        self.max_calls = None if parallel_tool_calls else 1
         self._reasoning = ReasoningStream(self.opened) if reasoning else None
         self._tools = ToolCallStream() if tools else None
 
@@ -50,6 +52,7 @@ class ChoiceShaper:
         msg: dict = {"role": "assistant"}
         if self.tools and content:
             content, calls = parse_tool_calls(content)
+            calls = calls[:self.max_calls]
             if calls:
                 msg["tool_calls"] = calls
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -73,6 +76,8 @@ class ChoiceShaper:
             if final:
                 c2, more = self._tools.flush()
                 content, calls = content + c2, calls + more
+            if self.max_calls is not None:
+                calls = [c for c in calls if c["index"] < self.max_calls]
         out: dict = {}
         if reasoning:
             out["reasoning_content"] = reasoning
