@@ -198,6 +198,17 @@ def test_seed_reproducible(oai):
     assert chat[0] == chat[1]
 
 
+def test_negative_seed_is_a_seed(oai):
+    """OpenAI's and vLLM's seed is any int64: a negative one reproduces like any other."""
+    kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=16, temperature=1.0)
+    a, b = (oai.completions.create(**kw, seed=-5).choices[0].text for _ in range(2))
+    assert a == b and a != oai.completions.create(**kw, seed=5).choices[0].text
+    assert len(oai.completions.create(**kw, seed=-2**63, n=2).choices) == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(**kw, seed=2**63)
+    assert e.value.response.json()["error"]["param"] == "seed"
+
+
 def _stop_string(text: str) -> tuple[str, int]:
     """A 3-character piece of `text`, not at its start, found first where it is taken from."""
     for i in range(2, len(text) - 3):

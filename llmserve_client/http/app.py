@@ -218,9 +218,8 @@ class Frontend:
             for i in range(req.n):
                 index = p * req.n + i
                 seed = sampling.get("seed")
-                # Choice 0 keeps the seed as sent, so a seed no message can carry is still refused.
                 jobs.append((index, ids, {**sampling, "max_tokens": n_tokens,
-                                          **({"seed": (seed + i) % 2**63} if seed is not None and i else {})}))
+                                          **({"seed": (seed + i) % schemas.SEED_SPAN} if seed is not None else {})}))
                 if shaper is not None:
                     ctx.shapers[index] = shaper()
                 if not chat and req.echo:

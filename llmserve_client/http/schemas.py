@@ -159,6 +159,7 @@ def _param_of(message: str) -> str | None:
 
 
 MAX_N = 16      # choices per request (n)
+SEED_SPAN = 2**63   # the core's seeds are [0, 2^63); OpenAI's and vLLM's are any int64, so [-2^63, 2^63)
 
 
 def _check_request(req: _Request) -> None:
@@ -183,7 +184,7 @@ def sampling_fields(req: _Request) -> dict:
     """The SamplingParams fields both endpoints map the same way (max_tokens is decided by the caller)."""
     _check_request(req)
     out: dict = {"ignore_eos": req.ignore_eos, "include_stop_str_in_output": req.include_stop_str_in_output}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
+    for name in ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens"):
         value = getattr(req, name)
         if value is not None:
@@ -192,6 +193,10 @@ def sampling_fields(req: _Request) -> dict:
         out["logit_bias"] = _logit_bias(req.logit_bias)
     if req.stop is not None:
         out["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.seed is not None:
+        if not -SEED_SPAN <= req.seed < SEED_SPAN:
+            raise ApiError(f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
+        out["seed"] = req.seed % SEED_SPAN    # a negative seed folds onto the core's range, still its own stream
     return out
 
 
