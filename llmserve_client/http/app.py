@@ -430,7 +430,9 @@ class Frontend:
                             type="server_error", code="engine_unavailable")
         if isinstance(e, RequestError):
             param = error_param(e.field, guided_source) or schemas.param_name(e.field, chat) or None
-            return ApiError(e.message, (names or {}).get(param, param))
+            param = (names or {}).get(param, param)
+            # The core's message leaves the field to `field`; the openai package's exceptions show only the message.
+            return ApiError(f"{param}: {e.message}" if param else e.message, param)
         if isinstance(e, EngineDeadError):
             return ApiError(f"the engine is unavailable: {e}", None, status=503, type="server_error",
                             code="engine_unavailable")
