@@ -156,6 +156,30 @@ def test_completion_stream_equals_non_stream(oai):
     assert plain[-1].choices[0].finish_reason == "length" and plain[-1].usage is None
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_give_each_chunk_its_choices_running_usage(oai, chat):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage is its choice's prompt and the tokens
+    it has generated so far; the last chunk still has the totals."""
+    kw = dict(model=NAME, max_tokens=6, n=2, temperature=1.0, seed=1, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if chat:
+        chunks = list(oai.chat.completions.create(messages=CHAT, **kw))
+    else:
+        chunks = list(oai.completions.create(prompt=["def add(a, b):", "import"], **kw))
+    total = chunks[-1].usage
+    seen: dict[int, list] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        seen.setdefault(choice.index, []).append((c.usage.prompt_tokens, c.usage.completion_tokens))
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert sorted(seen) == ([0, 1] if chat else [0, 1, 2, 3])
+    for runs in seen.values():
+        counts = [done for _, done in runs]
+        assert counts == sorted(counts) and counts[-1] == 6 and len({p for p, _ in runs}) == 1
+    prompts = {seen[i][0][0] for i in seen}
+    assert total.prompt_tokens == sum(prompts) and total.completion_tokens == 6 * len(seen)
+
+
 def test_chat_matches_client_library_streaming_and_not(oai, core):
     ref = core[1].generate(CHAT, max_tokens=16, temperature=0)
     r = oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, temperature=0)

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -176,6 +177,7 @@ class Frontend:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ctx = _Ctx(rid, self.names[0] if req.model is None else req.model, chat,
                    req.stream and req.stream_options is not None and req.stream_options.include_usage)
+        ctx.continuous_usage = ctx.include_usage and req.stream_options.continuous_usage_stats
         loop = asyncio.get_running_loop()
         if chat:
             sampling = schemas.chat_sampling(req)
@@ -217,6 +219,7 @@ class Frontend:
                 prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
             for i in range(req.n):
                 index = p * req.n + i
+                ctx.prompt_tokens[index] = len(ids)
                 seed = sampling.get("seed")
                 jobs.append((index, ids, {**sampling, "max_tokens": n_tokens,
                                           **({"seed": (seed + i) % schemas.SEED_SPAN} if seed is not None else {})}))
@@ -323,6 +326,7 @@ class Frontend:
                                                              "logprobs": None, "finish_reason": None}))
             item = first
             while item is not None:
+                ctx.generated[item[0]] += len(item[1].token_ids)
                 choice = self._stream_choice(ctx, *item)
                 if choice is not None:
                     yield _sse_data(self._chunk(ctx, item[0], choice))
@@ -376,7 +380,7 @@ class Frontend:
                "created": ctx.created, "model": ctx.model,
                "choices": [] if choice is None else [{"index": index, **choice}]}
         if ctx.include_usage:
-            out["usage"] = None
+            out["usage"] = _running_usage(ctx, index) if ctx.continuous_usage and choice is not None else None
         return out
 
     def _full_response(self, ctx: "_Ctx", completions: list[Completion]) -> dict:
@@ -457,6 +461,9 @@ class _Ctx:
         self.n = 1                               # choices per prompt
         self.num_prompts = 1
         self.max_tokens_param = "max_tokens"     # or chat's max_completion_tokens, as the request spelled it
+        self.continuous_usage = False            # vLLM's continuous_usage_stats: usage in every streamed chunk
+        self.prompt_tokens: dict[int, int] = {}  # choice -> its prompt's tokens
+        self.generated: Counter[int] = Counter()   # choice -> tokens streamed so far
 
     def error_names(self, e: Exception) -> dict[str, str]:
         """The request's own names for the params an error from the core names (see App._api_error): the
@@ -511,6 +518,12 @@ def _usage(completions: list[Completion], n: int = 1) -> dict:
     generated = sum(c.usage.completion_tokens for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": sum(c.usage.cached_tokens for c in firsts)}}
+
+
+def _running_usage(ctx: _Ctx, index: int) -> dict:
+    """One choice's usage so far, as vLLM's continuous_usage_stats gives it in each chunk."""
+    prompt, generated = ctx.prompt_tokens[index], ctx.generated[index]
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 def _sse_data(obj: dict) -> str:

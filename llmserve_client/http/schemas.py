@@ -28,6 +28,7 @@ class ApiError(Exception):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
