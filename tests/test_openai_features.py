@@ -243,6 +243,24 @@ def test_every_structured_output_form_parses_and_validates(client, server):
     check_schema(json.loads(r.choices[0].text))
 
 
+def test_an_answer_grammar_is_content_when_the_template_opened_thinking(client):
+    """Thinking-only templates (Qwen3-*-Thinking-2507) open <think> in the prompt. A forced tool call, a JSON
+    schema or a choice holds from the first token, so the model has no room to think: the output is the
+    answer (tool_calls, content), not reasoning."""
+    opened = {"chat_template_kwargs": {"open_think": True}}
+    r = chat(client, tools=TOOLS, tool_choice="required", max_tokens=300, seed=0, extra_body=opened)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    reasoning, content, calls, finish = streamed(client, tools=TOOLS, tool_choice="required", max_tokens=300,
+                                                 seed=0, extra_body=opened)
+    assert finish == "tool_calls" and calls and (reasoning, content) == ("", "")
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}
+    msg = chat(client, max_tokens=200, seed=1, extra_body=opened, **schema).choices[0].message
+    check_schema(json.loads(msg.content))
+    assert getattr(msg, "reasoning_content", None) is None
+    _, content, _, _ = streamed(client, max_tokens=200, seed=1, extra_body={**opened, "guided_choice": ["yes", "no"]})
+    assert content in ("yes", "no")
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_json": {"type": 5}}, "guided_json"),

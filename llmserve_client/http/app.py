@@ -194,7 +194,7 @@ class Frontend:
             max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                                  if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
             shaper = lambda: ChoiceShaper(self.reasoning_parser is not None, prompt_text, tools is not None,
-                                          req.parallel_tool_calls is not False)
+                                          req.parallel_tool_calls is not False, guided and guided["kind"])
         else:
             sampling = schemas.completion_sampling(req)
             prompts = []

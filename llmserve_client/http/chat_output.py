@@ -10,6 +10,10 @@ from llmserve_client.http.reasoning import ReasoningStream, prompt_opens_thinkin
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.tool_parsers import ToolCallStream, parse_tool_calls
 
+# Grammars (SamplingParams.guided kinds) whose text is the answer itself: held from the first token, they leave
+# the model no room to think, so their output is never reasoning, even after a template that opened <think>.
+ANSWER_GRAMMARS = ("json", "json_object", "choice")
+
 # Arguments the server passes itself; a request may not override them through chat_template_kwargs.
 _RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict",
              "continue_final_message", "chat_template", "documents"}
@@ -35,9 +39,11 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, kwarg
 class ChoiceShaper:
     """One chat choice's text -> message fields, whole or as stream deltas."""
 
-    def __init__(self, reasoning: bool, prompt_text: str, tools: bool, parallel_tool_calls: bool = True):
+    def __init__(self, reasoning: bool, prompt_text: str, tools: bool, parallel_tool_calls: bool = True,
+                 grammar: str | None = None):
+        """grammar: the kind of the request's guided decoding, if any (a forced tool call is "json")."""
         self.reasoning = reasoning
-        self.opened = reasoning and prompt_opens_thinking(prompt_text)
+        self.opened = reasoning and prompt_opens_thinking(prompt_text) and grammar not in ANSWER_GRAMMARS
         self.tools = tools
         # OpenAI's parallel_tool_calls=false allows one call: as vLLM does, the first is kept, later ones dropped.
         self.max_calls = None if parallel_tool_calls else 1
