@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 
-from llmserve_proto import Abort, ModelInfo
+from llmserve_proto import ModelInfo
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
 from llmserve_client.errors import LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
@@ -144,9 +144,9 @@ class AsyncClient:
         return s.completion
 
     async def abort(self, request_id: str) -> None:
-        transport = self._cores.transport_of(request_id) or (self._cores.transports[0] if self._cores.single else None)
-        if transport is not None:
-            transport.send(Abort(request_ids=[request_id]))
+        req = self._cores.find(request_id)
+        if req is not None:
+            req.abort()
 
     async def stats(self, timeout: float | None = None) -> dict:
         """As Client.stats: one core's counters, or over several cores their sums and per-core entries."""
@@ -193,7 +193,8 @@ class AsyncStream:
         self._sink = sink
         self._done = True      # until it is sent: a failed start leaves nothing to abort
         self._state.timings.sent = time.monotonic()
-        self._transport = open_request(cores, request_id, ids, params, sink)
+        self._request = open_request(cores, request_id, ids, params, sink)
+        self._transport = self._request.transport
         self._done = False
 
     @property
@@ -219,29 +220,24 @@ class AsyncStream:
                 out, _batch_time, recv_time = rest
                 chunk = self._state.on_output(out, recv_time)
                 if self._state.finished:
-                    self._done = True
-                    if self._state.needs_abort:
-                        self._send_abort()
+                    self._end(abort=self._state.needs_abort)
                 if chunk is not None:
                     return chunk
                 continue
-            self._done = True
+            self._end(abort=False)
             if kind == "error":
                 err = rest[0]
-                raise RequestError(err.field, err.message, err.request_id)
+                raise RequestError(err.field, err.message, self.request_id)
             raise rest[0]
         raise StopAsyncIteration
 
-    def _send_abort(self) -> None:
-        try:
-            self._transport.send(Abort(request_ids=[self.request_id]))
-        except LLMServeError:   # the transport is dead (EngineDeadError, or a ProtocolError): nothing runs
-            pass
+    def _end(self, abort: bool) -> None:
+        self._done = True
+        self._request.release(abort)
 
     def _abort(self) -> None:
         if not self._done:
-            self._done = True
-            self._send_abort()
+            self._end(abort=True)
 
     async def aclose(self) -> None:
         self._abort()

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from llmserve_proto import Abort, ModelInfo
+from llmserve_proto import ModelInfo
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
 from llmserve_client.errors import LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
@@ -74,10 +74,11 @@ class Client:
             return s.completion
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        transport = self._cores.transport_of(request_id) or (self._cores.transports[0] if self._cores.single else None)
-        if transport is not None:
-            transport.send(Abort(request_ids=[request_id]))
+        """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored, as are those
+        of requests whose end the caller has already seen."""
+        req = self._cores.find(request_id)
+        if req is not None:
+            req.abort()
 
     def stats(self, timeout: float | None = None) -> dict:
         """The engine's counters: running, waiting, free/total KV blocks, prefix hit rate, ... Over several
@@ -122,7 +123,8 @@ class Stream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done = True      # until it is sent: a failed start leaves nothing to abort
         self._state.timings.sent = time.monotonic()
-        self._transport = open_request(client._cores, self.request_id, ids, params, self._queue)
+        self._request = open_request(client._cores, self.request_id, ids, params, self._queue)
+        self._transport = self._request.transport
         self._done = False
 
     @property
@@ -150,29 +152,21 @@ class Stream:
             out, _batch_time, recv_time = rest
             chunk = self._state.on_output(out, recv_time)
             if self._state.finished:
-                self._finish()
+                self._end(abort=self._state.needs_abort)
             return chunk
-        self._done = True
+        self._end(abort=False)
         if kind == "error":
             err = rest[0]
-            raise RequestError(err.field, err.message, err.request_id)
+            raise RequestError(err.field, err.message, self.request_id)
         raise rest[0]   # "dead"
 
-    def _finish(self) -> None:
+    def _end(self, abort: bool) -> None:
         self._done = True
-        if self._state.needs_abort:
-            self._abort_quietly()
-
-    def _abort_quietly(self) -> None:
-        try:
-            self._transport.send(Abort(request_ids=[self.request_id]))
-        except LLMServeError:   # the transport is dead (EngineDeadError, or a ProtocolError): nothing runs
-            pass
+        self._request.release(abort)
 
     def close(self) -> None:
         if not self._done:
-            self._done = True
-            self._abort_quietly()
+            self._end(abort=True)
 
     def __enter__(self) -> "Stream":
         return self

@@ -10,13 +10,20 @@ One endpoint behaves exactly as a client always did. Over several (data parallel
   to the others. Calls fail only when no core is up.
 - Load = requests in flight from here + what a core's own stats (polled at most every STATS_REFRESH_S,
   piggybacked on routing) say other clients have running or waiting there.
+
+Request ids: the caller's id is refused only while the caller's own request with that id is live (it has not
+yet seen it end). On the wire each request has an id of its own, the caller's with "#<serial>" appended, so
+an id is free again the moment its caller saw the request end (a stop string matched here, a stream closed),
+though the core may still be finishing the old one: its late outputs go nowhere.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
-from llmserve_proto import Generate, Welcome, default_endpoint
+from llmserve_proto import Abort, Generate, ValidationError, Welcome, default_endpoint
+from llmserve_proto.messages import CLIENT_BOUNDS, MAX_REQUEST_ID_LEN
 from llmserve_client.errors import EngineDeadError, LLMServeError, ModelMismatchError, RequestError
 from llmserve_client.router import Router
 from llmserve_client.transport import Transport, model_difference
@@ -41,7 +48,9 @@ class Cores:
             raise
         self.router: Router | None = None
         self._lock = threading.Lock()
-        self._in_flight: dict[str, tuple[int, _Tracked]] = {}   # request id -> (core index, its sink)
+        self._in_flight: dict[str, WireRequest] = {}      # wire id -> request, until the core ended it
+        self._callers: dict[str, WireRequest] = {}        # caller's id -> request, until the caller saw it end
+        self._serials = itertools.count(1)
         self._counts = [0] * len(self.endpoints)         # requests in flight from here, per core
         self.routed = [0] * len(self.endpoints)          # requests sent to each core since the start
         self._foreign = [0] * len(self.endpoints)        # others' running + waiting, from the core's stats
@@ -95,48 +104,54 @@ class Cores:
         return type(finals[0])("; ".join(f"{ep}: {f}" for ep, f in zip(self.endpoints, finals)))
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def open(self, request_id: str, token_ids: list[int], sink) -> Transport:
+    def open(self, request_id: str, token_ids: list[int], sink) -> "WireRequest":
         """Choose a core for the request and route its outputs to sink; the caller sends the Generate on the
-        transport returned (and calls close_request if that fails)."""
+        request's transport (and calls close_request if that fails)."""
         with self._lock:
-            if request_id in self._in_flight:
+            if request_id in self._callers:
                 raise ValueError(f"request_id: {request_id!r} is already in flight on this client")
             up = [t.dead is None for t in self.transports]
             if not any(up):
                 raise self.dead or EngineDeadError("no core is up")
             loads = [c + f for c, f in zip(self._counts, self._foreign)]
             i = self.router.pick(token_ids, loads, up) if not self.single else 0
-            tracked = _Tracked(self, request_id, sink)
-            self._in_flight[request_id] = (i, tracked)
+            req = WireRequest(self, request_id, wire_request_id(request_id, next(self._serials)), i, sink)
+            self._in_flight[req.wire_id] = self._callers[request_id] = req
             self._counts[i] += 1
             self.routed[i] += 1
         try:
-            self.transports[i].register(request_id, tracked)
+            req.transport.register(req.wire_id, req)
         except BaseException:
-            self.close_request(request_id)
+            self.close_request(req)
             raise
-        return self.transports[i]
+        return req
 
-    def close_request(self, request_id: str, tracked: "_Tracked | None" = None) -> None:
-        """The request is over (final output, error, core death, or never sent); with tracked, only if that
-        is still the request's sink."""
+    def close_request(self, req: "WireRequest") -> None:
+        """The request is over in the core (final output, error, core death), or was never sent."""
         with self._lock:
-            entry = self._in_flight.get(request_id)
-            if entry is None or (tracked is not None and entry[1] is not tracked):
+            if self._in_flight.pop(req.wire_id, None) is None:
                 return
-            del self._in_flight[request_id]
-            self._counts[entry[0]] -= 1
-        self.transports[entry[0]].unregister(request_id)
+            self._counts[req.index] -= 1
+            self._forget_caller(req)
+        req.transport.unregister(req.wire_id)
 
-    def _is_current(self, request_id: str, tracked: "_Tracked") -> bool:
+    def release(self, req: "WireRequest") -> None:
+        """The caller saw the request end: its id may name a new request at once."""
         with self._lock:
-            entry = self._in_flight.get(request_id)
-        return entry is not None and entry[1] is tracked
+            self._forget_caller(req)
 
-    def transport_of(self, request_id: str) -> Transport | None:
+    def _forget_caller(self, req: "WireRequest") -> None:
+        if self._callers.get(req.request_id) is req:
+            del self._callers[req.request_id]
+
+    def _is_current(self, req: "WireRequest") -> bool:
         with self._lock:
-            entry = self._in_flight.get(request_id)
-        return None if entry is None else self.transports[entry[0]]
+            return req.wire_id in self._in_flight
+
+    def find(self, request_id: str) -> "WireRequest | None":
+        """The caller's live request with this id."""
+        with self._lock:
+            return self._callers.get(request_id)
 
     def in_flight(self) -> list[int]:
         with self._lock:
@@ -183,42 +198,71 @@ def endpoint_list(endpoint: str | list[str] | tuple[str, ...] | None) -> list[st
     return endpoints
 
 
-def open_request(cores: Cores, request_id: str, ids: list[int], params, sink) -> Transport:
-    """Route a request to a core and send it; the transport it went to (shared by both clients). A core
-    found dead on the way is left out and the next choice tried: nothing was sent to it."""
-    msg = Generate(request_id=request_id, prompt_token_ids=ids, params=params)
+def wire_request_id(request_id: str, serial: int) -> str:
+    """The id a request goes by on the wire: unique in this client, and still naming the caller's id in the
+    core's logs (cut short to fit the bound)."""
+    tag = f"#{serial}"
+    return request_id[:MAX_REQUEST_ID_LEN - len(tag)] + tag
+
+
+def open_request(cores: Cores, request_id: str, ids: list[int], params, sink) -> "WireRequest":
+    """Route a request to a core and send it (shared by both clients). A core found dead on the way is left
+    out and the next choice tried: nothing was sent to it."""
+    try:
+        CLIENT_BOUNDS[Generate]["request_id"].check("request_id", request_id)
+    except ValidationError as e:
+        raise RequestError(e.field, e.message, request_id) from None
     tries = len(cores.transports)
     while True:
         try:
-            transport = cores.open(request_id, ids, sink)
+            req = cores.open(request_id, ids, sink)
         except ValueError as e:
             raise RequestError("request_id", str(e).split(": ", 1)[-1], request_id) from None
         try:
-            transport.send(msg)
+            req.transport.send(Generate(request_id=req.wire_id, prompt_token_ids=ids, params=params))
         except BaseException as e:
-            cores.close_request(request_id)
+            cores.close_request(req)
             tries -= 1
             if not isinstance(e, EngineDeadError) or tries == 0 or cores.dead is not None:
                 raise
             continue
         cores.refresh_loads()
-        return transport
+        return req
 
 
-class _Tracked:
-    """A request's sink that tells Cores when the request is over (its last item passes through here).
-    Once the request left it (a send that failed on a dying core and went to another core instead), late
-    items from the old core are dropped: the caller's queue must not see that core's death."""
+class WireRequest:
+    """One request as sent to one core, and its sink there: it tells Cores when the request is over (its
+    last item passes through here). Items of a request that is over for Cores (a send that failed on a
+    dying core and went to another core instead) are dropped, as are those the caller no longer waits for
+    (it saw the request end): the caller's queue must not see that core's death, nor an abort's tail."""
 
-    def __init__(self, cores: Cores, request_id: str, sink):
-        self.cores, self.request_id, self.sink = cores, request_id, sink
+    def __init__(self, cores: Cores, request_id: str, wire_id: str, index: int, sink):
+        self.cores, self.request_id, self.wire_id, self.index, self.sink = cores, request_id, wire_id, index, sink
+        self.transport: Transport = cores.transports[index]
+        self.released = False
 
     def put(self, item) -> None:
-        if not self.cores._is_current(self.request_id, self):
+        if not self.cores._is_current(self):
             return
         if item[0] != "output" or item[1].finish_reason is not None:
-            self.cores.close_request(self.request_id, self)
-        self.sink.put(item)
+            self.cores.close_request(self)
+        if not self.released:
+            self.sink.put(item)
+
+    def abort(self) -> None:
+        """Ask the core to stop the request; its final output says "abort"."""
+        self.transport.send(Abort(request_ids=[self.wire_id]))
+
+    def release(self, abort: bool) -> None:
+        """The caller saw the request end (or gave up on it): nothing more reaches it, and its id is free.
+        abort: the core may still be generating, so stop it there."""
+        self.released = True
+        self.cores.release(self)
+        if abort:
+            try:
+                self.abort()
+            except LLMServeError:   # the transport is dead (EngineDeadError, or a ProtocolError): nothing runs
+                pass
 
 
 class _LoadSink:

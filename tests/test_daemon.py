@@ -460,16 +460,20 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
 def test_closing_a_stream_over_a_transport_dead_of_a_protocol_error_does_not_raise():
     """A reconnect that finds a core on another protocol version leaves the transport dead of a
     ProtocolError: closing (or collecting) a stream there has nothing to abort, and must not raise."""
+    from types import SimpleNamespace
+
     from llmserve_client.async_client import AsyncStream
     from llmserve_client.client import Stream
+    from llmserve_client.cores import WireRequest
     from llmserve_client.errors import ProtocolError
 
     class DeadTransport:
         def send(self, msg):
             raise ProtocolError("the core speaks protocol 99")
 
+    cores = SimpleNamespace(transports=[DeadTransport()], release=lambda req: None)
     for cls, close in ((Stream, lambda s: s.close()), (AsyncStream, lambda s: asyncio.run(s.aclose()))):
         stream = object.__new__(cls)
-        stream.request_id, stream._transport, stream._done = "r", DeadTransport(), False
+        stream._request, stream._done = WireRequest(cores, "r", "r#1", 0, None), False
         close(stream)
         assert stream._done

@@ -1,0 +1,152 @@
+"""The client's request ids against a scripted core: a core whose every output the test decides, so the
+moments that matter (a stop string matched before the core's final abort output) happen every run."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import pytest
+import zmq
+
+from llmserve_client import AsyncClient, Client, RequestError
+from llmserve_proto import (Abort, Generate, Heartbeat, Hello, ModelInfo, OutputBatch, RequestOutput, Welcome,
+                            decode_client, encode)
+from llmserve_proto.messages import RequestError as RequestErrorMsg
+
+WAIT_S = 60.0
+
+
+class ScriptedCore(threading.Thread):
+    """A ROUTER that welcomes one client, hands the test every other message it sends, and sends what the
+    test queues (heartbeats on its own, so the client never declares it dead)."""
+
+    def __init__(self, endpoint: str, model_dir: str):
+        super().__init__(daemon=True)
+        self.endpoint = endpoint
+        self.welcome = Welcome(protocol_version=1, model_info=ModelInfo(model=model_dir, vocab_size=1024,
+                                                                        max_model_len=512),
+                               heartbeat_interval_s=0.2, client_timeout_s=30.0)
+        self.received: queue.SimpleQueue = queue.SimpleQueue()
+        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.start()
+
+    def run(self) -> None:
+        peer, last_beat = None, 0.0
+        while not self.stopping.is_set():
+            if self.sock.poll(20):
+                peer, frame = self.sock.recv_multipart()
+                msg = decode_client(frame)
+                if isinstance(msg, Hello):
+                    self.sock.send_multipart([peer, encode(self.welcome)])
+                elif isinstance(msg, (Generate, Abort)):
+                    self.received.put(msg)
+            if peer is None:
+                continue
+            while not self.outgoing.empty():
+                self.sock.send_multipart([peer, encode(self.outgoing.get())])
+            if time.monotonic() - last_beat > 0.2:
+                self.sock.send_multipart([peer, encode(Heartbeat())])
+                last_beat = time.monotonic()
+        self.sock.close()
+
+    def expect(self, kind):
+        msg = self.received.get(timeout=WAIT_S)
+        assert isinstance(msg, kind), msg
+        return msg
+
+    def send(self, *outputs: RequestOutput) -> None:
+        self.outgoing.put(OutputBatch(outputs=list(outputs)))
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.join(WAIT_S)
+
+
+@pytest.fixture
+def scripted(tiny_model_dir, tmp_path):
+    core = ScriptedCore(f"ipc://{tmp_path}/core.sock", tiny_model_dir)
+    yield core
+    core.close()
+
+
+@pytest.fixture(scope="module")
+def text_ids(tiny_model_dir):
+    """Token ids whose text holds the stop string STOP, with text after it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("one two three four five six")
+    text = tok.decode(ids)
+    assert "three" in text, text
+    return ids
+
+
+STOP = "three"
+
+
+def test_an_id_is_free_again_once_its_stop_string_ended_it_and_late_outputs_stay_with_the_old(scripted, text_ids):
+    with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
+        first = c.stream([1, 2, 3], request_id="x", stop=[STOP])
+        g1 = scripted.expect(Generate)
+        scripted.send(RequestOutput(request_id=g1.request_id, token_ids=text_ids))
+        assert [ch.finish_reason for ch in first][-1] == "stop"
+        assert scripted.expect(Abort).request_ids == [g1.request_id]
+        # The core has not sent the old request's final output yet: the caller has seen it end all the same.
+        second = c.stream([1, 2, 3], request_id="x", max_tokens=4)
+        g2 = scripted.expect(Generate)
+        assert g2.request_id != g1.request_id
+        scripted.send(RequestOutput(request_id=g1.request_id, token_ids=[7, 8], finish_reason="abort"),
+                      RequestOutput(request_id=g2.request_id, token_ids=[9]))
+        scripted.send(RequestOutput(request_id=g2.request_id, token_ids=[10], finish_reason="length"))
+        chunks = list(second)
+        assert [t for ch in chunks for t in ch.token_ids] == [9, 10]
+        assert {ch.request_id for ch in chunks} == {"x"} and second.completion.finish_reason == "length"
+        assert first.completion.token_ids == text_ids          # nothing of the new request reached the old
+
+
+def test_a_closed_stream_frees_its_id_and_abort_and_errors_speak_the_callers_id(scripted):
+    with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
+        with c.stream([1, 2, 3], request_id="y", max_tokens=100):
+            g1 = scripted.expect(Generate)
+        assert scripted.expect(Abort).request_ids == [g1.request_id]
+        again = c.stream([1, 2, 3], request_id="y", max_tokens=100)
+        g2 = scripted.expect(Generate)
+        with pytest.raises(RequestError) as e:          # a live id is still refused, by the client itself
+            c.stream([1, 2, 3], request_id="y")
+        assert e.value.field == "request_id"
+        c.abort("y")
+        assert scripted.expect(Abort).request_ids == [g2.request_id]
+        scripted.outgoing.put(RequestErrorMsg(request_id=g2.request_id, field="temperature", message="too hot"))
+        with pytest.raises(RequestError) as e:
+            list(again)
+        assert (e.value.request_id, e.value.field) == ("y", "temperature")
+
+
+def test_the_async_client_reuses_an_id_once_its_stop_string_ended_it(scripted, text_ids):
+    async def main():
+        async with AsyncClient(scripted.endpoint, connect_timeout=WAIT_S) as c:
+            first = await c.stream([1, 2, 3], request_id="x", stop=[STOP])
+            g1 = scripted.expect(Generate)
+            scripted.send(RequestOutput(request_id=g1.request_id, token_ids=text_ids))
+            assert [ch.finish_reason async for ch in first][-1] == "stop"
+            assert scripted.expect(Abort).request_ids == [g1.request_id]
+            second = await c.stream([1, 2, 3], request_id="x", max_tokens=4)
+            g2 = scripted.expect(Generate)
+            scripted.send(RequestOutput(request_id=g1.request_id, token_ids=[7], finish_reason="abort"),
+                          RequestOutput(request_id=g2.request_id, token_ids=[9], finish_reason="length"))
+            assert [t async for ch in second for t in ch.token_ids] == [9]
+
+    asyncio.run(asyncio.wait_for(main(), WAIT_S))
+
+
+@pytest.mark.parametrize("request_id", ["z" * 257, 5])
+def test_a_request_id_no_message_can_carry_is_refused_by_name(scripted, request_id):
+    with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
+        with pytest.raises(RequestError) as e:
+            c.stream([1, 2, 3], request_id=request_id)
+        assert e.value.field == "request_id"
