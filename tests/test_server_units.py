@@ -5,14 +5,16 @@ from __future__ import annotations
 import queue
 
 import pytest
+import zmq
 
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.waiting_queue import WaitingQueue
 from llmserve_core.server.busy_loop import BusyLoop
-from llmserve_core.server.events import AbortRequests, ClientGone, ErrorReply, NewRequest, StepResult
+from llmserve_core.server.events import AbortRequests, ClientGone, ErrorReply, NewRequest, StatsQuery, StepResult
 from llmserve_core.server.log_safety import LogLimiter, printable
 from llmserve_core.server.outbox import Outbox
-from llmserve_proto import Generate, SamplingParams
+from llmserve_core.server.socket_thread import STATS_BURST, SocketThread
+from llmserve_proto import Generate, Hello, ModelInfo, SamplingParams, StatsRequest, Welcome, encode
 
 
 @pytest.mark.parametrize("raw, logged", [
@@ -180,3 +182,33 @@ def test_repeated_and_unknown_aborts_count_each_aborted_request_once(tiny_engine
                                           AbortRequests(b"A", ["r"]), AbortRequests(b"B", ["r"])])
     assert _finals(out) == [(b"A", "r", "abort")]
     assert busy.counters["requests_aborted_by_client"] == 1
+
+
+def test_saying_hello_again_does_not_refill_the_stats_rate(tmp_path):
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind(f"ipc://{tmp_path}/core.sock")
+    dealer.connect(f"ipc://{tmp_path}/core.sock")
+    dealer.send(encode(Hello()))
+    client = router.recv_multipart()[0]
+    in_q = queue.SimpleQueue()
+    welcome = Welcome(protocol_version=1, model_info=ModelInfo(model="m"), heartbeat_interval_s=1.0,
+                      client_timeout_s=10.0)
+    st = SocketThread(ctx, router, f"inproc://pair-{tmp_path.name}", in_q, welcome, 1.0, 10.0)
+    try:
+        now = 1000.0        # one instant: nothing refills the rate meanwhile
+        st._handle(client, Hello(), now)
+        for i in range(STATS_BURST + 1):
+            st._handle(client, StatsRequest(nonce=i), now)
+        st._handle(client, Hello(), now)
+        st._handle(client, StatsRequest(nonce=-1), now)
+        answered = []
+        while not in_q.empty():
+            item = in_q.get()
+            if isinstance(item, StatsQuery):
+                answered.append(item.nonce)
+        assert answered == list(range(STATS_BURST))
+    finally:
+        st.pair.close(linger=0)
+        router.close(linger=0)
+        dealer.close(linger=0)

@@ -215,8 +215,12 @@ class SocketThread(threading.Thread):
                 self._reply(client, EngineError(message="the core is shutting down", fatal=True))
                 return
             name = printable(msg.client_name, 100)
-            self.clients[client] = ClientInfo(now, name)
-            log.info("client %s (%s) connected", client.hex(), name or "-")
+            info = self.clients.get(client)
+            if info is None:
+                self.clients[client] = ClientInfo(now, name)
+                log.info("client %s (%s) connected", client.hex(), name or "-")
+            else:   # the same session: a fresh ClientInfo would refill its stats rate on every hello
+                info.last_seen, info.name = now, name
             self._reply(client, self.welcome)
             return
         info = self.clients.get(client)
