@@ -109,9 +109,9 @@ class Welcome(msgspec.Struct, **_msg("welcome")):
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
-    """Log-probabilities at one generated position."""
-    logprob: float                   # of the sampled token
-    top_token_ids: list[int] = []    # the n most likely tokens (n = SamplingParams.logprobs), best first
+    """Log-probabilities at one generated (or prompt) position."""
+    logprob: float                   # of the sampled (or prompt) token
+    top_token_ids: list[int] = []    # the n most likely tokens (n = logprobs or prompt_logprobs), best first
     top_logprobs: list[float] = []
 
 
@@ -133,6 +133,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only
     finish_reason: str | None = None          # None | "stop" | "length" | "abort"
     logprobs: list[Logprobs] | None = None    # one per token in token_ids when requested
     metrics: RequestMetrics | None = None     # only on the final output
+    # With params.prompt_logprobs, on the request's first output only (the one bringing its first token):
+    # one per prompt token after the first, in order (the first prompt token has nothing before it).
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class OutputBatch(msgspec.Struct, **_msg("outputs")):

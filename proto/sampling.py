@@ -50,6 +50,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
 
     temperature 0 (or below GREEDY_EPSILON) means greedy. top_k 0 or -1 disables top-k. `logprobs`: None
     for none, 0 for the sampled token's log-probability only, n for it plus the n most likely tokens.
+    `prompt_logprobs` asks the same of every prompt token after the first (each given the tokens before it);
+    the request's first output carries them all. Both report the model's own distribution (before
+    temperature, penalties and filters), as vLLM does.
     `stop` strings are matched by the client on detokenized text; the core never sees text.
     """
 
@@ -74,6 +77,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     min_tokens: int = 0          # end-of-sequence and stop_token_ids are blocked until this many outputs
     include_stop_str_in_output: bool = False   # the client keeps a matched stop string in the text
     guided: GuidedDecoding | None = None
+    prompt_logprobs: int | None = None   # as logprobs, for each prompt token after the first
 
     MAX_LOGPROBS = 20
     MAX_TEMPERATURE = 100.0      # past this the distribution is uniform to float32 precision anyway
@@ -126,4 +130,5 @@ SAMPLING_BOUNDS = {
     "min_tokens": Int(0, INT32_MAX),          # and at most max_tokens (validate)
     "include_stop_str_in_output": Bool(),
     "guided": Nested(GuidedDecoding, optional=True),
+    "prompt_logprobs": Int(0, SamplingParams.MAX_LOGPROBS, optional=True),
 }

@@ -63,7 +63,7 @@ def in_range(field: str, v, max_tokens=3) -> bool:
         return v is None or (_is_int(v) and 0 <= v < 2**63)
     if field == "stop_token_ids":
         return isinstance(v, list) and all(_is_int(t) and 0 <= t < VOCAB for t in v)
-    if field == "logprobs":
+    if field in ("logprobs", "prompt_logprobs"):
         return v is None or (_is_int(v) and 0 <= v <= 20)
     if field in ("ignore_eos", "speculative"):
         return type(v) is bool

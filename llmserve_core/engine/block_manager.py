@@ -74,10 +74,11 @@ class BlockManager:
     def admit(self, req: Request) -> int:
         """Attach the longest cached prefix of a newly scheduled request; return the tokens it covers.
 
-        The last prompt token is always recomputed: its logits are needed to sample.
+        The last prompt token is always recomputed: its logits are needed to sample. A request still
+        collecting prompt logprobs reads nothing: every prompt position must go through the head.
         """
         assert not req.block_ids
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.prompt_logprobs is not None:
             return 0
         tokens = req.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

@@ -42,6 +42,7 @@ from llmserve_core.config import EngineConfig
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.step_graphs import StepGraphs
+from llmserve_core.engine.prompt_logprobs import PromptRows
 from llmserve_core.engine.step_result import RequestResult, StepHandle
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.sampler import SamplingTensors
@@ -245,7 +246,7 @@ class EagleExecutor:
         drafting = [r for r in sched.requests if r.speculative and not r.is_prefilling and r.spec_state.pending is not None]
         phase = self.phases
         phase.collect()
-        sampled, sample_requests = None, []
+        sampled, sample_requests, prompt_scores = None, [], None
         if self._fused_step_fits(sched, drafting):
             with phase("draft"):          # the draft and the verify in one graph: its time counts as drafting
                 proposal, verify_logits, fused_aux, emitted = self._fused_step(drafting)
@@ -264,6 +265,7 @@ class EagleExecutor:
             with phase("verify"):
                 hidden, aux, layout, verify_logits = self._target_forward(sched, drafting, proposal)
             with phase("accept"):
+                prompt_scores = self.runner.score_prompts(hidden, layout.prompt)
                 sample_requests = layout.sample_requests
                 if sample_requests:
                     sampled = self.runner.sample(hidden[layout.sample_rows], sample_requests).to_host(self.pin)
@@ -282,7 +284,10 @@ class EagleExecutor:
                               d, res.num_accepted, res.token_ids,
                               f" path {res.accepted_nodes}" if res.accepted_nodes else "")
         ready = [RequestResult(req, tokens, extra_computed=len(tokens) - 1) for req, tokens in zip(drafting, verified.tokens)]
-        return StepHandle(sched, sampled, sample_requests, ready, [r.num_accepted for r in results])
+        handle = StepHandle(sched, sampled, sample_requests, ready, [r.num_accepted for r in results])
+        if prompt_scores is not None:
+            handle.set_prompt_scores(layout.prompt.spans, prompt_scores)
+        return handle
 
     def policy_widths(self) -> dict[int, int]:
         """Draft depths the policy may pick, with the verify rows each costs a request: a chain may draft
@@ -553,6 +558,7 @@ class EagleExecutor:
         b = self.builder
         layout = _Layout()
         verify_rows, sample_rows = [], []
+        prompt = layout.prompt
         device_depths = isinstance(proposal.depths, torch.Tensor)
         for req, n in zip(sched.requests, sched.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -569,15 +575,17 @@ class EagleExecutor:
                 verify_rows.append(row)
             else:
                 row = b.add(req.block_ids, start, n, req.token_ids[start:end])
+                prompt.add(req, row, start, n)
                 if end == req.num_tokens:
                     sample_rows.append(row + n - 1)
                     layout.sample_requests.append(req)
             layout.starts.append(row)
         # Only a pure verify (every request drafting, at a depth the warm-up ran) takes the decode kernel's
         # rows path; a prefill chunk's length is the prompt's, a row count no warm-up can cover.
-        built = b.finish((verify_rows, sample_rows), uniform_rows=len(verify_rows) == len(sched.requests))
+        built = b.finish((verify_rows, sample_rows, prompt.rows, prompt.targets),
+                         uniform_rows=len(verify_rows) == len(sched.requests))
         batch, ids = built.batch, built.input_ids
-        layout.verify_rows, layout.sample_rows = built.extras
+        layout.verify_rows, layout.sample_rows, prompt.device_rows, prompt.device_targets = built.extras
         if drafting:
             rows = (layout.verify_rows[:, None] + self.verify_offsets[:width]).flatten()
             drafts = proposal.tokens if proposal.trees is None else proposal.tokens[:, 1:]   # a tree's node 0 is the root
@@ -775,3 +783,4 @@ class _Layout:
         self.sample_rows: torch.Tensor | None = None     # [S] plain rows to sample (device)
         self.sample_requests: list[Request] = []
         self.verify_rows: torch.Tensor | None = None     # [D] first verify row of each drafting request (device)
+        self.prompt = PromptRows()                      # rows scoring prompt tokens (prompt logprobs)

@@ -42,6 +42,7 @@ class StepOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None     # prompt positions 1 .., on the first output only
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Completion:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None     # one per prompt token after the first
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,8 @@ class Engine:
         its outputs for step() to return."""
         finished: list[Request] = []
         now = time.monotonic()
+        for req, first, scores in handle.prompt_results():    # before the results: one may be the first output
+            req.add_prompt_logprobs(first, scores)
         for res in handle.results():
             req = res.request
             if req.is_finished:          # aborted, or ended by the previous step while this one ran
@@ -381,7 +385,7 @@ class Engine:
                     break
             self.total_generated_tokens += len(new)
             self._pending.append(StepOutput(req.request_id, new, finish, res.logprobs, req.num_prompt_tokens,
-                                            req.num_cached_tokens))
+                                            req.num_cached_tokens, req.take_prompt_logprobs()))
             if finish is not None:
                 req.finish_reason = finish
                 finished.append(req)
@@ -432,6 +436,8 @@ class Engine:
                     res.num_cached_tokens = out.num_cached_tokens
                     if out.logprobs is not None:
                         res.logprobs = (res.logprobs or []) + out.logprobs
+                    if out.prompt_logprobs is not None:
+                        res.prompt_logprobs = out.prompt_logprobs
                     if out.finish_reason is not None:
                         res.finish_reason = out.finish_reason
                         pending.discard(out.request_id)

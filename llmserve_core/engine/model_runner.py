@@ -14,6 +14,7 @@ from llmserve_core.config import EngineConfig
 from llmserve_core.engine.batch_builder import BatchBuilder, HostToDevice
 from llmserve_core.engine.grammar import MaskBuilder
 from llmserve_core.engine.logits_inputs import build_logits_processors
+from llmserve_core.engine.prompt_logprobs import PromptRows, score
 from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.step_graphs import StepGraphs
@@ -37,6 +38,7 @@ class PreparedBatch:
     sample_rows: torch.Tensor        # [S] rows of the packed tokens whose logits are sampled
     sample_requests: list[Request]   # the requests those rows belong to
     samples_every_row: bool          # a decode: sample_rows is 0..S-1, so hidden[:S] needs no gather
+    prompt: PromptRows               # rows scoring prompt tokens (prompt logprobs)
 
 
 class ModelRunner:
@@ -66,6 +68,9 @@ class ModelRunner:
         # lookahead: KV slots past the last token that speculative verification writes.
         self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
         self.staging = HostToDevice(self.device, self.pin)
+        # Rows of float32 logits one sampling call may hold: the memory profile's, so scoring a long prompt
+        # chunk a slice of this many rows at a time stays within the profiled peak.
+        self.logits_rows = min(config.max_num_seqs, 1024)
         self.builder = self.batch_builder(config.max_num_batched_tokens, config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled ids, on the device
         self.tp = tp
@@ -140,7 +145,7 @@ class ModelRunner:
             reqs.append(r)
         prepared = self.prepare(ScheduledBatch(reqs, lens))
         hidden = self.model(prepared.input_ids, prepared.batch, kv)
-        rows = min(self.config.max_num_seqs, 1024)
+        rows = self.logits_rows
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1))
         st = SamplingTensors.from_params([_PROFILE_PARAMS] * rows, self.device)
         sample(logits, st)
@@ -216,9 +221,11 @@ class ModelRunner:
         sample_requests: list[Request] = []
         fill_rows: list[int] = []
         fill_from: list[int] = []
+        prompt = PromptRows()
         for req, n in zip(sched.requests, sched.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             row = b.add(req.block_ids, start, n, req.token_ids[start] if n == 1 else req.token_ids[start:end])
+            prompt.add(req, row, start, n)
             if req.token_ids[end - 1] == PLACEHOLDER:    # only ever the last token of a chunk
                 fill_rows.append(row + n - 1)
                 fill_from.append(req.sample_index)
@@ -226,13 +233,13 @@ class ModelRunner:
                 req.sample_index = len(sample_rows)
                 sample_rows.append(row + n - 1)
                 sample_requests.append(req)
-        built = b.finish((sample_rows, fill_rows, fill_from))
-        rows, fill_at, fill_src = built.extras
+        built = b.finish((sample_rows, fill_rows, fill_from, prompt.rows, prompt.targets))
+        rows, fill_at, fill_src, prompt.device_rows, prompt.device_targets = built.extras
         input_ids = built.input_ids
         if fill_rows:
             input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])
         return PreparedBatch(input_ids, built.batch, rows, sample_requests,
-                             samples_every_row=len(sample_rows) == built.batch.num_tokens)
+                             samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt)
 
     def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
         batch = prepared.batch
@@ -278,7 +285,18 @@ class ModelRunner:
         to_sample = None
         if reqs:
             to_sample = hidden[:len(reqs)] if prepared.samples_every_row else hidden[prepared.sample_rows]
-        return StepHandle(sched, sampled_requests=reqs, to_sample=to_sample)
+        handle = StepHandle(sched, sampled_requests=reqs, to_sample=to_sample)
+        scores = self.score_prompts(hidden, prepared.prompt)
+        if scores is not None:
+            handle.set_prompt_scores(prepared.prompt.spans, scores)
+        return handle
+
+    def score_prompts(self, hidden: torch.Tensor, prompt: PromptRows) -> SamplerOutput | None:
+        """Queue the prompt logprobs of a step's prompt rows (of `hidden`) and their copy to the host; None
+        when no row scores a prompt token."""
+        if not prompt.spans:
+            return None
+        return score(self.model.compute_logits, hidden, prompt, self.logits_rows).to_host(self.pin)
 
     @torch.inference_mode()
     def launch_sample(self, handle: StepHandle) -> None:

@@ -44,6 +44,9 @@ class Request:
     speculative: bool = False
     client: object = None               # fairness key: the scheduler admits round-robin across clients
     grammar: object | None = None       # engine.grammar.RequestGrammar for guided decoding
+    # With params.prompt_logprobs: the scores of prompt positions 1, 2, ... so far (TokenLogprobs), until the
+    # request's first output takes them (None from then on: see prompt_logprobs.py).
+    prompt_logprobs: list | None = None
 
     @property
     def ready(self) -> bool:
@@ -59,6 +62,8 @@ class Request:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +95,19 @@ class Request:
     def at_limit(self) -> bool:
         """Counting tokens still in flight, the request may not grow: it only awaits its last results."""
         return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len
+
+    def add_prompt_logprobs(self, first: int, scores: list) -> None:
+        """Scores of prompt positions first, first + 1, ...; a recomputed prompt scores only positions past
+        the ones held, but a step launched before the preemption may still bring some of those."""
+        if self.prompt_logprobs is None:
+            return
+        assert first <= len(self.prompt_logprobs) + 1, (first, len(self.prompt_logprobs))
+        self.prompt_logprobs[first - 1:first - 1 + len(scores)] = scores
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt's scores, for the request's first output (later ones get None)."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     def append_placeholder(self) -> None:
         self.token_ids.append(PLACEHOLDER)

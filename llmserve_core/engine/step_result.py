@@ -3,7 +3,8 @@
 The model runner's plain steps and the EAGLE executor's drafting steps both return a StepHandle; the
 engine completes either through one path (Engine._complete): append each result's tokens up to the
 first that ends the request, count its extra computed positions (accepted drafts, whose KV the verify
-forward already wrote), report its logprobs.
+forward already wrote), report its logprobs. A step that ran prompt chunks asking for prompt logprobs
+also carries their scores (prompt_logprobs.py), for the engine to hold until each request's first output.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class StepHandle:
         self.num_accepted = num_accepted or []
         self.to_sample = to_sample
         self.event = None
+        self.prompt_spans: list[tuple[Request, int, int]] = []    # (request, first prompt position, count)
+        self.prompt_scores: SamplerOutput | None = None           # their rows in order, host tensors
         if sampled is not None:
             self.set_sampled(sampled)
 
@@ -58,15 +61,41 @@ class StepHandle:
         """The sampler's output for sampled_requests, its copies to the host queued just now."""
         self.sampled = sampled
         self.to_sample = None
-        if sampled.token_ids.is_pinned():
+        self._record(sampled)
+
+    def set_prompt_scores(self, spans: list[tuple[Request, int, int]], scores: SamplerOutput) -> None:
+        """Prompt logprobs of the step's prompt chunks (PromptRows.spans), their copies to the host queued
+        just now."""
+        self.prompt_spans, self.prompt_scores = spans, scores
+        self._record(scores)
+
+    def _record(self, copied: SamplerOutput) -> None:
+        """The event results() waits on follows every copy queued so far."""
+        if copied.token_ids.is_pinned():
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def results(self) -> list[RequestResult]:
-        assert self.to_sample is None, "a step is read back only once sampled (ModelRunner.launch_sample)"
+    def _wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def results(self) -> list[RequestResult]:
+        assert self.to_sample is None, "a step is read back only once sampled (ModelRunner.launch_sample)"
+        self._wait()
         return sampled_results(self.sampled, self.sampled_requests) + self.ready
+
+    def prompt_results(self) -> list[tuple[Request, int, list[TokenLogprobs]]]:
+        """(request, first prompt position, the scores of that position and the ones after it) per chunk."""
+        if self.prompt_scores is None:
+            return []
+        self._wait()
+        lp, top_lp, top_ids = _host_lists(self.prompt_scores)
+        out, i = [], 0
+        for req, first, count in self.prompt_spans:
+            k = req.params.prompt_logprobs
+            out.append((req, first, [_token_logprobs(lp, top_ids, top_lp, j, k) for j in range(i, i + count)]))
+            i += count
+        return out
 
 
 def sampled_results(sampled: SamplerOutput | None, reqs: list[Request]) -> list[RequestResult]:
@@ -76,15 +105,19 @@ def sampled_results(sampled: SamplerOutput | None, reqs: list[Request]) -> list[
     tokens = sampled.token_ids.tolist()
     if sampled.logprobs is None:
         return [RequestResult(req, [tok]) for req, tok in zip(reqs, tokens)]
-    lp = sampled.logprobs.tolist()
-    top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-    top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-    out = []
-    for i, (req, tok) in enumerate(zip(reqs, tokens)):
-        n = req.params.logprobs
-        if n is None:
-            out.append(RequestResult(req, [tok]))
-            continue
-        top = list(zip(top_ids[i][:n], top_lp[i][:n])) if n and top_ids is not None else []
-        out.append(RequestResult(req, [tok], [TokenLogprobs(lp[i], top)]))
-    return out
+    lp, top_lp, top_ids = _host_lists(sampled)
+    return [RequestResult(req, [tok], None if req.params.logprobs is None else
+                          [_token_logprobs(lp, top_ids, top_lp, i, req.params.logprobs)])
+            for i, (req, tok) in enumerate(zip(reqs, tokens))]
+
+
+def _host_lists(out: SamplerOutput):
+    """An output's logprobs, top logprobs and top ids as lists (the top ones None when no row asked)."""
+    def listed(t):
+        return None if t is None else t.tolist()
+    return listed(out.logprobs), listed(out.top_logprobs), listed(out.top_token_ids)
+
+
+def _token_logprobs(lp, top_ids, top_lp, i: int, n: int) -> TokenLogprobs:
+    """Row i's logprob and its n most likely tokens (the rows hold the most any row of the batch asked)."""
+    return TokenLogprobs(lp[i], list(zip(top_ids[i][:n], top_lp[i][:n])) if n and top_ids is not None else [])

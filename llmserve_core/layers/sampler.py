@@ -216,11 +216,17 @@ def sample(logits: torch.Tensor, st: SamplingTensors, processors=None) -> Sample
         tokens = logits.argmax(dim=-1)
     else:
         tokens = race(logits, st, exponential_noise(logits.shape, st.noise_keys(), logits.device))
-    out = SamplerOutput(tokens)
-    if st.max_num_logprobs is not None:
-        # Log-probabilities of the model's own distribution (before temperature and filters), as vLLM reports.
-        logp = raw.float().log_softmax(dim=-1)
-        out.logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
-        if st.max_num_logprobs > 0:
-            out.top_logprobs, out.top_token_ids = logp.topk(st.max_num_logprobs, dim=-1)
+    if st.max_num_logprobs is None:
+        return SamplerOutput(tokens)
+    return model_logprobs(raw, tokens, st.max_num_logprobs)
+
+
+def model_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+    """`tokens` [N] with their log-probabilities under the model's own distribution (float32 log-softmax of
+    the raw logits: before temperature, filters and logits processors, as vLLM reports them), and the k
+    most likely tokens of each row (none for k 0)."""
+    logp = logits.float().log_softmax(dim=-1)
+    out = SamplerOutput(tokens, logp.gather(1, tokens[:, None]).squeeze(1))
+    if k > 0:
+        out.top_logprobs, out.top_token_ids = logp.topk(k, dim=-1)
     return out

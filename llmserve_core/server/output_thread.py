@@ -75,7 +75,8 @@ class OutputThread(threading.Thread):
             for client, rid, so, metrics in item.items:
                 per_client.setdefault(client, []).append(RequestOutput(
                     request_id=rid, token_ids=so.new_token_ids, finish_reason=so.finish_reason,
-                    logprobs=to_wire_logprobs(so.logprobs), metrics=metrics))
+                    logprobs=to_wire_logprobs(so.logprobs), metrics=metrics,
+                    prompt_logprobs=to_wire_logprobs(so.prompt_logprobs)))
             return [(c, encode(OutputBatch(outputs=outs, step=item.step, time=item.time)))
                     for c, outs in per_client.items()]
         if isinstance(item, ErrorReply):
