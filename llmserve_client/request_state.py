@@ -28,6 +28,7 @@ class RequestState:
         self.emitted = 0            # characters of self.text already handed out
         self.token_ids: list[int] = []
         self.logprobs = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.needs_abort = False    # a stop string ended it here; the engine is still generating
@@ -50,6 +51,10 @@ class RequestState:
         self.token_ids.extend(new_ids)
         if self.logprobs is not None and out.logprobs:
             self.logprobs.extend(out.logprobs)
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and self.params.prompt_logprobs is not None:
+            # The core sends one per prompt token after the first; vLLM's shape lines them up with the prompt.
+            prompt_logprobs = self.prompt_logprobs = [None, *out.prompt_logprobs]
         if out.metrics is not None:
             m = out.metrics
             self.usage.prompt_tokens = m.num_prompt_tokens or self.usage.prompt_tokens
@@ -79,7 +84,8 @@ class RequestState:
             return None
         return StreamChunk(self.request_id, delta, new_ids, self.finish_reason, self.stop_reason,
                            out.logprobs if self.logprobs is not None else None,
-                           self.usage if self.finished else None, self.timings if self.finished else None)
+                           self.usage if self.finished else None, self.timings if self.finished else None,
+                           prompt_logprobs)
 
     def _add_text(self, delta: str) -> None:
         if not delta or self.finished:
@@ -103,4 +109,5 @@ class RequestState:
 
     def completion(self) -> Completion:
         return Completion(self.request_id, self.text, self.token_ids, self.finish_reason, self.usage,
-                          self.timings, self.stop_reason, self.prompt_token_ids, self.logprobs)
+                          self.timings, self.stop_reason, self.prompt_token_ids, self.logprobs,
+                          self.prompt_logprobs)

@@ -50,7 +50,9 @@ class Timings:
 @dataclass
 class StreamChunk:
     """What one step produced for a streamed request. `text` is new text only; concatenating every
-    chunk's text gives Completion.text. The final chunk has finish_reason set (and usage, timings)."""
+    chunk's text gives Completion.text. The final chunk has finish_reason set (and usage, timings).
+    prompt_logprobs (asked for with the prompt_logprobs keyword) come with the first chunk only: one per
+    prompt token, as vLLM gives them (None for the first, which has nothing before it)."""
     request_id: str
     text: str
     token_ids: list[int]
@@ -59,6 +61,7 @@ class StreamChunk:
     logprobs: list[Logprobs] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass
@@ -72,3 +75,4 @@ class Completion:
     stop_reason: str | int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None     # one per prompt token: None for the first

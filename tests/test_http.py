@@ -285,6 +285,46 @@ def test_logprobs(oai):
     assert "".join(lp.tokens) == c.choices[0].text or "\ufffd" in "".join(lp.tokens)
 
 
+def test_echo_with_logprobs_scores_the_prompt(oai, server, core):
+    """lm-evaluation-harness's loglikelihood call: echo the prompt with its tokens' logprobs leading the
+    completion's, the first prompt token's null (OpenAI's legacy completions, vLLM)."""
+    prompt = "The quick brown fox jumps"
+    ids = core[1].tokenizer.encode(prompt)
+    ref = core[1].generate(ids, max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    assert ref.prompt_logprobs[0] is None and len(ref.prompt_logprobs) == len(ids)
+    kw = dict(model=NAME, prompt=prompt, temperature=0, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    c = oai.completions.create(max_tokens=3, **kw)
+    choice, lp = c.choices[0], c.choices[0].logprobs
+    assert choice.text == prompt + ref.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [x.logprob for x in ref.prompt_logprobs[1:] + ref.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(d) == 2 for d in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[:len(ids)]) == prompt and lp.text_offset[len(ids)] == len(prompt)
+    # Streamed, the prompt's come with the first chunk.
+    chunks = list(oai.completions.create(max_tokens=3, stream=True, **kw))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-4)
+    # max_tokens 0: the prompt alone, scored.
+    for z in (oai.completions.create(max_tokens=0, **kw),
+              *[ch for ch in oai.completions.create(max_tokens=0, stream=True, **kw) if ch.choices]):
+        zc = z.choices[0]
+        assert zc.text == prompt and zc.finish_reason == "length"
+        assert zc.logprobs.token_logprobs[1:] == pytest.approx(want[:len(ids) - 1], abs=1e-4)
+    assert oai.completions.create(max_tokens=0, **kw).usage.completion_tokens == 0
+    # vLLM's prompt_logprobs field: per prompt token None or {token id: {logprob, decoded_token}}.
+    r = httpx.post(server + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1}, timeout=30)
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i, entry in enumerate(got[1:], start=1):
+        assert entry[str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-4) and 1 <= len(entry) <= 2
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["prompt_logprobs"][0] is None
+
+
 def test_token_id_prompt_and_raw_http(server, core):
     ids = core[1].tokenizer.encode("for i in range(10):")
     r = httpx.post(server + "/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0}, timeout=30)
@@ -364,6 +404,7 @@ BAD_CHAT = [
     (dict(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded"),
     (dict(max_completion_tokens=MAX_MODEL_LEN), "max_completion_tokens", "context_length_exceeded"),
     (dict(top_logprobs=3), "top_logprobs", None),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs", None),
     (dict(presence_penalty=2.5), "presence_penalty", None),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", None),
     (dict(logit_bias={"5": 101}), "logit_bias", None),
@@ -404,7 +445,9 @@ def test_bad_completion_requests(oai, server):
         (dict(prompt=["hi", "word " * 1000]), "prompt[1]"),
         (dict(prompt=[[5, 6], [7, 99999]]), "prompt[1]"),
         (dict(prompt=["hi", "there"], max_tokens=MAX_MODEL_LEN), "max_tokens"),
-        (dict(prompt="hi", echo=True, logprobs=1), "echo"),
+        (dict(prompt="hi", extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+        (dict(prompt="hi", extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
+        (dict(prompt="hi", stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
         (dict(prompt="hi", suffix="!"), "suffix"),
         (dict(prompt="hi", best_of=3), "best_of"),
     ]

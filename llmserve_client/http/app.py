@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -39,7 +40,7 @@ from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
 from llmserve_client.http.tool_parsers import forced_call_guided
 from llmserve_client.inputs import to_token_ids
-from llmserve_client.types import Completion, StreamChunk
+from llmserve_client.types import Completion, StreamChunk, Usage
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 2.0                 # /health and /metrics give up on a core this slow
@@ -152,15 +153,15 @@ class Frontend:
         try:
             if not req.stream:
                 await until_disconnect(request, exhaust(merged))
-                completions = [s.completion for s in streams]
+                completions = ctx.completions(streams)
                 for c in completions:
                     self.metrics.on_finished(c)
                 return JSONResponse(self._full_response(ctx, completions))
             # The first chunk is awaited before answering, so a request the core rejects still gets a 400.
             first = await until_disconnect(request, anext(merged, None))
         except ClientGone:
-            for s in streams:
-                self.metrics.on_finished(s.completion)
+            for c in ctx.completions(streams):
+                self.metrics.on_finished(c)
             return Response(status_code=499)
         except LLMServeError as e:
             return self._error(self._api_error(e, chat, ctx.guided_source, ctx.error_names(e)))
@@ -178,6 +179,8 @@ class Frontend:
         ctx = _Ctx(rid, self.names[0] if req.model is None else req.model, chat,
                    req.stream and req.stream_options is not None and req.stream_options.include_usage)
         ctx.continuous_usage = ctx.include_usage and req.stream_options.continuous_usage_stats
+        ctx.echo_logprobs = not chat and req.echo and req.logprobs is not None
+        ctx.vllm_prompt_logprobs = req.prompt_logprobs is not None
         loop = asyncio.get_running_loop()
         if chat:
             sampling = schemas.chat_sampling(req)
@@ -211,15 +214,19 @@ class Frontend:
         if guided is not None:
             sampling["guided"] = guided
         ctx.guided_source, ctx.n, ctx.num_prompts, ctx.max_tokens_param = source, req.n, len(prompts), param
+        # echo with max_tokens 0 (OpenAI's legacy scoring call, which vLLM allows): the prompt alone comes back,
+        # of the one token the core must generate nothing.
+        ctx.echo_only = not chat and req.echo and max_tokens == 0
         jobs = []
         for p, (ids, prompt_text) in enumerate(prompts):
             where = "messages" if chat else schemas.prompt_param(p, len(prompts))
-            n_tokens = self._fit_max_tokens(len(ids), max_tokens, param, chat, where)
+            n_tokens = self._fit_max_tokens(len(ids), 1 if ctx.echo_only else max_tokens, param, chat, where)
             if not chat and req.echo and prompt_text is None:
                 prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
             for i in range(req.n):
                 index = p * req.n + i
                 ctx.prompt_tokens[index] = len(ids)
+                ctx.prompt_ids[index] = ids
                 seed = sampling.get("seed")
                 jobs.append((index, ids, {**sampling, "max_tokens": n_tokens,
                                           **({"seed": (seed + i) % schemas.SEED_SPAN} if seed is not None else {})}))
@@ -326,12 +333,13 @@ class Frontend:
                                                              "logprobs": None, "finish_reason": None}))
             item = first
             while item is not None:
-                ctx.generated[item[0]] += len(item[1].token_ids)
-                choice = self._stream_choice(ctx, *item)
+                index, chunk = item[0], ctx.shown(item[1])
+                ctx.generated[index] += len(chunk.token_ids)
+                choice = self._stream_choice(ctx, index, chunk)
                 if choice is not None:
-                    yield _sse_data(self._chunk(ctx, item[0], choice))
+                    yield _sse_data(self._chunk(ctx, index, choice))
                 item = await anext(merged, None)
-            completions = [s.completion for s in streams]
+            completions = ctx.completions(streams)
             for c in completions:
                 self.metrics.on_finished(c)
             accounted = True
@@ -354,14 +362,14 @@ class Frontend:
             # Reached on normal ends and on cancellation (the HTTP client went away): abort what still runs.
             await merged.aclose()
             if not accounted:
-                for s in streams:
-                    self.metrics.on_finished(s.completion)
+                for c in ctx.completions(streams):
+                    self.metrics.on_finished(c)
         yield "data: [DONE]\n\n"
 
     def _stream_choice(self, ctx: "_Ctx", index: int, chunk: StreamChunk) -> dict | None:
         final = chunk.finish_reason is not None
         text = ctx.echo.pop(index, "") + chunk.text       # echo: the prompt leads the first chunk
-        if not text and not final and not chunk.logprobs:
+        if not text and not final and not chunk.logprobs and not chunk.prompt_logprobs:
             return None
         if ctx.chat:
             shaper = ctx.shapers[index]
@@ -371,7 +379,7 @@ class Frontend:
             logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs)
             return {"delta": delta, "logprobs": logprobs, "finish_reason": shaper.finish_reason(chunk.finish_reason),
                     "stop_reason": chunk.stop_reason}
-        logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs)
+        logprobs = self._logprobs(ctx, index, chunk.token_ids, chunk.logprobs, chunk.prompt_logprobs)
         return {"text": text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
                 "stop_reason": chunk.stop_reason}
 
@@ -386,21 +394,40 @@ class Frontend:
     def _full_response(self, ctx: "_Ctx", completions: list[Completion]) -> dict:
         choices = []
         for i, c in enumerate(completions):
-            choice = {"index": i, "logprobs": self._logprobs(ctx, i, c.token_ids, c.logprobs),
+            choice = {"index": i, "logprobs": self._logprobs(ctx, i, c.token_ids, c.logprobs, c.prompt_logprobs),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if ctx.chat:
                 choice["message"], choice["finish_reason"] = ctx.shapers[i].message(c.text, c.finish_reason)
             else:
                 choice["text"] = ctx.echo.get(i, "") + c.text
+                if ctx.vllm_prompt_logprobs:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(c)
             choices.append(choice)
-        return {"id": ctx.id, "object": "chat.completion" if ctx.chat else "text_completion",
-                "created": ctx.created, "model": ctx.model, "choices": choices, "usage": _usage(completions, ctx.n)}
+        out = {"id": ctx.id, "object": "chat.completion" if ctx.chat else "text_completion",
+               "created": ctx.created, "model": ctx.model, "choices": choices, "usage": _usage(completions, ctx.n)}
+        if ctx.chat and ctx.vllm_prompt_logprobs:
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs(completions[0])   # one prompt for every choice
+        return out
 
-    def _logprobs(self, ctx: "_Ctx", index: int, token_ids: list[int], logprobs) -> dict | None:
-        """OpenAI's chat shape ({"content": [...]}) or the legacy completions shape (parallel lists)."""
+    def _vllm_prompt_logprobs(self, c: Completion) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, decoded_token}}
+        for the token itself and the top ones."""
+        if c.prompt_logprobs is None:
+            return None
+        text = self._token_text
+        return [None if lp is None else
+                {str(a): {"logprob": _finite(b), "decoded_token": text(a)}
+                 for a, b in [*zip(lp.top_token_ids, lp.top_logprobs), (t, lp.logprob)]}
+                for t, lp in zip(c.prompt_token_ids, c.prompt_logprobs)]
+
+    def _logprobs(self, ctx: "_Ctx", index: int, token_ids: list[int], logprobs, prompt_logprobs=None) -> dict | None:
+        """OpenAI's chat shape ({"content": [...]}) or the legacy completions shape (parallel lists), where
+        with echo the prompt's tokens lead (the first with null logprobs, as OpenAI and vLLM give it)."""
         if logprobs is None:
             return None
         pairs = list(zip(token_ids, logprobs))
+        if ctx.echo_logprobs and prompt_logprobs is not None:
+            pairs = list(zip(ctx.prompt_ids[index], prompt_logprobs)) + pairs
         text = self._token_text
         if ctx.chat:
             raw = self._token_bytes
@@ -414,8 +441,10 @@ class Frontend:
             offsets.append(at)
             at += len(text(t))
         ctx.text_offsets[index] = at
-        return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [_finite(lp.logprob) for _, lp in pairs],
-                "top_logprobs": [{text(a): _finite(b) for a, b in zip(lp.top_token_ids, lp.top_logprobs)}
+        return {"tokens": [text(t) for t, _ in pairs],
+                "token_logprobs": [None if lp is None else _finite(lp.logprob) for _, lp in pairs],
+                "top_logprobs": [None if lp is None else {text(a): _finite(b)
+                                                          for a, b in zip(lp.top_token_ids, lp.top_logprobs)}
                                  for _, lp in pairs],
                 "text_offset": offsets}
 
@@ -463,7 +492,24 @@ class _Ctx:
         self.max_tokens_param = "max_tokens"     # or chat's max_completion_tokens, as the request spelled it
         self.continuous_usage = False            # vLLM's continuous_usage_stats: usage in every streamed chunk
         self.prompt_tokens: dict[int, int] = {}  # choice -> its prompt's tokens
+        self.prompt_ids: dict[int, list[int]] = {}   # choice -> its prompt's token ids
+        self.echo_logprobs = False               # completions with echo and logprobs: the prompt's lead the answer's
+        self.echo_only = False                   # echo with max_tokens 0: the answer is the prompt alone
+        self.vllm_prompt_logprobs = False        # vLLM's prompt_logprobs field was asked for
         self.generated: Counter[int] = Counter()   # choice -> tokens streamed so far
+
+    def shown(self, c):
+        """A Completion or StreamChunk as the answer shows it: with echo_only, without the token the core
+        had to generate (the prompt's logprobs stay)."""
+        if not self.echo_only:
+            return c
+        usage = c.usage and Usage(c.usage.prompt_tokens, 0, c.usage.cached_tokens)
+        return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                   finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+                                   stop_reason=None, usage=usage)
+
+    def completions(self, streams: list[AsyncStream]) -> list[Completion]:
+        return [self.shown(s.completion) for s in streams]
 
     def error_names(self, e: Exception) -> dict[str, str]:
         """The request's own names for the params an error from the core names (see App._api_error): the

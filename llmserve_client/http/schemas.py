@@ -61,6 +61,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None     # vLLM's: answered as the choice's (chat: the response's) prompt_logprobs
 
     def __post_init__(self):
         self.n = 1 if self.n is None else self.n
@@ -168,6 +169,8 @@ def _check_request(req: _Request) -> None:
         raise ApiError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options is only allowed when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError("prompt_logprobs are not available when stream is true (vLLM's rule)", "prompt_logprobs")
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -194,6 +197,8 @@ def sampling_fields(req: _Request) -> dict:
         out["logit_bias"] = _logit_bias(req.logit_bias)
     if req.stop is not None:
         out["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = req.prompt_logprobs
     if req.seed is not None:
         if not -SEED_SPAN <= req.seed < SEED_SPAN:
             raise ApiError(f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
@@ -205,8 +210,6 @@ def completion_sampling(req: CompletionRequest) -> dict:
     out = sampling_fields(req)
     if req.best_of not in (None, 1):
         raise ApiError(f"only best_of=1 is supported, got {req.best_of}", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise ApiError("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
     if req.suffix:
         # OpenAI's suffix asks for an insertion (fill-in-the-middle); Qwen3's templates have no such mode.
         raise ApiError("suffix needs a fill-in-the-middle model; Qwen3 has none", "suffix")
@@ -214,6 +217,8 @@ def completion_sampling(req: CompletionRequest) -> dict:
         raise ApiError("response_format belongs to chat completions; use guided_json here", "response_format")
     if req.logprobs is not None:
         out["logprobs"] = req.logprobs
+        if req.echo:     # the echoed prompt's tokens get theirs too (OpenAI's legacy scoring, vLLM)
+            out.setdefault("prompt_logprobs", req.logprobs)
     return out
 
 
