@@ -85,6 +85,27 @@ def test_outbox_disconnects_past_its_byte_cap_or_its_stall_time():
     assert client == b"d" and "unread" in reason
 
 
+def test_outbox_flush_survives_a_peer_found_gone_while_draining():
+    # The socket thread's try_send forgets a client whose peer has gone (EHOSTUNREACH); the flush that
+    # was draining that client's backlog must carry on, not trip over the missing entry.
+    ob, peer = Outbox(max_bytes=100, max_stall_s=5.0), FakePeer(capacity=0)
+    ob.send(b"gone", b"m0", peer, now=0.0)
+    ob.send(b"gone", b"m1", peer, now=0.0)
+    ob.send(b"slow", b"s0", peer, now=0.0)
+
+    tried_gone = []
+
+    def try_send(client, payload):
+        if client == b"gone":
+            tried_gone.append(payload)
+            ob.forget(client)
+            return True
+        return peer(client, payload)
+    (client, reason), = ob.flush(try_send, now=6.0)
+    assert client == b"slow" and "unread" in reason and list(ob.backlogs) == [b"slow"]
+    assert tried_gone == [b"m0"]                     # nothing more is sent to a peer known gone
+
+
 def _req(rid, client):
     return Request(rid, [1, 2], SamplingParams(), frozenset(), 64, client=client)
 

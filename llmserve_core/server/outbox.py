@@ -49,8 +49,10 @@ class Outbox:
         """Retry every backlog in order; return the clients to disconnect, with the reason."""
         stalled = []
         for client, b in list(self.backlogs.items()):
-            while b.frames and try_send(client, b.frames[0]):
+            while b.frames and client in self.backlogs and try_send(client, b.frames[0]):
                 b.bytes -= len(b.frames.popleft())
+            if client not in self.backlogs:
+                continue                  # try_send found the peer gone and forgot it
             if not b.frames:
                 del self.backlogs[client]
             elif now - b.since > self.max_stall_s:
