@@ -329,7 +329,7 @@ def test_first_text_requests_from_many_threads_load_one_tokenizer(stack):
 ])
 def test_bad_limits_and_empty_api_key_exit_2(args, env, needle):
     r = subprocess.run([sys.executable, "-m", "llmserve_client.http", "--endpoint", "ipc:///nonexistent", *args],
-                       env={**ENV, **env}, capture_output=True, text=True, timeout=60)
+                       env={**ENV, **env}, capture_output=True, text=True, timeout=180)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
 
 
