@@ -12,7 +12,6 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from llmserve_core import Engine, EngineConfig
@@ -36,15 +35,6 @@ def models(tiny_model_dir, tmp_path_factory):
     draft = make_tiny_draft(tmp_path_factory.mktemp("draft"), tiny_model_dir, seed=1)
     reference = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
     return str(tiny_model_dir), draft, reference
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matmuls: two intra-op threads on a busy 2-core machine run several times slower than one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def check_blocks(engine: Engine) -> None:
@@ -184,12 +174,12 @@ def run_random_workload(models, schedule: str, seed: int, fault_rate: float = 0.
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @settings(max_examples=3, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31))
-def test_random_add_abort_step_keeps_outputs_and_blocks(models, one_thread, schedule, seed):
+def test_random_add_abort_step_keeps_outputs_and_blocks(models, schedule, seed):
     run_random_workload(models, schedule, seed)
 
 
 @pytest.mark.parametrize("schedule", ["async-chunked", "chain-adaptive"])
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31))
-def test_failed_steps_end_only_their_requests(models, one_thread, schedule, seed):
+def test_failed_steps_end_only_their_requests(models, schedule, seed):
     run_random_workload(models, schedule, seed, fault_rate=0.05)

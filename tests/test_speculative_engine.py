@@ -239,18 +239,9 @@ def exact_distribution(hf, prompt, top_k, length):
     return out
 
 
-@pytest.fixture
-def one_thread():
-    """Big batches of tiny matmuls: two intra-op threads on a busy 2-core machine run 5x slower than one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("mode,accept", [("chain", "greedy"), ("chain", "sample"), ("tree-binary", "greedy"),
                                          ("tree-dynamic", "sample")])
-def test_sampling_matches_the_target_distribution(mode, accept, one_thread):
+def test_sampling_matches_the_target_distribution(mode, accept):
     """The first token comes from the prefill's plain sample; the next two are the first that speculation
     decides (the first draft position, and the second given the first was accepted): the joint (t1, t2, t3)
     frequencies over many unseeded requests must match the target exactly. Unseeded, because a seeded
