@@ -75,7 +75,7 @@ def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
 
 
 def sdk(base: str, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=120)   # a busy machine
 
 
 @pytest.fixture(scope="module")
