@@ -9,11 +9,13 @@ import torch
 
 from llmserve_core.models.tiny import make_tiny_model
 
-# One intra-op thread, here and (through the environment) in every core, frontend and rank the tests start:
-# the tiny models' matmuls gain nothing from more, and on a busy 2-core machine a test process and a core
-# each spinning two OpenMP threads run several times slower than with one each.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# On the CPU, one intra-op thread, here and (through the environment) in every core, frontend and rank the
+# tests start: the tiny models' matmuls gain nothing from more, and on a busy 2-core machine a test process
+# and a core each spinning two OpenMP threads run several times slower than with one each. A CUDA host's
+# runs are left as they were.
+if not torch.cuda.is_available():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
