@@ -16,6 +16,7 @@ GREEDY_EPSILON = 1e-5
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_GUIDED_SPEC_CHARS = 1 << 20      # a schema, regex or grammar this long is a mistake, not a format
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_GUIDED_START_AFTER = 16          # token ids of an end-of-reasoning marker such as `</think>`
 
 
 class GuidedDecoding(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
@@ -26,12 +27,18 @@ class GuidedDecoding(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     (GBNF dialect, rule `root`). `prefix` and `suffix` are literal text around the constrained part
     (e.g. a tool call's `<tool_call>` tags). Once the grammar is complete only an end-of-sequence token is
     allowed, and the request ends with "stop" even with ignore_eos.
+
+    `start_after`: token ids (e.g. of `</think>`) the output must show before the grammar holds: tokens up
+    to and including the first occurrence of this sequence in the generated tokens are the model's own
+    (it may think freely), the grammar constrains the rest. Only generated tokens count, never the prompt:
+    the client, which knows whether its prompt already closed the reasoning, leaves it empty then.
     """
     kind: str
     spec: str = ""
     choices: list[str] = []
     prefix: str = ""
     suffix: str = ""
+    start_after: list[int] = []
 
     def validate(self) -> None:
         if self.kind not in GUIDED_KINDS:
@@ -43,6 +50,7 @@ class GuidedDecoding(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             raise ValidationError(f"guided.{self.kind}", "must not be empty")
         if self.kind == "choice" and (not self.choices or any(c == "" for c in self.choices)):
             raise ValidationError("guided.choice", "must be a non-empty list of non-empty strings")
+        IntList(0, INT32_MAX, max_len=MAX_GUIDED_START_AFTER).check("guided.start_after", self.start_after)
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
@@ -98,9 +106,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def edits_logits(self) -> bool:
+        """Penalties, biases or min_tokens: edits to every step's logits (a grammar masks only its part)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def processes_logits(self) -> bool:
         """Anything beyond temperature and the top-k/top-p/min-p filters touches this request's logits."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.guided is not None
+        return self.edits_logits or self.guided is not None
 
     @property
     def greedy(self) -> bool:

@@ -297,6 +297,81 @@ def test_grammar_that_cannot_finish_ends_with_length(tiny_model_dir, tok):
     assert set(tok.decode(o.token_ids)) == {"a"}
 
 
+# ---- a grammar that starts after the reasoning ----------------------------------------------------------
+SMALL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n"],
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def free_sampled(model_dir, prompt, max_tokens=30) -> list[int]:
+    """A seeded sample: the same seed draws the same token at a position from the same logits."""
+    return engine(model_dir).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                               seed=3))[0].token_ids
+
+
+def reasoning_marker(free: list[int], end: int) -> list[int]:
+    """The two tokens of `free` ending at index `end`: a stand-in for the token(s) of `</think>`, which the
+    unconstrained output shows there first."""
+    marker = free[end - 1:end + 1]
+    assert len(free) > end + 1 and all(free[i:i + 2] != marker for i in range(end - 1)), free
+    return marker
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(async_scheduling=True),
+                                 dict(async_scheduling=True, block_size=4, num_kv_blocks=24)],
+                         ids=["sync", "async", "async-preempting"])
+def test_grammar_holds_only_after_start_after(tiny_model_dir, tok, cfg):
+    """Until the output shows start_after (a thinking model's `</think>`) the request decodes as an unguided
+    one would: no mask, its matcher untouched; from the next token on the grammar holds. Under async
+    scheduling and through preemptions (other requests crowd a small pool) too."""
+    prompt = tok.encode("Think, then answer:")
+    free = free_sampled(tiny_model_dir, prompt)
+    end = 6
+    guided = GuidedDecoding(kind="json", spec=json.dumps(SMALL_SCHEMA), start_after=reasoning_marker(free, end))
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", max_model_len=512,
+                              **{"num_kv_blocks": 128, **cfg}))
+    eng.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=3, guided=guided))
+    for i in range(3):
+        eng.add_request(f"other{i}", tok.encode(f"Other {i}:"), SamplingParams(max_tokens=40, ignore_eos=True))
+    req, out, finish = eng.requests["r"], [], None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == "r":
+                out += o.new_token_ids
+                finish = o.finish_reason or finish
+        if len(out) <= end:          # the marker not seen yet: nothing was masked, the matcher never moved
+            assert req.grammar.matcher is None and not req.grammar.active
+    assert out[:end + 1] == free[:end + 1]
+    assert finish == "stop" and out[-1] in eng.model_info.eos_token_ids
+    assert json.loads(tok.decode(out[end + 1:], skip_special_tokens=True))["n"] in range(100)
+    if "num_kv_blocks" in cfg:
+        assert eng.stats()["num_preemptions"] > 0
+    assert eng.stats()["used_kv_blocks"] == 0
+
+
+def test_a_reasoning_that_never_ends_runs_to_max_tokens_unmasked(tiny_model_dir, tok):
+    """The model never shows start_after: its output is the unguided one, ended by length. The compiled
+    grammar is shared by requests whose start_after differs (it gates the matcher, not the grammar)."""
+    prompt = tok.encode("Think, then answer:")
+    free = free_sampled(tiny_model_dir, prompt, max_tokens=12)
+    absent = next(t for t in range(100, 1000) if t not in free)
+    eng = engine(tiny_model_dir)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=3, guided=GuidedDecoding(
+        kind="json", spec=json.dumps(SMALL_SCHEMA), start_after=marker)) for marker in ([absent], [absent, absent])]
+    outs = eng.generate([prompt, prompt], params)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(free, "length")] * 2
+    assert eng.stats()["grammars_compiled"] == 1 and eng.stats()["grammar_cache_hits"] == 1
+
+
+@pytest.mark.parametrize("start_after, message", [([1] * 17, "0 to 16 integers"), ([-1], r"\[0\]"), ([2**31], r"\[0\]"),
+                                                  (["1"], r"\[0\]"), ("vocab", "below the vocabulary")])
+def test_start_after_is_bounded(tiny_model_dir, start_after, message):
+    eng = engine(tiny_model_dir)
+    start_after = [eng.model_info.vocab_size] if start_after == "vocab" else start_after
+    with pytest.raises(ValidationError, match=message) as e:
+        eng.add_request("r", [1, 2], SamplingParams(guided=GuidedDecoding(kind="json_object", start_after=start_after)))
+    assert e.value.field == "guided.start_after" and not eng.requests
+
+
 @pytest.mark.parametrize("guided, field", [
     (GuidedDecoding(kind="regex", spec="(unclosed"), "guided.regex"),
     (GuidedDecoding(kind="json", spec='{"type": 5}'), "guided.json"),

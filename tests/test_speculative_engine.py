@@ -21,7 +21,7 @@ from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine import engine as engine_module, model_runner
 from llmserve_core.models.eagle3 import Eagle3Config, make_tiny_draft
 from llmserve_core.speculative.policy import Decision, SpecPolicy
-from llmserve_proto import SamplingParams
+from llmserve_proto import GuidedDecoding, SamplingParams
 
 FIRST = 7                                   # every prompt's first token (see the oracle)
 TRAINED_PAIR = Path(__file__).resolve().parents[1] / "llmserve_core/data/trained_pair"
@@ -215,6 +215,59 @@ def test_trained_pair_greedy_identical_and_accepts(mode):
     floor = {"chain": 2.0, "tree-eagle-small": 2.5, "tree-dynamic": 3.0}[mode]
     assert st["spec_mean_acceptance_length"] > floor, st
     print(f"{mode}: mean acceptance length {st['spec_mean_acceptance_length']:.2f}")
+    assert_all_blocks_free(engine)
+
+
+def first_showings(outputs: list[list[int]], ends=range(4, 16)) -> list[tuple[int, int]]:
+    """(output, index) pairs: the two tokens ending at index show there for the first time in that output."""
+    found = []
+    for i, out in enumerate(outputs):
+        end = next((e for e in ends if all(out[j:j + 2] != out[e - 1:e + 1] for j in range(e - 1))), None)
+        if end is not None:
+            found.append((i, end))
+    return found
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
+def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode):
+    """A request whose grammar waits for start_after (a model's `</think>`) drafts while it reasons. A verified
+    run that shows the marker stops right after it (verification chose the tokens past it without the
+    grammar's mask); from there the request decodes plainly under the mask. Greedy output equals the
+    plain engine's: the reasoning as if unguided, then an answer that matches the grammar."""
+    from transformers import AutoTokenizer
+
+    from llmserve_core.engine.grammar import RequestGrammar
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    cut = []
+    real_run = RequestGrammar.unmasked_run
+
+    def unmasked_run(self, tokens):
+        keep = real_run(self, tokens)
+        cut.append(keep < len(tokens))
+        return keep
+
+    monkeypatch.setattr(RequestGrammar, "unmasked_run", unmasked_run)
+    prompts = held_out_prompts(6)
+    plain = Engine(EngineConfig(model=target, device="cpu", dtype="float32"))
+    # This model soon ends its text: ignore_eos keeps it reasoning until the marker.
+    free = [c.token_ids for c in plain.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                        ignore_eos=True))]
+    chosen = first_showings(free)
+    assert len(chosen) >= 4, free
+    schema = json.dumps({"type": "object", "additionalProperties": False, "required": ["n"],
+                         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}})
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, guided=GuidedDecoding(
+        kind="json", spec=schema, start_after=free[i][end - 1:end + 1])) for i, end in chosen]
+    ins = [prompts[i] for i, _ in chosen]
+    engine = spec_engine(target, draft, **MODES[mode])
+    got = engine.generate(ins, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(ins, params)]
+    tok = AutoTokenizer.from_pretrained(target)
+    for c, (i, end) in zip(got, chosen):
+        assert c.token_ids[:end + 1] == free[i][:end + 1] and c.finish_reason == "stop"
+        assert json.loads(tok.decode(c.token_ids[end + 1:], skip_special_tokens=True))["n"] in range(100)
+    assert any(cut)
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
     assert_all_blocks_free(engine)
 
 

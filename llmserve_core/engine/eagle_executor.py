@@ -13,8 +13,10 @@ need this step's accepted tokens):
      plus the verify rows of each drafting request (the last token, then its drafts), capturing the
      aux hidden states the draft reads;
   4. plain rows are sampled by the ordinary sampler (with their logits processors: requests with
-     grammars, penalties, biases or min_tokens never draft, see Engine.add_request); verify rows go through greedy verification or
-     lossless rejection sampling; a tree's accepted path is moved into consecutive KV slots;
+     grammars, penalties, biases or min_tokens never draft, see Engine.add_request, except while a grammar
+     waits for its start_after); verify rows go through greedy verification or lossless rejection
+     sampling, a run stopping where such a grammar starts; a tree's accepted path is moved into
+     consecutive KV slots;
   5. the aux states of the newly valid positions wait in the request's SpecState for step 1 of the
      request's next step.
 
@@ -257,6 +259,7 @@ class EagleExecutor:
                                 _Verified(VerifyOutput.unpack(rows), [None] * len(rows)))
                 else:
                     verified = self._verify(None, verify_logits, None, drafting, proposal)
+                verified.stop_at_grammars(drafting)
             with phase("kv_update"):
                 self._keep_fused(drafting, verified, fused_aux)
         else:
@@ -270,6 +273,7 @@ class EagleExecutor:
                 if sample_requests:
                     sampled = self.runner.sample(hidden[layout.sample_rows], sample_requests).to_host(self.pin)
                 verified = self._verify(hidden, verify_logits, layout.verify_rows, drafting, proposal)
+                verified.stop_at_grammars(drafting)
             with phase("kv_update"):
                 self._commit(sched, drafting, verified, aux, layout)
         results = [SpecStepResult(tokens, self.step_gamma, len(tokens) - 1, path)
@@ -773,6 +777,18 @@ class _Proposal:
 class _Verified:
     tokens: list[list[int]]             # per drafting request: accepted drafts, then the correction / bonus
     paths: list[list[int] | None]       # tree: accepted node indices, root first
+
+    def stop_at_grammars(self, drafting: list[Request]) -> None:
+        """A run that ends a request's reasoning stops after the marker: the grammar holds from there on,
+        and verification sampled the tokens after it without the grammar's mask. The next (plain) step
+        samples the first of them under the mask, from the same logits: exact, greedy or sampled."""
+        for i, req in enumerate(drafting):
+            if req.grammar is None:
+                continue
+            keep = req.grammar.unmasked_run(self.tokens[i])
+            self.tokens[i] = self.tokens[i][:keep]
+            if self.paths[i] is not None:
+                self.paths[i] = self.paths[i][:keep]
 
 
 class _Layout:

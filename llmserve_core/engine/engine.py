@@ -168,7 +168,9 @@ class Engine:
             # requests whose logits are edited (grammar masks, penalties, biases, min_tokens): verification
             # would need every draft position's edits (a grammar mask per draft, penalty counts including
             # the drafts before it, rollback on rejection) to stay exact; plain decoding is exact already.
-            req.speculative = params.speculative and params.logprobs is None and not params.processes_logits
+            # A grammar waiting for its start_after masks nothing yet: its request drafts until then.
+            req.speculative = (params.speculative and params.logprobs is None and not params.edits_logits
+                               and (req.grammar is None or not req.grammar.active))
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -213,6 +215,8 @@ class Engine:
             raise ValidationError("stop_token_ids", f"must be below the vocabulary size {vocab}")
         if any(t >= vocab for t in params.logit_bias):
             raise ValidationError("logit_bias", f"token ids must be below the vocabulary size {vocab}")
+        if params.guided is not None and any(t >= vocab for t in params.guided.start_after):
+            raise ValidationError("guided.start_after", f"token ids must be below the vocabulary size {vocab}")
 
     def _grammar_service(self) -> GrammarService:
         if self.grammars is None:

@@ -11,8 +11,12 @@ continue a grammar, so the tokenizer's vocabulary is loaded here (once, on the c
   and advances on every accepted token. The mask depends on the previous token, so with async scheduling
   a step with grammar rows launches its forward first, then reads the previous step back (each matcher
   accepts its token) and fills the masks while that forward runs, then samples (Engine._step). Such
-  requests never draft (EAGLE-3 verify rows would need a mask per draft position and a rollback on
-  rejection).
+  requests never draft while the grammar holds (EAGLE-3 verify rows would need a mask per draft position
+  and a rollback on rejection).
+- A grammar with `start_after` (an end-of-reasoning marker) holds only from the token after that sequence
+  first shows in the output: until then its request gets no mask, its matcher does not move, and it may
+  draft; a verified run that closes the reasoning is cut after the marker (EagleExecutor), so every token
+  after it is sampled under the mask.
 """
 from __future__ import annotations
 
@@ -109,7 +113,8 @@ class GrammarService:
 
     def submit(self, g: GuidedDecoding) -> "RequestGrammar":
         """Parse now (raising ValidationError), compile later; the result is shared through the cache."""
-        key = msgspec.msgpack.encode(g)
+        # start_after gates the matcher, not the compiled grammar: requests differing only there share it.
+        key = msgspec.msgpack.encode(msgspec.structs.replace(g, start_after=[]))
         fut = self._cache.get(key)
         if fut is not None and not (fut.done() and fut.exception() is not None):
             self._cache.move_to_end(key)
@@ -121,7 +126,7 @@ class GrammarService:
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         self._holders[fut] = self._holders.get(fut, 0) + 1
-        return RequestGrammar(fut, lambda: self._release(key, fut))
+        return RequestGrammar(fut, lambda: self._release(key, fut), g.start_after)
 
     def _release(self, key: bytes, fut: Future) -> None:
         """A request holding `fut` ended. The last one cancels a compilation still queued (and drops it
@@ -161,10 +166,13 @@ class GrammarService:
 class RequestGrammar:
     """One request's grammar: ready once compiled; then a matcher that follows the accepted tokens."""
 
-    def __init__(self, future: Future, release=lambda: None):
+    def __init__(self, future: Future, release=lambda: None, start_after: list[int] = ()):
         self.future = future
         self.matcher = None
         self._release = release
+        self.start_after = list(start_after)
+        self.active = not self.start_after     # the grammar holds (from the first token, or past start_after)
+        self._recent: list[int] = []           # the last len(start_after) tokens while waiting for them
 
     def release(self) -> None:
         """The request ended (finished, aborted or failed): it no longer needs the compilation. Idempotent."""
@@ -187,9 +195,28 @@ class RequestGrammar:
             self.matcher = _xgr().GrammarMatcher(self.future.result())
         return self.matcher
 
+    def _ends_marker(self, recent: list[int], token_id: int) -> bool:
+        """Push token_id onto recent (kept to the marker's length): does the output now end with it?"""
+        recent.append(token_id)
+        del recent[:-len(self.start_after)]
+        return recent == self.start_after
+
+    def unmasked_run(self, tokens: list[int]) -> int:
+        """How many of `tokens` (about to be appended, in order, while the grammar does not hold yet) were
+        rightly chosen without a mask: all of them, or those up to and including the end of start_after."""
+        recent = list(self._recent)
+        for i, t in enumerate(tokens):
+            if self._ends_marker(recent, t):
+                return i + 1
+        return len(tokens)
+
     def accept(self, token_id: int) -> str | None:
         """Advance by one sampled token. "stop" once the grammar has ended (its EOS accepted, or nothing
-        may follow); "abort" for a token the grammar refuses, which the mask makes impossible."""
+        may follow); "abort" for a token the grammar refuses, which the mask makes impossible. Before
+        start_after has shown, the token only moves the wait along."""
+        if not self.active:
+            self.active = self._ends_marker(self._recent, token_id)
+            return None
         m = self._matcher()
         if not m.accept_token(token_id):
             log.error("grammar refused token %d although the mask allowed it", token_id)

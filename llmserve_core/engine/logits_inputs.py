@@ -19,7 +19,7 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
     a GPU that host work overlaps the forward; pin (the runner's choice) stages the inputs in pinned
     memory, so their copies do not wait for that forward. Grammar and penalty rows need every earlier token's id (no
     placeholder left): the engine reads the previous step back before it samples such rows."""
-    if not any(r.params.processes_logits for r in reqs):
+    if not any(r.processes_logits for r in reqs):
         return None
     out = LogitsProcessors()
     b_rows, b_tok, b_val, k_rows, k_tok = [], [], [], [], []
@@ -41,7 +41,7 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
             k_tok.extend(sorted(stops))
         if p.has_penalties:
             pen.append(i)
-        if r.grammar is not None:
+        if r.grammar is not None and r.grammar.active:
             grammars.append((i, r.grammar))
 
     def dev(values, dtype):

@@ -59,6 +59,11 @@ class Request:
         launch its forward before the previous step is read back, but must not sample it until then."""
         return self.grammar is not None or self.params.has_penalties
 
+    @property
+    def processes_logits(self) -> bool:
+        """Its logits get edits this step (a grammar waiting for its start_after masks nothing yet)."""
+        return self.params.edits_logits or (self.grammar is not None and self.grammar.active)
+
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
@@ -140,6 +145,8 @@ class Request:
             reason = self.grammar.accept(token_id)
             if reason is not None:
                 return reason
+            if self.grammar.active:
+                self.speculative = False     # verify rows would need a mask per draft position
         if length - self.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
