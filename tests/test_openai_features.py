@@ -2,7 +2,9 @@
 --tool-call-parser hermes in front of a real llmserve-core, driven by the official `openai` package, on
 a random-weight tiny Qwen3 whose tokenizer and chat template (tests/qwen3_chat_model.py) behave like
 Qwen3's. A random model never thinks or calls tools by itself, so outputs are shaped with the grammar
-engine (guided_regex, tool_choice required): that also shows the grammars hold."""
+engine (guided_regex, tool_choice required): that also shows the grammars hold. With the reasoning parser
+on, a grammar holds only after the model's `</think>` unless the template closed the thinking
+(`enable_thinking: false`, NO_THINK); a logit_bias makes the random model write `</think>`."""
 from __future__ import annotations
 
 import json
@@ -31,6 +33,7 @@ TOOLS = [{"type": "function", "function": {
             "name": "add", "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
                                           "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 USER = [{"role": "user", "content": "What is the weather like?"}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}    # the grammar holds from the first token
 
 
 @pytest.fixture(scope="module")
@@ -78,32 +81,40 @@ def streamed(client, **kw):
 
 
 # ---- thinking -------------------------------------------------------------------------------------------
-THINK = r"<think>[a-z ]{4,30}</think>\n\n[a-z ]{3,30}"
+ANSWER = r"[a-z ]{3,30}"
 
 
-@pytest.mark.parametrize("template_kwargs, regex, has_reasoning", [
-    (None, THINK, True),                                          # the model opens and closes the block
-    ({"open_think": True}, r"[a-z ]{4,30}</think>\n\n[a-z ]{3,30}", True),   # the template opened it
-    ({"open_think": True}, r"[a-z ]{4,30}", True),               # never closed: all reasoning
-    ({"enable_thinking": False}, r"[a-z ]{3,30}", False),        # the template closed an empty block
+@pytest.fixture(scope="module")
+def think_end(server) -> int:
+    """`</think>`'s token id: a logit_bias on it makes the random model end its thinking soon."""
+    from transformers import AutoTokenizer
+    [tid] = AutoTokenizer.from_pretrained(server[2]).encode("</think>", add_special_tokens=False)
+    return tid
+
+
+@pytest.mark.parametrize("template_kwargs, bias, has_reasoning", [
+    ({"open_think": True}, 7.0, True),          # the template opened the block, the model closes it
+    ({"open_think": True}, -100.0, True),       # never closed: all reasoning, the grammar never holds
+    ({"enable_thinking": False}, 0.0, False),   # the template closed an empty block: the grammar holds at once
 ])
-def test_reasoning_split_whole_and_streamed(client, template_kwargs, regex, has_reasoning):
-    extra = {"guided_regex": regex, "seed": 5, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})}
-    r = chat(client, max_tokens=120, temperature=1.0, extra_body=extra)
+def test_reasoning_split_whole_and_streamed(client, think_end, template_kwargs, bias, has_reasoning):
+    extra = {"guided_regex": ANSWER, "seed": 5, "chat_template_kwargs": template_kwargs}
+    kw = dict(max_tokens=60, temperature=1.0, logit_bias={str(think_end): bias}, extra_body=extra)
+    r = chat(client, **kw)
     msg = r.choices[0].message
     reasoning, content = getattr(msg, "reasoning_content", None), msg.content
     if has_reasoning:
-        assert reasoning and re.fullmatch("[a-z ]{4,30}", reasoning), reasoning
+        assert reasoning and "</think>" not in reasoning, reasoning
     else:
         assert reasoning is None
-    unclosed = regex == r"[a-z ]{4,30}"
-    if unclosed:
-        assert content is None
+    if bias < 0:
+        assert content is None and r.choices[0].finish_reason == "length"
     else:
-        assert content and re.fullmatch("[a-z ]{3,30}", content), content
-    s_reasoning, s_content, _, finish = streamed(client, max_tokens=120, temperature=1.0, extra_body=extra)
+        assert content and re.fullmatch(ANSWER, content), content
+        assert r.choices[0].finish_reason == "stop"
+    s_reasoning, s_content, _, finish = streamed(client, **kw)
     assert (s_reasoning or None, s_content or None) == (reasoning, content)
-    assert finish == r.choices[0].finish_reason == "stop"
+    assert finish == r.choices[0].finish_reason
 
 
 # ---- tool calls -----------------------------------------------------------------------------------------
@@ -116,7 +127,8 @@ def check_call(name: str, args: dict) -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_required_tool_choice_always_calls_and_streams_like_openai(client, seed):
-    r = chat(client, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=1.0, seed=seed)
+    r = chat(client, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=1.0, seed=seed,
+             extra_body=NO_THINK)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -124,7 +136,7 @@ def test_required_tool_choice_always_calls_and_streams_like_openai(client, seed)
     args = json.loads(call.function.arguments)
     check_call(call.function.name, args)
     _, content, deltas, finish = streamed(client, tools=TOOLS, tool_choice="required", max_tokens=300,
-                                          temperature=1.0, seed=seed)
+                                          temperature=1.0, seed=seed, extra_body=NO_THINK)
     assert finish == "tool_calls" and content == ""
     head, *fragments = deltas
     assert head.index == 0 and head.id and head.type == "function" and head.function.name == call.function.name
@@ -135,7 +147,7 @@ def test_required_tool_choice_always_calls_and_streams_like_openai(client, seed)
 def test_named_tool_choice_calls_that_tool(client):
     for seed in range(2):
         r = chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
-                 max_tokens=300, temperature=1.0, seed=seed)
+                 max_tokens=300, temperature=1.0, seed=seed, extra_body=NO_THINK)
         [call] = r.choices[0].message.tool_calls
         assert call.function.name == "add"
         check_call("add", json.loads(call.function.arguments))
@@ -148,7 +160,7 @@ TWO_CALLS = (r'<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}\n
 def test_parallel_tool_calls_false_returns_one_call(client):
     """The model wrote two calls (a regex makes it): parallel_tool_calls=false gets the first only, whole and
     streamed, as from vLLM; the default gets both."""
-    kw = dict(tools=TOOLS, max_tokens=200, extra_body={"guided_regex": TWO_CALLS})
+    kw = dict(tools=TOOLS, max_tokens=200, extra_body={"guided_regex": TWO_CALLS, **NO_THINK})
     assert len(chat(client, **kw).choices[0].message.tool_calls) == 2
     r = chat(client, parallel_tool_calls=False, **kw)
     [call] = r.choices[0].message.tool_calls
@@ -210,7 +222,7 @@ def check_schema(obj) -> None:
 
 
 def test_every_structured_output_form_parses_and_validates(client, server):
-    base = dict(temperature=1.0, seed=11, n=3, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    base = dict(temperature=1.0, seed=11, n=3, extra_body=NO_THINK)
     forms = {
         "json_schema": dict(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}),
         "guided_json": dict(extra_body={**base["extra_body"], "guided_json": SCHEMA}),
@@ -243,22 +255,27 @@ def test_every_structured_output_form_parses_and_validates(client, server):
     check_schema(json.loads(r.choices[0].text))
 
 
-def test_an_answer_grammar_is_content_when_the_template_opened_thinking(client):
-    """Thinking-only templates (Qwen3-*-Thinking-2507) open <think> in the prompt. A forced tool call, a JSON
-    schema or a choice holds from the first token, so the model has no room to think: the output is the
-    answer (tool_calls, content), not reasoning."""
-    opened = {"chat_template_kwargs": {"open_think": True}}
-    r = chat(client, tools=TOOLS, tool_choice="required", max_tokens=300, seed=0, extra_body=opened)
-    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
-    reasoning, content, calls, finish = streamed(client, tools=TOOLS, tool_choice="required", max_tokens=300,
-                                                 seed=0, extra_body=opened)
-    assert finish == "tool_calls" and calls and (reasoning, content) == ("", "")
+def test_structured_outputs_hold_after_the_thinking(client, think_end):
+    """A template that opened <think> (the model thinks): a JSON schema, a choice and a forced tool call hold
+    only after the model's </think>, so reasoning_content is its free thinking and content (or tool_calls)
+    the answer the grammar made, whole and streamed alike."""
+    kw = dict(max_tokens=200, temperature=1.0, seed=1, logit_bias={str(think_end): 7.0},
+              extra_body={"chat_template_kwargs": {"open_think": True}})
     schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}
-    msg = chat(client, max_tokens=200, seed=1, extra_body=opened, **schema).choices[0].message
+    r = chat(client, **schema, **kw)
+    msg = r.choices[0].message
+    assert msg.reasoning_content and "</think>" not in msg.reasoning_content and r.choices[0].finish_reason == "stop"
     check_schema(json.loads(msg.content))
-    assert getattr(msg, "reasoning_content", None) is None
-    _, content, _, _ = streamed(client, max_tokens=200, seed=1, extra_body={**opened, "guided_choice": ["yes", "no"]})
-    assert content in ("yes", "no")
+    assert streamed(client, **schema, **kw)[:2] == (msg.reasoning_content, msg.content)
+    choice = {**kw, "extra_body": {**kw["extra_body"], "guided_choice": ["yes", "no"]}}
+    msg = chat(client, **choice).choices[0].message
+    assert msg.reasoning_content and msg.content in ("yes", "no")
+    r = chat(client, tools=TOOLS, tool_choice="required", **{**kw, "max_tokens": 300})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.reasoning_content
+    [call] = r.choices[0].message.tool_calls
+    check_call(call.function.name, json.loads(call.function.arguments))
+    reasoning, content, calls, finish = streamed(client, tools=TOOLS, tool_choice="required", **{**kw, "max_tokens": 300})
+    assert finish == "tool_calls" and calls and (reasoning, content) == (r.choices[0].message.reasoning_content, "")
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -277,7 +294,7 @@ def test_invalid_structured_output_is_a_400_naming_the_param(server, extra, para
 
 
 def test_unsatisfiable_grammar_ends_with_length(client):
-    r = chat(client, max_tokens=6, temperature=1.0, extra_body={"guided_regex": "z{60}"})
+    r = chat(client, max_tokens=6, temperature=1.0, extra_body={"guided_regex": "z{60}", **NO_THINK})
     assert r.choices[0].finish_reason == "length" and set(r.choices[0].message.content) == {"z"}
 
 

@@ -33,9 +33,10 @@ from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.http import schemas
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
-from llmserve_client.http.chat_output import ChoiceShaper, render_chat
+from llmserve_client.http.chat_output import ChoiceShaper, guided_after_reasoning, render_chat
 from llmserve_client.http.guided import error_param, guided_from_request
 from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
+from llmserve_client.http.reasoning import END as THINK_END
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
 from llmserve_client.http.tool_parsers import forced_call_guided
@@ -63,6 +64,7 @@ class Frontend:
         self.tool_call_parser = tool_call_parser
         self.names = list(served_model_names or [])
         self.tokenizer = None
+        self.reasoning_end_ids: list[int] | None = None    # `</think>`'s token ids, with a reasoning parser
         self.max_model_len = 0
         self.max_token_chars = 1      # the longest token's text: a prompt of n characters has >= n / this tokens
         self.created = int(time.time())
@@ -82,6 +84,9 @@ class Frontend:
         self.max_model_len = info.max_model_len
         self.max_token_chars = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, _longest_token_chars, self.tokenizer)
+        if self.reasoning_parser is not None:
+            self.reasoning_end_ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, lambda: list(self.tokenizer.encode(THINK_END, add_special_tokens=False)))
         if not self.names:
             self.names = [info.name or info.model.rstrip("/").rsplit("/", 1)[-1]]
         self.metrics = Metrics(self.names[0])
@@ -194,10 +199,11 @@ class Frontend:
             ids, prompt_text = await loop.run_in_executor(self._tokenize_pool, render_chat, self.tokenizer, messages,
                                                           tools, req.chat_template_kwargs)
             prompts = [(ids, prompt_text)]
+            guided = guided_after_reasoning(guided, prompt_text, self.reasoning_end_ids)
             max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                                  if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
             shaper = lambda: ChoiceShaper(self.reasoning_parser is not None, prompt_text, tools is not None,
-                                          req.parallel_tool_calls is not False, guided and guided["kind"])
+                                          req.parallel_tool_calls is not False)
         else:
             sampling = schemas.completion_sampling(req)
             prompts = []

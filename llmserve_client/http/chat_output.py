@@ -6,13 +6,10 @@
 """
 from __future__ import annotations
 
-from llmserve_client.http.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
+from llmserve_client.http.reasoning import ReasoningStream, prompt_closes_thinking, prompt_opens_thinking, \
+    split_reasoning
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.tool_parsers import ToolCallStream, parse_tool_calls
-
-# Grammars (SamplingParams.guided kinds) whose text is the answer itself: held from the first token, they leave
-# the model no room to think, so their output is never reasoning, even after a template that opened <think>.
-ANSWER_GRAMMARS = ("json", "json_object", "choice")
 
 # Arguments the server passes itself; a request may not override them through chat_template_kwargs.
 _RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict",
@@ -36,14 +33,23 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, kwarg
     return list(tokenizer.encode(text, add_special_tokens=False)), text
 
 
+def guided_after_reasoning(guided: dict | None, prompt_text: str, end_ids: list[int] | None) -> dict | None:
+    """With a reasoning parser (end_ids: the token ids of `</think>`), a grammar holds only on the answer:
+    from the token after the model's `</think>` (SamplingParams.guided.start_after), then after the blank
+    line Qwen3 writes there. Unless the prompt closed the thinking already: then the output is the answer
+    from its first token, which the grammar holds as it is."""
+    if guided is None or end_ids is None or prompt_closes_thinking(prompt_text):
+        return guided
+    return {**guided, "start_after": end_ids, "prefix": "\n\n" + guided.get("prefix", "")}
+
+
 class ChoiceShaper:
     """One chat choice's text -> message fields, whole or as stream deltas."""
 
-    def __init__(self, reasoning: bool, prompt_text: str, tools: bool, parallel_tool_calls: bool = True,
-                 grammar: str | None = None):
-        """grammar: the kind of the request's guided decoding, if any (a forced tool call is "json")."""
+    def __init__(self, reasoning: bool, prompt_text: str, tools: bool, parallel_tool_calls: bool = True):
         self.reasoning = reasoning
-        self.opened = reasoning and prompt_opens_thinking(prompt_text) and grammar not in ANSWER_GRAMMARS
+        # A grammar holds only after the model's </think> here (guided_after_reasoning): its output is content.
+        self.opened = reasoning and prompt_opens_thinking(prompt_text)
         self.tools = tools
         # OpenAI's parallel_tool_calls=false allows one call: as vLLM does, the first is kept, later ones dropped.
         self.max_calls = None if parallel_tool_calls else 1

@@ -18,6 +18,12 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return tail.endswith(START)
 
 
+def prompt_closes_thinking(prompt_text: str) -> bool:
+    """The rendered prompt ends with a closed `<think>` block (`enable_thinking: false`): the output is the
+    answer from its first token."""
+    return prompt_text.rstrip().endswith(END)
+
+
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str | None]:
     """(reasoning_content, content) of a whole output; a missing part is None."""
     parser = ReasoningStream(opened)
