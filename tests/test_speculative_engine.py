@@ -228,12 +228,14 @@ def first_showings(outputs: list[list[int]], ends=range(4, 16)) -> list[tuple[in
     return found
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree-eagle-small"])
-def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode):
+@pytest.mark.parametrize("mode, schedule", [("chain", "always"), ("tree-eagle-small", "always"),
+                                            ("chain", "async-switching-preempting")])
+def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode, schedule):
     """A request whose grammar waits for start_after (a model's `</think>`) drafts while it reasons. A verified
     run that shows the marker stops right after it (verification chose the tokens past it without the
     grammar's mask); from there the request decodes plainly under the mask. Greedy output equals the
-    plain engine's: the reasoning as if unguided, then an answer that matches the grammar."""
+    plain engine's: the reasoning as if unguided, then an answer that matches the grammar. Also with
+    async plain steps between drafting ones, in a pool small enough to preempt."""
     from transformers import AutoTokenizer
 
     from llmserve_core.engine.grammar import RequestGrammar
@@ -259,9 +261,16 @@ def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode):
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, guided=GuidedDecoding(
         kind="json", spec=schema, start_after=free[i][end - 1:end + 1])) for i, end in chosen]
     ins = [prompts[i] for i, _ in chosen]
-    engine = spec_engine(target, draft, **MODES[mode])
+    if schedule == "always":
+        engine = spec_engine(target, draft, **MODES[mode])
+    else:
+        engine = spec_engine(target, draft, speculative_policy="adaptive", async_scheduling=True, num_kv_blocks=40,
+                             block_size=4, **MODES[mode])
+        engine.policy = ScriptedPolicy(engine.spec.policy_widths(), seed=1, plain_share=0.3)
     got = engine.generate(ins, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(ins, params)]
+    if schedule != "always":
+        assert engine.stats()["num_preemptions"] > 0
     tok = AutoTokenizer.from_pretrained(target)
     for c, (i, end) in zip(got, chosen):
         assert c.token_ids[:end + 1] == free[i][:end + 1] and c.finish_reason == "stop"
