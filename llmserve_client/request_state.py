@@ -43,14 +43,15 @@ class RequestState:
         """Fold one engine output in; return the chunk to hand out (None when there is nothing new)."""
         if self.finished:
             return None     # e.g. tokens already in flight when a stop string ended the request
-        new_ids = list(out.token_ids)
+        final = out.finish_reason is not None
+        new_ids = self._take_tokens(list(out.token_ids), out.finish_reason)
         if new_ids:
             if self.timings.first_chunk is None:
                 self.timings.first_chunk = recv_time
             self.timings.token_times.extend([recv_time] * len(new_ids))
-        self.token_ids.extend(new_ids)
-        if self.logprobs is not None and out.logprobs:
-            self.logprobs.extend(out.logprobs)
+        logprobs = out.logprobs[:len(new_ids)] if out.logprobs else out.logprobs
+        if self.logprobs is not None and logprobs:
+            self.logprobs.extend(logprobs)
         prompt_logprobs = None
         if out.prompt_logprobs is not None and self.params.prompt_logprobs is not None:
             # The core sends one per prompt token after the first; vLLM's shape lines them up with the prompt.
@@ -62,16 +63,8 @@ class RequestState:
             self.timings.core_arrival, self.timings.core_first_token = m.arrival_time, m.first_token_time
             self.timings.core_finish = m.finish_time
         self.usage.completion_tokens = len(self.token_ids)
-        final = out.finish_reason is not None
-        # A stop token id ends the token ids but not the text (unless include_stop_str_in_output), as a stop
-        # string does: "\n" as a stop token gives a line without its newline, as in vLLM.
-        text_ids = new_ids[:-1] if (final and out.finish_reason == "stop" and new_ids
-                                    and new_ids[-1] in self.params.stop_token_ids
-                                    and not self.params.include_stop_str_in_output) else new_ids
-        if self.detok is not None:
-            self._add_text(self.detok.push(text_ids))
-            if final and not self.finished:
-                self._add_text(self.detok.flush())
+        if self.detok is not None and final and not self.finished:
+            self._add_text(self.detok.flush())
         if final and not self.finished:
             self.finish_reason = out.finish_reason
             if out.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in self.params.stop_token_ids:
@@ -83,9 +76,30 @@ class RequestState:
         if not delta and not new_ids and not self.finished:
             return None
         return StreamChunk(self.request_id, delta, new_ids, self.finish_reason, self.stop_reason,
-                           out.logprobs if self.logprobs is not None else None,
+                           logprobs if self.logprobs is not None else None,
                            self.usage if self.finished else None, self.timings if self.finished else None,
                            prompt_logprobs)
+
+    def _take_tokens(self, new_ids: list[int], finish_reason: str | None) -> list[int]:
+        """Add an output's tokens and their text; return the tokens kept. With stop strings the text grows a
+        token at a time, so a stop string ends the request at the token that completed it, as when tokens
+        come one per output: tokens a step generated past it (accepted speculative drafts) are dropped,
+        from the token ids and the usage as from the text."""
+        if self.detok is None:
+            self.token_ids.extend(new_ids)
+            return new_ids
+        # A stop token id ends the token ids but not the text (unless include_stop_str_in_output), as a stop
+        # string does: "\n" as a stop token gives a line without its newline, as in vLLM.
+        hidden = (finish_reason == "stop" and new_ids and new_ids[-1] in self.params.stop_token_ids
+                  and not self.params.include_stop_str_in_output)
+        text_ids = new_ids[:-1] if hidden else new_ids
+        for k, part in enumerate([[t] for t in text_ids] if self.stops else [text_ids]):
+            self.token_ids.extend(part)
+            self._add_text(self.detok.push(part))
+            if self.finished:
+                return new_ids[:k + 1]
+        self.token_ids.extend(new_ids[len(text_ids):])
+        return new_ids
 
     def _add_text(self, delta: str) -> None:
         if not delta or self.finished:

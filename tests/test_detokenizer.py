@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from llmserve_client.detokenizer import IncrementalDetokenizer
 from llmserve_client.request_state import RequestState
-from llmserve_proto import RequestMetrics, RequestOutput, SamplingParams
+from llmserve_proto import Logprobs, RequestMetrics, RequestOutput, SamplingParams
 
 TEXTS = ["héllo 你好 🎉 world", "naïve café — 日本語のテキスト 👩‍👩‍👧", "plain ascii text, def f(x): return x",
          "🎉🎉🎉", "€"]
@@ -92,12 +92,15 @@ def test_any_unicode_text_round_trips_without_replacement_chars(tok, text):
 
 # ---- RequestState: what Client/AsyncClient hand out ---------------------------------------------------
 
-def feed(tok, params, ids, per_step=1, final_reason="length"):
+def feed(tok, params, ids, per_step=1, final_reason="length", logprobs=False):
+    """Feed ids per_step at a time; with logprobs, token i's logprob is -i."""
     st_ = RequestState("r", [1, 2, 3], params, tok)
     chunks = []
     for i in range(0, len(ids), per_step):
         last = i + per_step >= len(ids)
         out = RequestOutput(request_id="r", token_ids=ids[i:i + per_step], finish_reason=final_reason if last else None,
+                            logprobs=[Logprobs(logprob=-float(j)) for j in range(i, min(i + per_step, len(ids)))]
+                            if logprobs else None,
                             metrics=RequestMetrics(arrival_time=1.0, first_token_time=1.5, finish_time=2.0,
                                                    num_prompt_tokens=3, num_cached_tokens=2) if last else None)
         c = st_.on_output(out, recv_time=10.0 + i)
@@ -179,7 +182,16 @@ def test_bytes_that_can_never_complete_a_character_are_not_held_back(tok):
 def test_the_stop_string_completed_first_wins_however_tokens_are_batched(tok, per_step):
     # "o t" is complete before "two three" is: generating one token at a time stops there, and several
     # tokens per step (speculative decoding, a slow reader) must end the same way.
+    # The tokens a step brought past that point were not generated one at a time: they leave the token
+    # ids, their logprobs and the usage too.
     ids = tok.encode("xx two three yy")
-    state, chunks = feed(tok, SamplingParams(max_tokens=100, stop=["two three", "o t"]), ids, per_step)
-    assert state.completion().text == "xx tw" and state.stop_reason == "o t"
+    params = SamplingParams(max_tokens=100, stop=["two three", "o t"], logprobs=0)
+    state, chunks = feed(tok, params, ids, per_step, logprobs=True)
+    comp = state.completion()
+    assert comp.text == "xx tw" and state.stop_reason == "o t"
     assert "".join(c.text for c in chunks) == "xx tw"
+    one_by_one = feed(tok, params, ids, 1)[0].completion().token_ids
+    assert len(one_by_one) < len(ids)
+    assert comp.token_ids == [t for c in chunks for t in c.token_ids] == one_by_one
+    assert comp.usage.completion_tokens == len(comp.logprobs) == len(one_by_one)
+    assert [lp.logprob for c in chunks for lp in c.logprobs] == [-float(i) for i in range(len(one_by_one))]
