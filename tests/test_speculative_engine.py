@@ -758,3 +758,44 @@ def test_adaptive_policy_turns_a_useless_draft_off(pair, plain):
     assert st["spec_num_plain_steps"] > st["spec_num_drafted_steps"]
     assert st["spec_policy_expected_length"] < 2.0
     assert_all_blocks_free(engine)
+
+
+# ---- request features beside accepted runs ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["chain", "tree-dynamic"])
+def test_request_features_with_real_acceptance_match_the_plain_engine(mode):
+    """The trained pair accepts runs of several tokens: a stop token id inside a run, max_tokens and
+    max_model_len reached inside one (draft positions past the context, KV blocks past its end), prompt
+    logprobs of a drafting request, and requests that decode plainly (logprobs, penalties, logit_bias,
+    min_tokens, guided) in the same batches, preempted and hitting the prefix cache: what the plain engine
+    gives, with the same token counts."""
+    from llmserve_proto.sampling import GuidedDecoding
+    target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
+    prompts = held_out_prompts(8, length=14)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    settings = dict(max_model_len=40, block_size=4, num_kv_blocks=40)
+    plain = Engine(EngineConfig(model=target, device="cpu", dtype="float32", **settings))
+    run = plain.generate(prompts[:1], SamplingParams(max_tokens=20, **greedy))[0].token_ids
+    params = [SamplingParams(max_tokens=20, stop_token_ids=[run[9]], **greedy),
+              SamplingParams(max_tokens=40 - len(prompts[1]), **greedy),
+              SamplingParams(max_tokens=7, prompt_logprobs=2, **greedy),
+              SamplingParams(max_tokens=12, logprobs=2, **greedy),
+              SamplingParams(max_tokens=12, repetition_penalty=1.4, frequency_penalty=0.5, **greedy),
+              SamplingParams(max_tokens=12, logit_bias={263: 3.0}, **greedy),
+              SamplingParams(max_tokens=12, min_tokens=8, temperature=0.0),
+              SamplingParams(max_tokens=12, guided=GuidedDecoding(kind="regex", spec="[a-z ]{4,20}"), **greedy)]
+    want = plain.generate(prompts, params)
+    engine = spec_engine(target, draft, **(TRAINED_DYNAMIC if mode == "tree-dynamic" else MODES[mode]), **settings)
+    for _ in range(2):                  # the second pass hits the prefix cache
+        generated = engine.total_generated_tokens
+        got = engine.generate(prompts, params)
+        assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in want]
+        assert engine.total_generated_tokens - generated == sum(len(c.token_ids) for c in want)
+        for c, w in zip(got, want):
+            for a, b in ((c.logprobs or [], w.logprobs or []), (c.prompt_logprobs or [], w.prompt_logprobs or [])):
+                assert [lp.logprob for lp in a] == pytest.approx([lp.logprob for lp in b], abs=1e-4)
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) == 10
+    assert len(prompts[1]) + len(got[1].token_ids) == 40 and got[2].prompt_logprobs
+    st = engine.stats()
+    assert st["spec_mean_acceptance_length"] > 1.5 and st["prefix_hits"] > 0 and st["num_preemptions"] > 0
+    assert_all_blocks_free(engine)
