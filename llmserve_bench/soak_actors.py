@@ -68,9 +68,11 @@ def _ids(rng: random.Random, lo: int = 4, hi: int = 32) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(rng.randint(lo, hi))]
 
 
-def random_sampling(rng: random.Random, logprobs: bool = True) -> tuple[dict, bool]:
+def random_sampling(rng: random.Random, http: bool = False) -> tuple[dict, bool]:
     """(SamplingParams keywords, valid?) drawn across each field's range, with extremes and, one time in
-    eight, a value the core must refuse. logprobs=False leaves that field out, bad values included."""
+    eight, a value the core must refuse. For an HTTP body (http=True): no logprobs, bad values included (it
+    means different things on the two endpoints), and a seed is bad only outside int64, as OpenAI's is."""
+    logprobs = not http
     kw = {"max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 1e-6, 0.3, 0.7, 1.0, 1.5, 2.0]),
           "top_p": rng.choice([1.0, 0.95, 0.5, 0.1, 1e-3]), "top_k": rng.choice([-1, 0, 1, 5, 50, 1000]),
           "min_p": rng.choice([0.0, 0.05, 0.5, 1.0]), "ignore_eos": rng.random() < 0.5}
@@ -82,7 +84,8 @@ def random_sampling(rng: random.Random, logprobs: bool = True) -> tuple[dict, bo
         kw["stop_token_ids"] = [rng.randrange(0, 1000) for _ in range(rng.randint(1, 4))]
     if rng.random() < 0.125:
         bad = rng.choice([("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0), ("top_k", -5),
-                          ("max_tokens", 0), ("seed", -1), ("seed", 2**64), ("stop_token_ids", [10**30])]
+                          ("max_tokens", 0), ("seed", -2**63 - 1 if http else -1), ("seed", 2**64),
+                          ("stop_token_ids", [10**30])]
                          + ([("logprobs", 21)] if logprobs else []))
         kw[bad[0]] = bad[1]
         return kw, False
@@ -178,8 +181,7 @@ def chaos_http(base: str, tally: Tally, stop: threading.Event, seed: int) -> Non
     rng, role = random.Random(seed), "chaos_http"
     with httpx.Client(base_url=base, timeout=600) as h:
         while not stop.is_set():
-            # logprobs means different things on the two endpoints; it is covered over IPC.
-            kw, valid = random_sampling(rng, logprobs=False)
+            kw, valid = random_sampling(rng, http=True)
             chat = rng.random() < 0.4
             if chat:
                 body = {"messages": [{"role": "user", "content": rng.choice(TEXTS)}], **kw}
