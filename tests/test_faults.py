@@ -1,5 +1,6 @@
 """Fault injection against the daemon: an engine step that raises, a KV pool one request fills, and a core
-that is stopped (SIGSTOP) and resumed."""
+that is stopped (SIGSTOP) and resumed: its clients see it dead, or, stopped for less than their heartbeat
+timeout, lose nothing."""
 from __future__ import annotations
 
 import signal
@@ -131,6 +132,29 @@ def test_sigstopped_core_is_declared_dead_and_serves_again_after_sigcont(tiny_mo
         proc.send_signal(signal.SIGCONT)
         assert stop_core(proc) == 0, open(log).read()[-3000:]
 
+
+def test_a_client_waiting_through_a_core_stall_past_the_client_timeout_keeps_its_request(tiny_model_dir, tmp_path):
+    # The core is stopped for longer than its client timeout (3 s here) while a client waits on a long
+    # stream, pinging all along into the core's socket. Waking, the core must not take the pings it has not
+    # read yet for silence and abort the stream.
+    endpoint, log = f"ipc://{tmp_path}/core.sock", str(tmp_path / "core.log")
+    proc = start_core(tiny_model_dir, endpoint, log, "--max-model-len", "2048")
+    try:
+        wait_ready(endpoint, proc, log)
+        with Client(endpoint, client_name="patient", heartbeat_timeout=120.0) as c:
+            s = c.stream([1, 2, 3], max_tokens=2000, ignore_eos=True)
+            next(s)
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(4.0)         # the stall itself
+            proc.send_signal(signal.SIGCONT)
+            for _ in range(100):    # far more steps than ran before the stop landed: the request lives on
+                next(s)
+            assert c.stats()["requests_aborted_disconnect"] == 0
+            s.close()
+        assert "(patient) gone: silent" not in open(log).read()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_core(proc) == 0, open(log).read()[-3000:]
 
 def test_a_failing_output_thread_ends_the_core_instead_of_leaving_it_deaf(tiny_model_dir, tmp_path):
     # The output thread hits a bug (here: a stats value no msgpack integer holds). The core must say so to

@@ -3,6 +3,8 @@ queue's round-robin order, and the busy loop's request bookkeeping (end to end i
 from __future__ import annotations
 
 import queue
+import time
+import types
 
 import pytest
 import zmq
@@ -13,8 +15,11 @@ from llmserve_core.server.busy_loop import BusyLoop
 from llmserve_core.server.events import AbortRequests, ClientGone, ErrorReply, NewRequest, StatsQuery, StepResult
 from llmserve_core.server.log_safety import LogLimiter, printable
 from llmserve_core.server.outbox import Outbox
+from llmserve_core.server import socket_thread
 from llmserve_core.server.socket_thread import STATS_BURST, SocketThread
-from llmserve_proto import Generate, Hello, ModelInfo, SamplingParams, StatsRequest, Welcome, encode
+from llmserve_proto import Generate, Hello, ModelInfo, SamplingParams, StatsRequest, Welcome, decode_core, encode
+
+from daemon_helpers import recv_reply
 
 
 @pytest.mark.parametrize("raw, logged", [
@@ -233,3 +238,53 @@ def test_saying_hello_again_does_not_refill_the_stats_rate(tmp_path):
         st.pair.close(linger=0)
         router.close(linger=0)
         dealer.close(linger=0)
+
+
+
+def test_time_the_core_itself_was_stalled_is_not_its_clients_silence(tmp_path, monkeypatch):
+    # The socket thread is kept from its loop (the process stopped, the machine or the GIL starved it) for
+    # longer than the client timeout. Its clients kept talking into buffers it did not read, and could not
+    # read what it did not send: the first turn after the stall must drop neither the idle client nor the
+    # one with output waiting for it in the core.
+    offset = [0.0]
+    monkeypatch.setattr(socket_thread, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + offset[0]))
+    ctx, timeout = zmq.Context.instance(), 60.0
+    router = socket_thread.bind_router(ctx, f"ipc://{tmp_path}/core.sock")
+    idle, busy = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    busy.setsockopt(zmq.RCVHWM, 1)
+    busy.setsockopt(zmq.RCVBUF, 4096)
+    in_q, pair_addr = queue.SimpleQueue(), f"inproc://pair-{tmp_path.name}"
+    welcome = Welcome(protocol_version=1, model_info=ModelInfo(model="m"), heartbeat_interval_s=0.05,
+                      client_timeout_s=timeout)
+    st = SocketThread(ctx, router, pair_addr, in_q, welcome, 0.05, timeout)
+    outputs = ctx.socket(zmq.PAIR)          # stands in for the output thread
+    outputs.connect(pair_addr)
+    st.start()
+    try:
+        ids = []
+        for s in (idle, busy):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, 60_000)
+            s.connect(f"ipc://{tmp_path}/core.sock")
+            s.send(encode(Hello()))
+            assert isinstance(recv_reply(s), Welcome)
+            ids += [c for c in list(st.clients) if c not in ids]
+        busy_id = ids[1]
+        while busy_id not in st.outbox.backlogs:        # output it has not read waits in the core
+            outputs.send_multipart([busy_id, b"x" * 1000])
+            time.sleep(0.001)
+        offset[0] = 2 * timeout                         # the stall, as the thread's clock sees it
+        stalled = time.monotonic() + offset[0]
+        while decode_core(idle.recv()).time < stalled:
+            pass                                        # a turn after the stall has run its checks
+        idle.send(encode(StatsRequest(nonce=7)))
+        while not isinstance(item := in_q.get(timeout=60), StatsQuery):
+            assert not isinstance(item, ClientGone), item
+        assert item.nonce == 7 and len(st.clients) == 2
+    finally:
+        outputs.send_multipart([b"", b""])              # the end marker: the thread stops
+        st.join(10)
+        outputs.close(linger=0)
+        router.close(linger=0)
+        idle.close()
+        busy.close()

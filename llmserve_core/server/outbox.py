@@ -59,6 +59,11 @@ class Outbox:
                 stalled.append((client, f"not reading its socket: unread messages for {now - b.since:.1f} s"))
         return stalled
 
+    def excuse(self, seconds: float, now: float) -> None:
+        """Stop every stall clock for `seconds` in which the core itself was not sending."""
+        for b in self.backlogs.values():
+            b.since = min(now, b.since + seconds)
+
     def forget(self, client: bytes) -> None:
         self.backlogs.pop(client, None)
 

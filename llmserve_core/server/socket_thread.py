@@ -135,7 +135,7 @@ class SocketThread(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pair, zmq.POLLIN)
-        next_beat = time.monotonic()
+        next_beat = last_turn = time.monotonic()
         try:
             while True:
                 events = dict(poller.poll(timeout=max(1, int(self.heartbeat_interval * 250))))
@@ -144,6 +144,8 @@ class SocketThread(threading.Thread):
                 if self.router in events:
                     self._receive()
                 now = time.monotonic()
+                self._excuse(now - last_turn - self.heartbeat_interval, now)
+                last_turn = now
                 for client, reason in self.outbox.flush(self._try_send, now):
                     self._drop(client, reason)
                 if now >= next_beat:
@@ -159,6 +161,18 @@ class SocketThread(threading.Thread):
             self.in_q.put(SocketFailed("socket thread failed; see the traceback above"))
         finally:
             self.pair.close(linger=0)
+
+    def _excuse(self, away: float, now: float) -> None:
+        """`away`: how much later than a heartbeat interval this turn came (the poll waits a quarter of one).
+        For that long the thread was kept from its socket (the process stopped, the machine or the GIL
+        starved it): its clients' messages sat unread and their outputs unsent, so it counts neither as
+        their silence nor as their not reading. Else a core stalled past client_timeout would drop every
+        client on waking, aborting the requests of clients that pinged throughout."""
+        if away <= 0:
+            return
+        for info in self.clients.values():
+            info.last_seen = min(now, info.last_seen + away)
+        self.outbox.excuse(away, now)
 
     def _forward_outputs(self) -> bool:
         """Send what the output thread encoded; True once it says the core is done."""
