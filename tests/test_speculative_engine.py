@@ -379,6 +379,13 @@ def test_logprob_requests_decode_plainly_and_validation_counts_lookahead(pair):
     with pytest.raises(ValidationError) as e:
         engine.add_request("big", prompt, SamplingParams(max_tokens=12))
     assert e.value.field == "max_tokens"
+    # A request that never drafts writes no KV past its next token: the same size fits and runs.
+    fits = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, speculative=False),
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)]
+    plain_engine = Engine(EngineConfig(model=target, device="cpu", dtype="float32", num_kv_blocks=4, block_size=4))
+    assert ([c.token_ids for c in engine.generate([prompt] * 2, fits)]
+            == [c.token_ids for c in plain_engine.generate([prompt] * 2, fits)])
+    assert_all_blocks_free(engine)
     with pytest.raises(ValidationError) as e:
         SamplingParams(speculative="yes").validate()
     assert e.value.field == "speculative"

@@ -164,15 +164,19 @@ class Engine:
             req.grammar = self._grammar_service().submit(params.guided)    # raises ValidationError
         if self.spec is not None:
             req.spec_state = SpecState()
-            # Logprobs come from the plain sampler, so requests asking for them decode without drafts. So do
-            # requests whose logits are edited (grammar masks, penalties, biases, min_tokens): verification
-            # would need every draft position's edits (a grammar mask per draft, penalty counts including
-            # the drafts before it, rollback on rejection) to stay exact; plain decoding is exact already.
-            # A grammar waiting for its start_after masks nothing yet: its request drafts until then.
-            req.speculative = (params.speculative and params.logprobs is None and not params.edits_logits
-                               and (req.grammar is None or not req.grammar.active))
+            req.speculative = self._drafts(params)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _drafts(self, params: SamplingParams) -> bool:
+        """Whether a request drafts when it decodes. Logprobs come from the plain sampler, so requests
+        asking for them decode without drafts. So do requests whose logits are edited (grammar masks,
+        penalties, biases, min_tokens): verification would need every draft position's edits (a grammar
+        mask per draft, penalty counts including the drafts before it, rollback on rejection) to stay
+        exact; plain decoding is exact already. A grammar waiting for its start_after masks nothing yet:
+        its request drafts until then (Request.accept stops it when the grammar starts)."""
+        return (self.spec is not None and params.speculative and params.logprobs is None
+                and not params.edits_logits and (params.guided is None or bool(params.guided.start_after)))
 
     def _check_queue_caps(self, client) -> None:
         """Each client may have max_queued_requests_per_client waiting. The per-client cap alone lets many
@@ -208,7 +212,9 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValidationError("max_tokens", f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
                                                 f"max_model_len {self.max_model_len}")
-        need = self.block_manager.blocks_needed(len(prompt) + params.max_tokens + self.lookahead)
+        # A drafting request also needs room for its drafts' KV (the scheduler reserves it when it decodes).
+        lookahead = self.lookahead if self._drafts(params) else 0
+        need = self.block_manager.blocks_needed(len(prompt) + params.max_tokens + lookahead)
         if need > self.block_manager.num_blocks:
             raise ValidationError("max_tokens", f"needs {need} KV blocks, the whole pool has {self.block_manager.num_blocks}")
         if any(t >= vocab for t in params.stop_token_ids):
