@@ -226,6 +226,22 @@ def test_start_up_errors_name_the_field(tiny_model_dir):
             EngineConfig(model=tiny_model_dir, **kwargs).validate()
 
 
+@pytest.mark.slow
+def test_an_idle_core_keeps_its_workers_past_the_distributed_timeout(tiny_model_dir):
+    """A worker waits for the next step as long as the core has nothing to run: only the collectives of a
+    step (and of start-up) are bounded by distributed_timeout."""
+    timeout = 10.0
+    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", tensor_parallel_size=2,
+                                 distributed_timeout=timeout))
+    try:
+        want = engine.generate([PROMPTS[1]], GREEDY)[0].token_ids
+        time.sleep(timeout + 4)              # idle longer than a collective may wait: the case under test
+        assert engine.tp.driver.workers.failure() is None
+        assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == want
+    finally:
+        engine.close()
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]

@@ -1,7 +1,9 @@
 """The collectives a tensor-parallel model runs, over torch.distributed.
 
 `model_group` carries the activations (NCCL on GPUs, gloo on CPUs); `cpu_group` (always gloo) carries
-the host-side step broadcast and start-up agreements, so they never need a device copy.
+start-up agreements, so they never need a device copy. `step_group` (gloo) carries the header of the
+step broadcast, which a worker waits for as long as the core is idle: its timeout is unbounded in
+practice, so an idle core keeps its workers (a dead core still fails the wait at once: its sockets close).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class TPGroup:
     shard: ShardSpec
     model_group: object
     cpu_group: object
+    step_group: object
     device: torch.device
     driver: object = None      # rank 0: the driver.Driver that announces each call to the workers
 

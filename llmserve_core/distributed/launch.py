@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.distributed.group import TPGroup
@@ -27,6 +28,10 @@ from llmserve_core.distributed.sharding import ShardSpec, check_divisible
 from llmserve_core.models.config import ModelConfig
 
 log = logging.getLogger("llmserve.tp")
+
+# How long a worker waits for the core's next step: as long as the core is idle (days are fine; gloo
+# counts in nanoseconds, so centuries would overflow).
+IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 
 def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -60,7 +65,11 @@ def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, addre
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}",
                             rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else dist.group.WORLD
-    return TPGroup(ShardSpec.of(model_config, rank, size), dist.group.WORLD, cpu_group, device)
+    # Formed within the timeout like the others (a rank dying meanwhile fails it), then made to wait as long
+    # as the core is idle.
+    step_group = dist.new_group(backend="gloo", timeout=timeout)
+    _set_pg_timeout(IDLE_TIMEOUT, step_group)
+    return TPGroup(ShardSpec.of(model_config, rank, size), dist.group.WORLD, cpu_group, step_group, device)
 
 
 class Workers:

@@ -1,6 +1,6 @@
 """The once-per-forward broadcast from the core (rank 0) to its workers, with no pickling.
 
-A message is one fixed-size int64 header over the gloo `cpu_group` (the op, the sizes, and the host-side
+A message is one fixed-size int64 header over the gloo `step_group` (the op, the sizes, and the host-side
 lengths the attention backends read, so no worker ever copies them back from its device), then at most
 one packed tensor over the `model_group` (NCCL on GPUs: it stays on the device).
 
@@ -60,33 +60,33 @@ class StepChannel:
         at = _FIXED + MAX_AUX
         h[at:at + b] = torch.tensor(batch.query_lens_cpu, dtype=torch.int64)
         h[at + b:at + 2 * b] = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
-        dist.broadcast(h, 0, group=self.tp.cpu_group)
+        dist.broadcast(h, 0, group=self.tp.step_group)
         dist.broadcast(payload, 0, group=self.tp.model_group)
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         self.header.zero_()
         self.header[0], self.header[1] = LOGITS, hidden.shape[0]
-        dist.broadcast(self.header, 0, group=self.tp.cpu_group)
+        dist.broadcast(self.header, 0, group=self.tp.step_group)
         dist.broadcast(hidden.contiguous(), 0, group=self.tp.model_group)
 
     def send_compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """A tree's KV moves (compact_kv's slots), which every rank applies to its own shard of the pool."""
         self.header.zero_()
         self.header[0], self.header[1] = COMPACT, src_slots.numel()
-        dist.broadcast(self.header, 0, group=self.tp.cpu_group)
+        dist.broadcast(self.header, 0, group=self.tp.step_group)
         dist.broadcast(torch.cat([src_slots, dst_slots]).to(torch.int64), 0, group=self.tp.model_group)
 
     def send_stop(self) -> None:
         self.header.zero_()
         self.header[0] = STOP
-        dist.broadcast(self.header, 0, group=self.tp.cpu_group)
+        dist.broadcast(self.header, 0, group=self.tp.step_group)
 
     # ---- workers ---------------------------------------------------------------------------------
     def recv(self, hidden_size: int, dtype: torch.dtype):
         """-> (op, args): FORWARD (input_ids, ForwardBatch, aux_layer_ids, graph index or None), LOGITS
         (hidden,), COMPACT (src slots, dst slots), STOP ()."""
         h = self.header
-        dist.broadcast(h, 0, group=self.tp.cpu_group)
+        dist.broadcast(h, 0, group=self.tp.step_group)
         op = int(h[0])
         dev = self.tp.device
         if op == LOGITS:
