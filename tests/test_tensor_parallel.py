@@ -242,6 +242,35 @@ def test_an_idle_core_keeps_its_workers_past_the_distributed_timeout(tiny_model_
         engine.close()
 
 
+def test_a_worker_dead_before_the_rendezvous_fails_start_up_at_once(tiny_model_dir, monkeypatch):
+    """Rank 0 waits for the other ranks to join (other hosts are started by hand, so for minutes), but a
+    worker of its own that exits first ends the wait with that worker's exit code."""
+    from llmserve_core.distributed import launch
+    from llmserve_core.distributed.driver import WorkerLost
+    spawn = launch.spawn_workers
+
+    def spawn_dead(*args):
+        workers = spawn(*args)
+        for _, p in workers.procs:
+            p.kill()
+        return workers
+    monkeypatch.setattr(launch, "spawn_workers", spawn_dead)
+    started = time.monotonic()
+    with pytest.raises(WorkerLost, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
+    assert time.monotonic() - started < 60
+
+
+def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_dir, monkeypatch):
+    import datetime
+    from daemon_helpers import free_port
+    from llmserve_core.distributed import launch
+    monkeypatch.setattr(launch, "START_TIMEOUT", datetime.timedelta(seconds=1))
+    addr = f"127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match=rf"dist_init_addr: tensor-parallel ranks \[1\] did not join at {addr}"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, nnodes=2, dist_init_addr=addr))
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]

@@ -32,6 +32,8 @@ log = logging.getLogger("llmserve.tp")
 # How long a worker waits for the core's next step: as long as the core is idle (days are fine; gloo
 # counts in nanoseconds, so centuries would overflow).
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
+# How long the ranks wait for each other to start: the ranks of other hosts are started by hand.
+START_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -54,7 +56,32 @@ def init_address(config: EngineConfig) -> str:
     return config.dist_init_addr or f"127.0.0.1:{_free_port()}"
 
 
-def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, address: str) -> TPGroup:
+def rendezvous(size: int, rank: int, address: str, workers: "Workers | None") -> dist.TCPStore:
+    """The TCP store every rank joins, hosted by rank 0, which waits until all have joined: for up to
+    START_TIMEOUT (other hosts' ranks are started by hand), but no longer than one of its own workers lives."""
+    from llmserve_core.distributed.driver import WorkerLost
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=START_TIMEOUT, wait_for_workers=False)
+    if rank:
+        store.set(f"llmserve/joined/{rank}", "1")
+        return store
+    deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+    missing = range(1, size)
+    while missing:
+        missing = [r for r in missing if not store.check([f"llmserve/joined/{r}"])]
+        failure = workers.failure() if workers is not None else None
+        if failure is not None:
+            raise WorkerLost(f"{failure} before it joined the others")
+        if missing and time.monotonic() > deadline:
+            raise TimeoutError(f"dist_init_addr: tensor-parallel ranks {missing} did not join at {address} within "
+                               f"{START_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.05)
+    return store
+
+
+def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, address: str,
+               workers: "Workers | None" = None) -> TPGroup:
+    """Rank `rank`'s group; rank 0 passes the workers it spawned, so that one dying ends its wait for them."""
     size = config.tensor_parallel_size
     device = config.resolved_device()
     if device.type == "cuda":
@@ -62,8 +89,9 @@ def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, addre
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}",
-                            rank=rank, world_size=size, timeout=timeout)
+    store = rendezvous(size, rank, address, workers)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+                            timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else dist.group.WORLD
     # Formed within the timeout like the others (a rank dying meanwhile fails it), then made to wait as long
     # as the core is idle.
@@ -113,7 +141,7 @@ def start_rank0(config: EngineConfig, model_config: ModelConfig) -> TPGroup:
     address = init_address(config)
     workers = spawn_workers(config, range(1, config.tensor_parallel_size // config.nnodes), address)
     try:
-        tp = join_group(config, model_config, 0, address)
+        tp = join_group(config, model_config, 0, address, workers)
     except Exception:
         workers.stop(timeout=0)
         raise
