@@ -32,14 +32,21 @@ def gqa_dir(make_random_qwen3_dir):
 
 
 def run(model, tp, **kwargs):
+    def generate(engine):
+        outs = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        again = engine.generate([PROMPTS[0]], GREEDY)[0]          # the second pass hits the prefix cache
+        return outs + [again.token_ids], engine.stats()
+    return run_with(model, tp, generate, **kwargs)
+
+
+def run_with(model, tp, body, **kwargs):
+    """body(engine) on a fresh engine of `tp` ranks."""
     # 24 blocks of 4 tokens and a 9-token budget: chunked prefill, preemption and prefix hits in one run.
     cfg = dict(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=4, num_kv_blocks=24,
                max_num_batched_tokens=9, max_num_seqs=4, distributed_timeout=120.0)
     engine = Engine(EngineConfig(**{**cfg, **kwargs}))
     try:
-        outs = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-        again = engine.generate([PROMPTS[0]], GREEDY)[0]          # the second pass hits the prefix cache
-        return outs + [again.token_ids], engine.stats()
+        return body(engine)
     finally:
         engine.close()
 
@@ -67,6 +74,35 @@ def test_tp2_and_tp4_greedy_equal_one_rank(gqa_dir):
         got, stats = run(gqa_dir, tp)
         assert got == want, f"tensor_parallel_size {tp}"
         assert stats["prefix_hits"] > 0
+
+
+def _features(engine) -> list:
+    """Each feature path the sampler takes on rank 0 over the gathered logits: logprobs and prompt
+    logprobs, penalties with a logit bias and min_tokens, a grammar, and seeded sampling."""
+    from llmserve_proto import GuidedDecoding
+    params = [SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=8, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                             repetition_penalty=1.3, logit_bias={5: 3.0}, min_tokens=8),
+              SamplingParams(max_tokens=12, temperature=0, guided=GuidedDecoding(kind="regex", spec="[a-z]{2,8}")),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)]
+    return [(o.token_ids, o.finish_reason, o.logprobs, o.prompt_logprobs)
+            for o in engine.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[2]], params)]
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if hasattr(a, "logprob"):
+        return _close((a.logprob, a.top), (b.logprob, b.top))
+    return a == pytest.approx(b, abs=1e-4) if isinstance(a, float) else a == b
+
+
+@pytest.mark.slow
+def test_tp2_sampling_features_equal_one_rank(tiny_model_dir):
+    want, got = (run_with(tiny_model_dir, tp, _features) for tp in (1, 2))
+    assert [w[:2] for w in want] == [g[:2] for g in got]
+    assert _close(want, got)
+    assert want[0][2] and want[0][3] and want[2][1] == "stop"
 
 
 @pytest.mark.slow
