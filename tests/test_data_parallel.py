@@ -87,6 +87,12 @@ def test_device_groups():
     (["--model", ".", "--data-parallel-size", str(2**63)], "--data-parallel-size"),
     (["--endpoint", "ipc:///a", "--endpoint", "ipc:///a"], "listed twice"),
     (["--endpoint", "ipc:///a", "--endpoint", "http://b"], "--endpoint"),
+    # Every core would host its rendezvous on the one address, and the other hosts' ranks cannot tell the
+    # cores apart.
+    (["--model", ".", "-dp", "2", "-tp", "2", "--dist-init-addr", "127.0.0.1:29500"], "--dist-init-addr"),
+    (["--model", ".", "-dp", "2", "-tp", "2", "--nnodes=2", "--dist-init-addr=h:1"], "--nnodes"),
+    # A core of another node rank serves no socket: the frontend would wait for it in vain.
+    (["--model", ".", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:1"], "--node-rank"),
 ])
 def test_bad_data_parallel_args(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:

@@ -30,7 +30,7 @@ import shutil
 import signal
 import sys
 
-from llmserve_client.http.core_procs import CORE_STOP_TIMEOUT_S, OwnedCore, start_cores, stop_cores
+from llmserve_client.http.core_procs import CORE_STOP_TIMEOUT_S, OwnedCore, flag_value, start_cores, stop_cores
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from llmserve_client.http.reasoning import PARSERS as REASONING_PARSERS
 from llmserve_client.http.tool_parsers import PARSERS as TOOL_PARSERS
@@ -98,6 +98,7 @@ def parse_args(argv: list[str]):
         parser.error(f"--data-parallel-size: must be in [1, {MAX_DATA_PARALLEL}], got {args.data_parallel_size}")
     if args.data_parallel_size > 1 and args.model is None:
         parser.error("--data-parallel-size: needs --model (over running cores, repeat --endpoint instead)")
+    _check_tensor_parallel_flags(parser, args, core_flags)
     if not 0 <= args.port < 65536:
         parser.error(f"--port: {args.port} is not a port number")
     if args.connect_timeout is not None and not args.connect_timeout > 0:
@@ -183,6 +184,19 @@ async def _watch_cores(cores: list[OwnedCore], client, server, failed: list[str]
         await asyncio.sleep(0.2)
     log.error("%s; shutting down", failed[0])
     server.should_exit = True
+
+
+def _check_tensor_parallel_flags(parser, args, core_flags: list[str]) -> None:
+    """The frontend's cores run tensor parallelism on this host, or as node 0 of several hosts (one core)."""
+    node_rank = flag_value(core_flags, "--node-rank")
+    if node_rank not in (None, "0"):
+        parser.error(f"--node-rank: the frontend's core is node 0 and serves the requests; run node {node_rank} "
+                     f"as llmserve-core on its own host")
+    if args.data_parallel_size > 1:
+        for flag, allowed in (("--nnodes", (None, "1")), ("--dist-init-addr", (None,))):
+            if flag_value(core_flags, flag) not in allowed:
+                parser.error(f"{flag}: each core of --data-parallel-size runs its ranks on this host, with a "
+                             f"rendezvous of its own; leave {flag} out")
 
 
 def main(argv: list[str] | None = None) -> int:
