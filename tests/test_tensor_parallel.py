@@ -297,6 +297,16 @@ def test_a_worker_dead_before_the_rendezvous_fails_start_up_at_once(tiny_model_d
     assert time.monotonic() - started < 60
 
 
+def test_a_taken_rendezvous_port_fails_start_up_naming_the_address(tiny_model_dir):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = "127.0.0.1:%d" % taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"dist_init_addr: cannot host the rendezvous at {addr}: .*in use"):
+            Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, dist_init_addr=addr))
+
+
 def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_dir, monkeypatch):
     import datetime
     from daemon_helpers import free_port

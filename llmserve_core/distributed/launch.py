@@ -56,15 +56,21 @@ def init_address(config: EngineConfig) -> str:
     return config.dist_init_addr or f"127.0.0.1:{_free_port()}"
 
 
-def rendezvous(size: int, rank: int, address: str, workers: "Workers | None") -> dist.TCPStore:
+def rendezvous(size: int, rank: int, address: str, workers: "Workers | None",
+               timeout: datetime.timedelta) -> dist.TCPStore:
     """The TCP store every rank joins, hosted by rank 0, which waits until all have joined: for up to
-    START_TIMEOUT (other hosts' ranks are started by hand), but no longer than one of its own workers lives."""
+    START_TIMEOUT (other hosts' ranks are started by hand, before or after it), but no longer than one of its
+    own workers lives. Store operations themselves (rank 0 reaching its own address) take `timeout`."""
     from llmserve_core.distributed.driver import WorkerLost
     host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=START_TIMEOUT, wait_for_workers=False)
     if rank:
+        store = dist.TCPStore(host, int(port), size, is_master=False, timeout=START_TIMEOUT)
         store.set(f"llmserve/joined/{rank}", "1")
         return store
+    try:
+        store = dist.TCPStore(host, int(port), size, is_master=True, timeout=timeout, wait_for_workers=False)
+    except dist.DistError as e:          # the port is taken, or the address is not this host's
+        raise ValueError(f"dist_init_addr: cannot host the rendezvous at {address}: {e}") from None
     deadline = time.monotonic() + START_TIMEOUT.total_seconds()
     missing = range(1, size)
     while missing:
@@ -89,7 +95,7 @@ def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, addre
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
-    store = rendezvous(size, rank, address, workers)
+    store = rendezvous(size, rank, address, workers, timeout)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                             timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else dist.group.WORLD
