@@ -354,6 +354,30 @@ def test_killed_worker_fails_clients_and_leaves_no_process(tiny_model_dir, tmp_p
             stop_core(core)
 
 
+@pytest.mark.slow
+def test_killed_core_takes_its_workers_with_it(tiny_model_dir, tmp_path):
+    from daemon_helpers import start_core, wait_ready
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    log = str(tmp_path / "core.log")
+    core = start_core(tiny_model_dir, endpoint, log, "--tensor-parallel-size", "2")
+    workers = []
+    try:
+        wait_ready(endpoint, core, log)
+        workers = _children(core.pid)
+        assert workers, "the core spawned no worker"
+        core.kill()
+        core.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(_state(p) != "Z" for p in workers):
+            assert time.monotonic() < deadline, "a worker outlived its core"
+            time.sleep(0.1)
+    finally:
+        for pid in [core.pid] + workers:
+            if _state(pid) != "Z":
+                os.kill(pid, signal.SIGKILL)
+        core.wait()
+
+
 def _state(pid: int) -> str:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
