@@ -196,6 +196,26 @@ def test_model_mismatch_is_refused(cluster):
     assert cluster["eps"]["c"] in str(e.value)
 
 
+def test_aborts_reach_the_core_running_the_request(cluster):
+    client, eps = cluster["client"], cluster["eps"]
+    streams = [client.stream([3, 4], request_id=f"long-{k}", max_tokens=450, ignore_eos=True) for k in range(2)]
+    assert sorted(s.endpoint for s in streams) == sorted([eps["a"], eps["b"]])
+    for s in streams:
+        next(iter(s))
+        client.abort(s.request_id)
+    for s in streams:
+        for _ in s:
+            pass
+        assert s.completion.finish_reason == "abort" and len(s.completion.token_ids) < 450
+    deadline = time.monotonic() + 60
+    while any(c["running"] or c["waiting"] for c in client.stats()["cores"]):
+        assert time.monotonic() < deadline, client.stats()["cores"]
+        time.sleep(0.05)
+    # The ids are free again at once, whichever core takes them now.
+    again = [client.generate([3, 4], request_id=f"long-{k}", max_tokens=2, ignore_eos=True) for k in range(2)]
+    assert all(len(c.token_ids) == 2 for c in again)
+
+
 def test_killed_core_fails_its_requests_the_other_serves_and_it_rejoins(cluster):
     client, eps, procs = cluster["client"], cluster["eps"], cluster["procs"]
     oai = sdk(cluster["base"])
