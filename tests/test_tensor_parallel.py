@@ -317,6 +317,27 @@ def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_di
         Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, nnodes=2, dist_init_addr=addr))
 
 
+def test_a_clean_shutdown_is_not_taken_for_a_lost_worker(tiny_model_dir, monkeypatch):
+    """Workers exit as soon as they read the stop: the watchdog waking on that must see a core that is
+    stopping, however long close() takes to go on after sending it (a core reporting a lost worker exits 1)."""
+    import threading
+    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
+    driver = engine.tp.driver
+    lost = []
+    driver.watch(lost.append)
+    watchdog = next(t for t in threading.enumerate() if t.name == "tp-watchdog")
+    send_stop = driver.channel.send_stop
+
+    def stop_and_let_the_watchdog_run_first():
+        send_stop()
+        for _, p in driver.workers.procs:
+            p.join(60)
+        watchdog.join(60)
+    monkeypatch.setattr(driver.channel, "send_stop", stop_and_let_the_watchdog_run_first)
+    engine.close()
+    assert not watchdog.is_alive() and lost == []
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]

@@ -121,12 +121,14 @@ class Driver:
         threading.Thread(target=run, daemon=True, name="tp-watchdog").start()
 
     def shutdown(self) -> None:
-        if self.failure is None and self.live:
+        # Not live before the stop goes out: the workers exit as soon as they read it, and the watchdog
+        # must not take that for a lost worker.
+        was_live, self.live = self.live, False
+        if self.failure is None and was_live:
             try:
                 self.channel.send_stop()
             except RuntimeError:
                 pass
-        self.live = False
         self.workers.stop()
         if dist.is_initialized():
             dist.destroy_process_group()     # so a later engine in this process can form its own group
