@@ -338,6 +338,28 @@ def test_a_clean_shutdown_is_not_taken_for_a_lost_worker(tiny_model_dir, monkeyp
     assert not watchdog.is_alive() and lost == []
 
 
+@pytest.mark.parametrize("stop", [False, True], ids=["error", "stop"])
+def test_a_failure_on_rank_0_inside_an_announced_call_is_fatal(tiny_model_dir, monkeypatch, stop):
+    """The workers run the call too and wait in its collective: rank 0 cannot take a next step with them.
+    A signal stopping the daemon there (during the warm-up) stays a stop, so the daemon exits cleanly."""
+    from llmserve_core.distributed.driver import WorkerLost
+    from llmserve_core.server.daemon import _StopWhileLoading
+    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
+    try:
+        model = engine.runner.model._model
+
+        def fail(hidden):
+            raise _StopWhileLoading("SIGTERM") if stop else ValueError("injected")
+        monkeypatch.setattr(model, "compute_logits", fail)
+        with pytest.raises(_StopWhileLoading if stop else WorkerLost,
+                           match="SIGTERM" if stop else "rank 0 failed a call its tensor-parallel workers run too: injected"):
+            engine.generate([PROMPTS[1]], GREEDY)
+        with pytest.raises(WorkerLost, match="SIGTERM" if stop else "injected"):    # every step after it, at once
+            engine.generate([PROMPTS[1]], GREEDY)
+    finally:
+        engine.close()
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]

@@ -12,6 +12,7 @@ announced step, not announced again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -46,32 +47,44 @@ class DrivenModel:
         which each worker then replays over the same inputs (the same bucket, the same padding)."""
         announce = self._announce()
         try:
-            if announce:
-                self._driver.channel.send_forward(input_ids, batch, graph=index)
-            self._in_graph_step = True
-            return graphs.run(input_ids, None, batch)
-        except RuntimeError as e:
-            raise self._driver.lost(e) from e
+            with self._mirrored(announce):
+                if announce:
+                    self._driver.channel.send_forward(input_ids, batch, graph=index)
+                self._in_graph_step = True
+                return graphs.run(input_ids, None, batch)
         finally:
             self._in_graph_step = False
 
     def __call__(self, input_ids, batch, kv_caches, aux_layer_ids=()):
         announce = self._announce()
-        try:
+        with self._mirrored(announce):
             if announce:
                 self._driver.channel.send_forward(input_ids, batch, tuple(aux_layer_ids))
             return self._model(input_ids, batch, kv_caches, aux_layer_ids=aux_layer_ids)
-        except RuntimeError as e:
-            raise self._driver.lost(e) from e
 
     def compute_logits(self, hidden):
         announce = self._announce()
-        try:
+        with self._mirrored(announce):
             if announce:
                 self._driver.channel.send_logits(hidden)
             return self._model.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def _mirrored(self, announced: bool):
+        """A failed collective ends the engine, and so does any failure of a call the workers run too:
+        they wait in a collective of it that rank 0 will never join, and would take its next step's for it.
+        A stop (KeyboardInterrupt, a signal during the warm-up) stays what it is."""
+        try:
+            yield
         except RuntimeError as e:
             raise self._driver.lost(e) from e
+        except BaseException as e:
+            if not announced:
+                raise
+            lost = self._driver.lost(e)
+            if isinstance(e, Exception):
+                raise lost from e
+            raise
 
 
 class Driver:
@@ -99,7 +112,9 @@ class Driver:
             raise self.lost(e) from e
 
     def lost(self, error: Exception) -> WorkerLost:
-        self.failure = self.failure or self.workers.failure() or f"tensor-parallel collective failed: {error}"
+        what = ("tensor-parallel collective failed" if isinstance(error, RuntimeError)
+                else "rank 0 failed a call its tensor-parallel workers run too")
+        self.failure = self.failure or self.workers.failure() or f"{what}: {error}"
         return WorkerLost(self.failure)
 
     def watch(self, on_lost) -> None:
@@ -129,6 +144,6 @@ class Driver:
                 self.channel.send_stop()
             except RuntimeError:
                 pass
-        self.workers.stop()
+        self.workers.stop(timeout=0 if self.failure else 10.0)   # after a failure they may wait in a collective
         if dist.is_initialized():
             dist.destroy_process_group()     # so a later engine in this process can form its own group

@@ -165,8 +165,8 @@ def serve(engine, cfg: DaemonConfig, endpoint: str, stop: threading.Event | None
     return code
 
 
-class _StopWhileLoading(Exception):
-    pass
+class _StopWhileLoading(BaseException):
+    """Not an Exception: the loading code's error handling must not take a stop for a failure."""
 
 
 def _stop_while_loading(signum, _frame):
