@@ -360,6 +360,27 @@ def test_a_failure_on_rank_0_inside_an_announced_call_is_fatal(tiny_model_dir, m
         engine.close()
 
 
+def test_an_engine_failing_late_in_start_up_stops_its_workers(tiny_model_dir, monkeypatch):
+    """Start-up can fail after the workers are serving (in the warm-up, or stopped by a signal there): they
+    must not outlive it, nor its process group stop the next engine of this process from forming one."""
+    import torch.distributed as dist
+    from llmserve_core.distributed import launch
+    from llmserve_core.engine import engine as engine_module
+    spawned = []
+    spawn = launch.spawn_workers
+    monkeypatch.setattr(launch, "spawn_workers", lambda *args: spawned.append(spawn(*args)) or spawned[-1])
+
+    def fail(engine):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(engine_module, "warm_up", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, warmup=True))
+    assert not dist.is_initialized()
+    for _, p in spawned[0].procs:
+        p.join(60)
+        assert p.exitcode is not None, "a worker outlived its engine's failed start-up"
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]

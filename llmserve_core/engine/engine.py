@@ -121,7 +121,11 @@ class Engine:
                                  else self.runner.device.type == "cuda")
         self.grammars: GrammarService | None = None     # started by the first guided request
         self.reset_counters()
-        self.warmup_report = warm_up(self) if config.resolved_warmup() else None
+        try:
+            self.warmup_report = warm_up(self) if config.resolved_warmup() else None
+        except BaseException:
+            self.close()     # the tensor-parallel workers serve by now: they must not outlive this engine
+            raise
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op on one device); the engine cannot step afterwards."""
