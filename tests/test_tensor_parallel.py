@@ -1,11 +1,17 @@
 """Tensor parallelism on the CPU (gloo, 2 and 4 ranks): greedy outputs token-identical to one rank in
-float32, start-up errors, and a worker killed mid-run failing the core cleanly."""
+float32 on every feature path, start-up errors (shapes, the rendezvous), workers outliving neither their
+core nor a failed start-up, a worker killed mid-run failing the core cleanly, and an idle core keeping its
+workers."""
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 from pathlib import Path
@@ -64,6 +70,11 @@ def test_shard_spec_covers_every_head_and_vocab_row():
     for bad, field in ((3, "3 does not divide the model's 8 attention heads"), (16, "attention heads")):
         with pytest.raises(ValueError, match=field):
             ShardSpec.of(cfg, 0, bad)
+    for shape, field in (({"num_key_value_heads": 6, "num_attention_heads": 12}, "6 KV heads"),    # 6 over 4
+                         ({"num_key_value_heads": 3, "num_attention_heads": 12}, "3 KV heads"),    # 4 over 3
+                         ({"intermediate_size": 130}, "intermediate size 130")):
+        with pytest.raises(ValueError, match=f"tensor_parallel_size: 4 does not divide the model's {field}"):
+            ShardSpec.of(dataclasses.replace(cfg, **shape), 0, 4)
 
 
 @pytest.mark.slow
@@ -298,7 +309,6 @@ def test_a_worker_dead_before_the_rendezvous_fails_start_up_at_once(tiny_model_d
 
 
 def test_a_taken_rendezvous_port_fails_start_up_naming_the_address(tiny_model_dir):
-    import socket
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -308,7 +318,6 @@ def test_a_taken_rendezvous_port_fails_start_up_naming_the_address(tiny_model_di
 
 
 def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_dir, monkeypatch):
-    import datetime
     from daemon_helpers import free_port
     from llmserve_core.distributed import launch
     monkeypatch.setattr(launch, "START_TIMEOUT", datetime.timedelta(seconds=1))
@@ -320,7 +329,6 @@ def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_di
 def test_a_clean_shutdown_is_not_taken_for_a_lost_worker(tiny_model_dir, monkeypatch):
     """Workers exit as soon as they read the stop: the watchdog waking on that must see a core that is
     stopping, however long close() takes to go on after sending it (a core reporting a lost worker exits 1)."""
-    import threading
     engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
     driver = engine.tp.driver
     lost = []
