@@ -275,7 +275,8 @@ def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode, sch
     for c, (i, end) in zip(got, chosen):
         assert c.token_ids[:end + 1] == free[i][:end + 1] and c.finish_reason == "stop"
         assert json.loads(tok.decode(c.token_ids[end + 1:], skip_special_tokens=True))["n"] in range(100)
-    assert any(cut)
+    if schedule == "always":    # drafting every step: some run crosses the marker (with plain steps mixed in, not always)
+        assert any(cut)
     assert engine.stats()["spec_num_accepted_tokens"] > 0
     assert_all_blocks_free(engine)
 
