@@ -13,6 +13,7 @@ import math
 import random
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -266,6 +267,11 @@ def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode, sch
     else:
         engine = spec_engine(target, draft, speculative_policy="adaptive", async_scheduling=True, num_kv_blocks=40,
                              block_size=4, **MODES[mode])
+    # Requests wait for their grammar, which compiles on a worker thread, and every step that spins meanwhile
+    # takes a decision from the policy's script: compile it first, so the schedule does not follow the load.
+    engine.generate([ins[0]], [msgspec.structs.replace(params[0], max_tokens=1)])
+    engine.reset_counters()
+    if schedule != "always":
         engine.policy = ScriptedPolicy(engine.spec.policy_widths(), seed=1, plain_share=0.3)
     got = engine.generate(ins, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(ins, params)]
