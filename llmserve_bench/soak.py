@@ -35,13 +35,23 @@ DEFAULT_CORE_ARGS = ["--device", "cpu", "--max-model-len", "512", "--num-kv-bloc
                      "--log-interval", "0"]
 
 
-def default_model() -> str | None:
-    """The tiny trained Qwen3 shipped with llmserve_core (found without importing it)."""
+def _shipped(name: str) -> str | None:
+    """A model of the tiny trained pair shipped with llmserve_core (found without importing it)."""
     spec = importlib.util.find_spec("llmserve_core")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "trained_pair", "target")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "trained_pair", name)
     return path if os.path.isdir(path) else None
+
+
+def default_model() -> str | None:
+    """The tiny trained Qwen3 shipped with llmserve_core."""
+    return _shipped("target")
+
+
+def default_draft() -> str | None:
+    """Its EAGLE-3 draft: the soak of the shipped model drafts, so speculation runs under the same chaos."""
+    return _shipped("draft")
 
 
 @dataclass

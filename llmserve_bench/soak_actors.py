@@ -23,7 +23,7 @@ import httpx
 import zmq
 
 from llmserve_client import AsyncClient, Client, EngineDeadError, LLMServeError, RequestError
-from llmserve_proto import Generate, Hello, Ping, SamplingParams, encode
+from llmserve_proto import Generate, GuidedDecoding, Hello, Ping, SamplingParams, encode
 
 TEXTS = ["def add(a, b):", "Return the value of", "The parser returns", "import os\n", "class Stack:",
          "while True:", "Raise ValueError if"]
@@ -70,8 +70,9 @@ def _ids(rng: random.Random, lo: int = 4, hi: int = 32) -> list[int]:
 
 def random_sampling(rng: random.Random, http: bool = False) -> tuple[dict, bool]:
     """(SamplingParams keywords, valid?) drawn across each field's range, with extremes and, one time in
-    eight, a value the core must refuse. For an HTTP body (http=True): no logprobs, bad values included (it
-    means different things on the two endpoints), and a seed is bad only outside int64, as OpenAI's is."""
+    eight, a value the core must refuse. For an HTTP body (http=True): no logprobs, grammars or prompt
+    logprobs, bad values included (they mean different things on the two endpoints), a seed is bad only
+    outside int64, as OpenAI's is, and logit_bias keys are strings."""
     logprobs = not http
     kw = {"max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 1e-6, 0.3, 0.7, 1.0, 1.5, 2.0]),
           "top_p": rng.choice([1.0, 0.95, 0.5, 0.1, 1e-3]), "top_k": rng.choice([-1, 0, 1, 5, 50, 1000]),
@@ -82,14 +83,55 @@ def random_sampling(rng: random.Random, http: bool = False) -> tuple[dict, bool]
         kw["logprobs"] = rng.choice([0, 1, 5, 20])
     if rng.random() < 0.2:
         kw["stop_token_ids"] = [rng.randrange(0, 1000) for _ in range(rng.randint(1, 4))]
+    _logit_edits(rng, kw, http)
+    if not http:
+        _guided_and_prompt_logprobs(rng, kw)
     if rng.random() < 0.125:
         bad = rng.choice([("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0), ("top_k", -5),
                           ("max_tokens", 0), ("seed", -2**63 - 1 if http else -1), ("seed", 2**64),
-                          ("stop_token_ids", [10**30])]
-                         + ([("logprobs", 21)] if logprobs else []))
+                          ("stop_token_ids", [10**30]), ("presence_penalty", 2.5), ("repetition_penalty", 0.0),
+                          ("min_tokens", 10**6), ("logit_bias", {"5": 101.0} if http else {5: float("nan")})]
+                         + ([("logprobs", 21), ("prompt_logprobs", 21), ("logit_bias", {VOCAB: 1.0}),
+                             ("guided", GuidedDecoding(kind="regex", spec="(unclosed")),
+                             ("guided", GuidedDecoding(kind="choice", choices=["a"], start_after=[1] * 17)),
+                             ("guided", GuidedDecoding(kind="json_object", start_after=[VOCAB]))]
+                            if logprobs else []))
         kw[bad[0]] = bad[1]
         return kw, False
     return kw, True
+
+
+VOCAB = 1024        # the shipped tiny model's: ids from here on are out of range
+
+
+def _logit_edits(rng: random.Random, kw: dict, http: bool) -> None:
+    """Penalties, biases and min_tokens (each step's logits edited on the core), within their ranges."""
+    if rng.random() < 0.15:
+        kw[rng.choice(["presence_penalty", "frequency_penalty"])] = rng.choice([-2.0, -0.5, 0.5, 2.0])
+    if rng.random() < 0.1:
+        kw["repetition_penalty"] = rng.choice([1e-3, 0.8, 1.2, 2.0])
+    if rng.random() < 0.1:
+        bias = {rng.randrange(3, VOCAB): rng.choice([-100.0, -1.0, 1.0, 100.0]) for _ in range(rng.randint(1, 3))}
+        kw["logit_bias"] = {str(t): b for t, b in bias.items()} if http else bias
+    if rng.random() < 0.1:
+        kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
+
+
+def _guided_and_prompt_logprobs(rng: random.Random, kw: dict) -> None:
+    """A grammar (sometimes held only after a marker, as after a reasoning model's `</think>`), an opt-out of
+    drafting, and the prompt's logprobs."""
+    if rng.random() < 0.1:
+        kind = rng.choice(["json_object", "regex", "choice", "json"])
+        g = {"json_object": dict(), "regex": dict(spec="[a-z]{1,8}( [a-z]{1,8}){0,3}"),
+             "choice": dict(choices=["yes", "no", "maybe"]),
+             "json": dict(spec=json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                                           "required": ["n"]}))}[kind]
+        after = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 2))] if rng.random() < 0.5 else []
+        kw["guided"] = GuidedDecoding(kind=kind, start_after=after, **g)
+    if rng.random() < 0.1:
+        kw["speculative"] = False
+    if rng.random() < 0.1:
+        kw["prompt_logprobs"] = rng.choice([0, 1, 20])
 
 
 # ------------------------------------------------------------------------------------------ well-behaved
