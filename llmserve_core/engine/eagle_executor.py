@@ -586,10 +586,11 @@ class EagleExecutor:
             layout.starts.append(row)
         # Only a pure verify (every request drafting, at a depth the warm-up ran) takes the decode kernel's
         # rows path; a prefill chunk's length is the prompt's, a row count no warm-up can cover.
-        built = b.finish((verify_rows, sample_rows, prompt.rows, prompt.targets),
+        built = b.finish((verify_rows, sample_rows) + prompt.extras(),
                          uniform_rows=len(verify_rows) == len(sched.requests))
         batch, ids = built.batch, built.input_ids
-        layout.verify_rows, layout.sample_rows, prompt.device_rows, prompt.device_targets = built.extras
+        layout.verify_rows, layout.sample_rows = built.extras[:2]
+        prompt.placed(built.extras[2:])
         if drafting:
             rows = (layout.verify_rows[:, None] + self.verify_offsets[:width]).flatten()
             drafts = proposal.tokens if proposal.trees is None else proposal.tokens[:, 1:]   # a tree's node 0 is the root

@@ -233,8 +233,9 @@ class ModelRunner:
                 req.sample_index = len(sample_rows)
                 sample_rows.append(row + n - 1)
                 sample_requests.append(req)
-        built = b.finish((sample_rows, fill_rows, fill_from, prompt.rows, prompt.targets))
-        rows, fill_at, fill_src, prompt.device_rows, prompt.device_targets = built.extras
+        built = b.finish((sample_rows, fill_rows, fill_from) + prompt.extras())
+        rows, fill_at, fill_src = built.extras[:3]
+        prompt.placed(built.extras[3:])
         input_ids = built.input_ids
         if fill_rows:
             input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])

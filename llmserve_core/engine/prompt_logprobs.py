@@ -40,6 +40,16 @@ class PromptRows:
         self.targets.extend(req.prompt_token_ids[first + 1:end + 1])
         self.spans.append((req, first + 1, end - first))
 
+    def extras(self) -> tuple:
+        """The rows and targets for BatchBuilder.finish to move with the batch; nothing on a step that scores
+        no prompt token (nearly every step), so it copies no more than it did without this feature."""
+        return (self.rows, self.targets) if self.rows else ()
+
+    def placed(self, device_extras: list[torch.Tensor]) -> None:
+        """Take back, on the device, what extras() gave finish."""
+        if device_extras:
+            self.device_rows, self.device_targets = device_extras
+
     @property
     def max_k(self) -> int:
         return max(req.params.prompt_logprobs for req, _, _ in self.spans)
