@@ -71,14 +71,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------------------
+    def reads_cache(self, req: Request) -> bool:
+        """Whether a request may start from cached blocks: not one still collecting prompt logprobs, whose
+        every prompt position must go through the head."""
+        return self.enable_prefix_caching and req.prompt_logprobs is None
+
     def admit(self, req: Request) -> int:
         """Attach the longest cached prefix of a newly scheduled request; return the tokens it covers.
 
-        The last prompt token is always recomputed: its logits are needed to sample. A request still
-        collecting prompt logprobs reads nothing: every prompt position must go through the head.
+        The last prompt token is always recomputed: its logits are needed to sample.
         """
         assert not req.block_ids
-        if not self.enable_prefix_caching or req.prompt_logprobs is not None:
+        if not self.reads_cache(req):
             return 0
         tokens = req.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

@@ -124,8 +124,8 @@ class Scheduler:
         running request with the same first prompt block has not published that block yet: identical
         prompts (n > 1 copies, retries) then share the prompt's KV through the prefix cache instead of each
         computing it."""
-        if not self.blocks.enable_prefix_caching or req.num_computed_tokens > 0 or req.prompt_logprobs is not None:
-            return True         # (one collecting prompt logprobs reads no cache: nothing to wait for)
+        if not self.blocks.reads_cache(req) or req.num_computed_tokens > 0:
+            return True
         key = self._first_block(req)
         owner = self._computing_first_block.get(key) if key is not None else None
         if owner is None or owner is req:
