@@ -362,6 +362,20 @@ def test_a_reasoning_that_never_ends_runs_to_max_tokens_unmasked(tiny_model_dir,
     assert eng.stats()["grammars_compiled"] == 1 and eng.stats()["grammar_cache_hits"] == 1
 
 
+def test_min_tokens_holds_off_eos_while_the_grammar_waits_for_start_after(tiny_model_dir):
+    """min_tokens yields to a grammar only once it holds: before start_after shows, nothing else decides
+    where the output may end, so EOS stays blocked as it is for an unguided request."""
+    eng = engine(tiny_model_dir)
+    eos = min(eng.model_info.eos_token_ids)
+    plain = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=4, logit_bias={eos: 100.0})
+    free = eng.generate([[1, 2, 3]], plain)[0]
+    assert len(free.token_ids) == 5 and free.token_ids[-1] == eos
+    absent = next(t for t in range(100, 1000) if t not in free.token_ids)
+    guided = msgspec.structs.replace(plain, guided=GuidedDecoding(kind="json_object", start_after=[absent]))
+    out = eng.generate([[1, 2, 3]], guided)[0]
+    assert (out.token_ids, out.finish_reason) == (free.token_ids, "stop")
+
+
 @pytest.mark.parametrize("start_after, message", [([1] * 17, "0 to 16 integers"), ([-1], r"\[0\]"), ([2**31], r"\[0\]"),
                                                   (["1"], r"\[0\]"), ("vocab", "below the vocabulary")])
 def test_start_after_is_bounded(tiny_model_dir, start_after, message):

@@ -34,14 +34,15 @@ def build_logits_processors(reqs: list[Request], vocab: int, device: torch.devic
             b_rows.append(i)
             b_tok.append(tok)
             b_val.append(bias)
-        if r.num_output_tokens < p.min_tokens and r.grammar is None:
-            # A grammar decides on its own where the output may end, so min_tokens yields to it.
+        holds = r.grammar is not None and r.grammar.active     # (not while it waits for its start_after)
+        if r.num_output_tokens < p.min_tokens and not holds:
+            # A grammar decides on its own where the output may end, so min_tokens yields to it once it holds.
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             k_rows.extend([i] * len(stops))
             k_tok.extend(sorted(stops))
         if p.has_penalties:
             pen.append(i)
-        if r.grammar is not None and r.grammar.active:
+        if holds:
             grammars.append((i, r.grammar))
 
     def dev(values, dtype):
