@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
+    os.environ["TRITON_INTERPRET"] = "1"
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fp8_gemv import (fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
