@@ -103,3 +103,33 @@ def test_dummy_8b_shape_loads_and_steps():
         got = engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
         assert all(len(c.token_ids) == 8 for c in got)
         print(f"8B dummy: {engine.stats()['total_kv_blocks']} KV blocks")
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_prompt_logprobs_float32_cuda_match_transformers(mid_model, draft, tmp_path):
+    """Prompt logprobs on CUDA in float32, graphs on, prompts in chunks (with a draft, scored in the drafting
+    steps' target forward): every prompt position's logprob and top-5 values against transformers'."""
+    from llmserve_core.models.eagle3 import make_tiny_draft
+    extra = dict(speculative_model=make_tiny_draft(tmp_path / "draft", mid_model, seed=1), speculative_gamma=3,
+                 speculative_policy="always") if draft else {}
+    engine = Engine(EngineConfig(model=mid_model, device="cuda", dtype="float32", num_kv_blocks=256,
+                                 max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=96, **extra))
+    ps = prompts(engine.model_info.vocab_size)
+    got = engine.generate(ps, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=5))
+    hf = hf_model(mid_model, torch.float32)
+    worst = 0.0
+    for p, c in zip(ps, got):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p], device="cuda")).logits[0].float().log_softmax(-1)
+        assert len(c.prompt_logprobs) == len(p) - 1
+        for pos, lp in enumerate(c.prompt_logprobs, start=1):
+            row = ref[pos - 1]
+            assert len(lp.top) == 5
+            mine = torch.tensor([v for _, v in lp.top], device="cuda")
+            worst = max(worst, abs(lp.logprob - row[p[pos]].item()),
+                        float((row[torch.tensor([i for i, _ in lp.top], device="cuda")] - mine).abs().max()),
+                        float((row.topk(5).values - mine).abs().max()))
+    print(f"prompt logprobs float32 cuda, draft={draft}: max |dlogprob| {worst:.2e}")
+    assert worst < 2e-3
+    if draft:
+        assert engine.stats()["spec_num_steps"] > 0
