@@ -47,7 +47,9 @@ class Cores:
             self.close()
             raise
         self.router: Router | None = None
-        self._lock = threading.Lock()
+        # Re-entrant: a live stream the cyclic GC collects inside one of these sections (an allocation there
+        # sets the GC off) releases its request, which takes the lock again in the same thread.
+        self._lock = threading.RLock()
         self._in_flight: dict[str, WireRequest] = {}      # wire id -> request, until the core ended it
         self._callers: dict[str, WireRequest] = {}        # caller's id -> request, until the caller saw it end
         self._serials = itertools.count(1)

@@ -3,6 +3,7 @@ moments that matter (a stop string matched before the core's final abort output)
 from __future__ import annotations
 
 import asyncio
+import gc
 import queue
 import threading
 import time
@@ -152,3 +153,31 @@ def test_a_request_id_no_message_can_carry_is_refused_by_name(scripted, request_
         with pytest.raises(RequestError) as e:
             c.stream([1, 2, 3], request_id=request_id)
         assert e.value.field == "request_id"
+
+
+def test_a_stream_the_cyclic_gc_collects_inside_the_clients_lock_does_not_deadlock(scripted, monkeypatch):
+    """The cyclic GC runs wherever an allocation sets it off, inside the client's own critical sections too;
+    a live stream it collects aborts its request, which needs that lock again."""
+    from llmserve_client import cores
+    with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
+        gc.disable()     # the abandoned stream must be collected in the lock, not before
+        try:
+            lost = c.stream([1, 2, 3], request_id="lost", max_tokens=100)
+            g1 = scripted.expect(Generate)
+            lost.cycle = lost       # only the cyclic GC frees it
+            del lost
+            wire_id = cores.wire_request_id
+
+            def collecting(*args):  # runs inside Cores.open's lock: the GC an allocation there sets off
+                gc.collect()
+                return wire_id(*args)
+
+            monkeypatch.setattr(cores, "wire_request_id", collecting)
+            opened = []
+            t = threading.Thread(target=lambda: opened.append(c.stream([1, 2, 3], request_id="next")), daemon=True)
+            t.start()
+            t.join(WAIT_S)
+        finally:
+            gc.enable()
+        assert opened, "the client deadlocked on its own lock"
+        assert scripted.expect(Abort).request_ids == [g1.request_id]
