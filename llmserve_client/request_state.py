@@ -93,9 +93,13 @@ class RequestState:
         hidden = (finish_reason == "stop" and new_ids and new_ids[-1] in self.params.stop_token_ids
                   and not self.params.include_stop_str_in_output)
         text_ids = new_ids[:-1] if hidden else new_ids
-        for k, part in enumerate([[t] for t in text_ids] if self.stops else [text_ids]):
-            self.token_ids.extend(part)
-            self._add_text(self.detok.push(part))
+        if not self.stops:      # nothing can end the request early: the output goes in whole, in one push
+            self.token_ids.extend(new_ids)
+            self._add_text(self.detok.push(text_ids))
+            return new_ids
+        for k, t in enumerate(text_ids):
+            self.token_ids.append(t)
+            self._add_text(self.detok.push([t]))
             if self.finished:
                 return new_ids[:k + 1]
         self.token_ids.extend(new_ids[len(text_ids):])
