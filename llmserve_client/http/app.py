@@ -231,7 +231,6 @@ class Frontend:
                 prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
             for i in range(req.n):
                 index = p * req.n + i
-                ctx.prompt_tokens[index] = len(ids)
                 ctx.prompt_ids[index] = ids
                 seed = sampling.get("seed")
                 jobs.append((index, ids, {**sampling, "max_tokens": n_tokens,
@@ -340,7 +339,8 @@ class Frontend:
             item = first
             while item is not None:
                 index, chunk = item[0], ctx.shown(item[1])
-                ctx.generated[index] += len(chunk.token_ids)
+                if ctx.continuous_usage:
+                    ctx.generated[index] += len(chunk.token_ids)
                 choice = self._stream_choice(ctx, index, chunk)
                 if choice is not None:
                     yield _sse_data(self._chunk(ctx, index, choice))
@@ -497,12 +497,11 @@ class _Ctx:
         self.num_prompts = 1
         self.max_tokens_param = "max_tokens"     # or chat's max_completion_tokens, as the request spelled it
         self.continuous_usage = False            # vLLM's continuous_usage_stats: usage in every streamed chunk
-        self.prompt_tokens: dict[int, int] = {}  # choice -> its prompt's tokens
         self.prompt_ids: dict[int, list[int]] = {}   # choice -> its prompt's token ids
         self.echo_logprobs = False               # completions with echo and logprobs: the prompt's lead the answer's
         self.echo_only = False                   # echo with max_tokens 0: the answer is the prompt alone
         self.vllm_prompt_logprobs = False        # vLLM's prompt_logprobs field was asked for
-        self.generated: Counter[int] = Counter()   # choice -> tokens streamed so far
+        self.generated: Counter[int] = Counter()   # continuous_usage: choice -> tokens streamed so far
 
     def shown(self, c):
         """A Completion or StreamChunk as the answer shows it: with echo_only, without the token the core
@@ -574,7 +573,7 @@ def _usage(completions: list[Completion], n: int = 1) -> dict:
 
 def _running_usage(ctx: _Ctx, index: int) -> dict:
     """One choice's usage so far, as vLLM's continuous_usage_stats gives it in each chunk."""
-    prompt, generated = ctx.prompt_tokens[index], ctx.generated[index]
+    prompt, generated = len(ctx.prompt_ids[index]), ctx.generated[index]
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
