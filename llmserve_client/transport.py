@@ -68,7 +68,9 @@ class Transport:
         self.final: LLMServeError | None = None   # set when no further session will be tried
         self.sessions = 0                          # handshakes completed so far
         self._ready = threading.Event()
-        self._lock = threading.Lock()
+        # Re-entrant: a live stream the cyclic GC collects inside one of its sections (an allocation there, a
+        # raise, sets the GC off) aborts its request, a send on this transport from the same thread.
+        self._lock = threading.RLock()
         self._routes: dict[str, object] = {}
         self._stats_waiters: dict[int, object] = {}
         self._nonces = itertools.count(1)

@@ -181,3 +181,29 @@ def test_a_stream_the_cyclic_gc_collects_inside_the_clients_lock_does_not_deadlo
             gc.enable()
         assert opened, "the client deadlocked on its own lock"
         assert scripted.expect(Abort).request_ids == [g1.request_id]
+
+
+def test_a_stream_the_cyclic_gc_collects_inside_the_transports_lock_does_not_deadlock(scripted):
+    """As above, inside the transport's lock: the collected stream's abort is a send on that transport."""
+    class CollectingRoutes(dict):
+        def __contains__(self, key):    # read under the lock by register: the GC an allocation there sets off
+            gc.collect()
+            return super().__contains__(key)
+
+    with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
+        gc.disable()
+        try:
+            lost = c.stream([1, 2, 3], request_id="lost", max_tokens=100)
+            g1 = scripted.expect(Generate)
+            lost.cycle = lost
+            del lost
+            transport = c._cores.transports[0]
+            transport._routes = CollectingRoutes(transport._routes)
+            opened = []
+            t = threading.Thread(target=lambda: opened.append(c.stream([1, 2, 3], request_id="next")), daemon=True)
+            t.start()
+            t.join(WAIT_S)
+        finally:
+            gc.enable()
+        assert opened, "the client deadlocked on its transport's lock"
+        assert scripted.expect(Abort).request_ids == [g1.request_id]
