@@ -155,6 +155,23 @@ def test_a_request_id_no_message_can_carry_is_refused_by_name(scripted, request_
         assert e.value.field == "request_id"
 
 
+def abandon_a_live_stream(c, scripted):
+    """Start a stream and drop it in a reference cycle (only the cyclic GC frees it); its Generate."""
+    lost = c.stream([1, 2, 3], request_id="lost", max_tokens=100)
+    g = scripted.expect(Generate)
+    lost.cycle = lost
+    return g
+
+
+def opens_a_stream(c) -> bool:
+    """Whether the client opens another stream within WAIT_S (on a thread: a deadlock must not hang the test)."""
+    opened = []
+    t = threading.Thread(target=lambda: opened.append(c.stream([1, 2, 3], request_id="next")), daemon=True)
+    t.start()
+    t.join(WAIT_S)
+    return bool(opened)
+
+
 def test_a_stream_the_cyclic_gc_collects_inside_the_clients_lock_does_not_deadlock(scripted, monkeypatch):
     """The cyclic GC runs wherever an allocation sets it off, inside the client's own critical sections too;
     a live stream it collects aborts its request, which needs that lock again."""
@@ -162,10 +179,7 @@ def test_a_stream_the_cyclic_gc_collects_inside_the_clients_lock_does_not_deadlo
     with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
         gc.disable()     # the abandoned stream must be collected in the lock, not before
         try:
-            lost = c.stream([1, 2, 3], request_id="lost", max_tokens=100)
-            g1 = scripted.expect(Generate)
-            lost.cycle = lost       # only the cyclic GC frees it
-            del lost
+            g1 = abandon_a_live_stream(c, scripted)
             wire_id = cores.wire_request_id
 
             def collecting(*args):  # runs inside Cores.open's lock: the GC an allocation there sets off
@@ -173,10 +187,7 @@ def test_a_stream_the_cyclic_gc_collects_inside_the_clients_lock_does_not_deadlo
                 return wire_id(*args)
 
             monkeypatch.setattr(cores, "wire_request_id", collecting)
-            opened = []
-            t = threading.Thread(target=lambda: opened.append(c.stream([1, 2, 3], request_id="next")), daemon=True)
-            t.start()
-            t.join(WAIT_S)
+            opened = opens_a_stream(c)
         finally:
             gc.enable()
         assert opened, "the client deadlocked on its own lock"
@@ -193,16 +204,10 @@ def test_a_stream_the_cyclic_gc_collects_inside_the_transports_lock_does_not_dea
     with Client(scripted.endpoint, connect_timeout=WAIT_S) as c:
         gc.disable()
         try:
-            lost = c.stream([1, 2, 3], request_id="lost", max_tokens=100)
-            g1 = scripted.expect(Generate)
-            lost.cycle = lost
-            del lost
+            g1 = abandon_a_live_stream(c, scripted)
             transport = c._cores.transports[0]
             transport._routes = CollectingRoutes(transport._routes)
-            opened = []
-            t = threading.Thread(target=lambda: opened.append(c.stream([1, 2, 3], request_id="next")), daemon=True)
-            t.start()
-            t.join(WAIT_S)
+            opened = opens_a_stream(c)
         finally:
             gc.enable()
         assert opened, "the client deadlocked on its transport's lock"
