@@ -34,7 +34,7 @@ def build_params(sampling: dict) -> SamplingParams:
             raise RequestError(k, f"unknown sampling parameter; expected one of {', '.join(sorted(known))}")
     if isinstance(sampling.get("stop"), str):
         sampling = {**sampling, "stop": [sampling["stop"]]}
-    for name, value in sampling.items():
+    for name, value in _named_values(sampling):
         if _has_wide_int(value):
             raise RequestError(name, f"integer out of range: must be in [-2**63, 2**64), got {_short(value)}")
     if isinstance(sampling.get("guided"), dict):
@@ -94,6 +94,17 @@ def check_token_ids(ids: list[int]) -> list[int]:
         if not 0 <= t <= MAX_TOKEN_ID:
             raise RequestError("prompt_token_ids", f"token id {_short(t)} at index {i} is out of range")
     return ids
+
+
+def _named_values(sampling: dict):
+    """(field, value) pairs, a grammar's own fields named inside it ("guided.start_after")."""
+    for name, value in sampling.items():
+        if isinstance(value, msgspec.Struct):
+            value = msgspec.structs.asdict(value)
+        if name == "guided" and isinstance(value, dict):
+            yield from ((f"{name}.{k}", v) for k, v in value.items())
+        else:
+            yield name, value
 
 
 def _has_wide_int(value) -> bool:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from llmserve_client import Client, RequestError
+from llmserve_proto import GuidedDecoding
 from test_http import ENV, start_core, start_serve, stop, wait_healthy
 
 MAX_BODY = 16 * 1024 * 1024
@@ -246,6 +247,13 @@ def _cases():
         yield "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": big}, "seed"
         yield "/v1/completions", {"prompt": "hi", "stop_token_ids": [big]}, "stop_token_ids"
         yield "/v1/completions", {"prompt": [[1, 2], [3, big]]}, "prompt[1]"      # the prompt at fault
+        yield "/v1/completions", {"prompt": "hi", "logprobs": big}, "logprobs"
+        yield "/v1/completions", {"prompt": "hi", "prompt_logprobs": big}, "prompt_logprobs"
+        yield "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                       "top_logprobs": big}, "top_logprobs"
+        yield "/v1/completions", {"prompt": "hi", "min_tokens": big}, "min_tokens"
+        yield "/v1/completions", {"prompt": "hi", "n": big}, "n"
+        yield "/v1/completions", {"prompt": "hi", "logit_bias": {str(big): 1.0}}, "logit_bias"
     deep = 100_000
     yield "/v1/completions", "{\"prompt\": " + "[" * deep + "]" * deep + "}", None
     yield "/v1/completions", "{\"prompt\": [" + "{\"a\": " * deep + "1" + "}" * deep + "]}", None
@@ -270,7 +278,10 @@ def test_client_names_the_field_of_an_integer_out_of_range(stack, big):
     endpoint = stack[0]
     with Client(endpoint, connect_timeout=60) as c:
         for kwargs, field in [({"seed": big}, "seed"), ({"stop_token_ids": [1, big]}, "stop_token_ids"),
-                              ({"max_tokens": big}, "max_tokens")]:
+                              ({"max_tokens": big}, "max_tokens"), ({"prompt_logprobs": big}, "prompt_logprobs"),
+                              ({"min_tokens": big}, "min_tokens"), ({"logit_bias": {big: 1.0}}, "logit_bias"),
+                              ({"guided": GuidedDecoding(kind="json_object", start_after=[big])},
+                               "guided.start_after")]:
             with pytest.raises(ValueError) as e:
                 c.generate([1, 2, 3], **kwargs)
             assert isinstance(e.value, RequestError) and e.value.field == field, e.value
