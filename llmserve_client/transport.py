@@ -78,8 +78,9 @@ class Transport:
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         # Guards the pipe's fds: once closed, their numbers can be reused by anything in the process (another
-        # socket, a ZMQ context), so a late wakeup must never write to them.
-        self._fd_lock = threading.Lock()
+        # socket, a ZMQ context), so a late wakeup must never write to them. Re-entrant, as _lock is: the cyclic
+        # GC may collect a live stream inside it (a full pipe's exception allocates), whose abort wakes again.
+        self._fd_lock = threading.RLock()
         self._fds_open = True
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)

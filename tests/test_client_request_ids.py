@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import queue
 import threading
 import time
@@ -212,3 +213,31 @@ def test_a_stream_the_cyclic_gc_collects_inside_the_transports_lock_does_not_dea
             gc.enable()
         assert opened, "the client deadlocked on its transport's lock"
         assert scripted.expect(Abort).request_ids == [g1.request_id]
+
+
+def test_a_stream_the_cyclic_gc_collects_inside_the_wakeup_lock_does_not_deadlock(scripted, monkeypatch):
+    """As above, inside the lock that guards the transport's wakeup pipe: a full pipe's BlockingIOError is an
+    allocation there, and the collected stream's abort wakes the transport again."""
+    c = Client(scripted.endpoint, connect_timeout=WAIT_S)
+    transport = c._cores.transports[0]
+    write = os.write
+
+    def full_pipe(fd, data):
+        if fd != transport._wake_w:
+            return write(fd, data)
+        monkeypatch.setattr(os, "write", write)     # once: later wakeups reach the pipe
+        gc.collect()
+        raise BlockingIOError
+
+    gc.disable()
+    try:
+        g1 = abandon_a_live_stream(c, scripted)
+        monkeypatch.setattr(os, "write", full_pipe)
+        opened = opens_a_stream(c)
+    finally:
+        gc.enable()
+    # Not closed on failure: closing takes the same lock, which a deadlocked client holds for good.
+    assert opened, "the client deadlocked on its wakeup lock"
+    assert scripted.expect(Generate).request_id.startswith("next")    # queued before its wakeup collected
+    assert scripted.expect(Abort).request_ids == [g1.request_id]
+    c.close()
