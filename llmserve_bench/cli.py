@@ -157,11 +157,13 @@ def _soak_doc() -> str:
 
 def _soak_main(parser, args, core_args: list[str]) -> int:
     from llmserve_bench import soak
+    from llmserve_client.http.core_procs import flag_value
     model = args.model or soak.default_model()
     if model is None or not os.path.isdir(model):
         parser.error(f"--model: {model!r} is not a directory" if model else "--model: no shipped tiny model found")
-    if args.model is None and soak.default_draft() and "--speculative-model" not in core_args:
-        core_args = ["--speculative-model", soak.default_draft(), *core_args]
+    draft = soak.default_draft() if args.model is None else None
+    if draft and flag_value(core_args, "--speculative-model") is None:
+        core_args = ["--speculative-model", draft, *core_args]
     cfg = soak.SoakConfig(model=model, duration_s=args.duration, core_args=core_args,
                           well_behaved=args.well_behaved, chaos=args.chaos, flood_inflight=args.flood_inflight,
                           never_reader_per_s=args.never_reader_rate, kill_every_s=args.kill_every,

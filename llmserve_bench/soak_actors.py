@@ -27,6 +27,7 @@ from llmserve_proto import Generate, GuidedDecoding, Hello, Ping, SamplingParams
 
 TEXTS = ["def add(a, b):", "Return the value of", "The parser returns", "import os\n", "class Stack:",
          "while True:", "Raise ValueError if"]
+VOCAB = 1024        # the shipped tiny model's: ids from here on are out of range
 
 
 class Tally:
@@ -73,13 +74,12 @@ def random_sampling(rng: random.Random, http: bool = False) -> tuple[dict, bool]
     eight, a value the core must refuse. For an HTTP body (http=True): no logprobs, grammars or prompt
     logprobs, bad values included (they mean different things on the two endpoints), a seed is bad only
     outside int64, as OpenAI's is, and logit_bias keys are strings."""
-    logprobs = not http
     kw = {"max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 1e-6, 0.3, 0.7, 1.0, 1.5, 2.0]),
           "top_p": rng.choice([1.0, 0.95, 0.5, 0.1, 1e-3]), "top_k": rng.choice([-1, 0, 1, 5, 50, 1000]),
           "min_p": rng.choice([0.0, 0.05, 0.5, 1.0]), "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.5:
         kw["seed"] = rng.randrange(0, 2**63)
-    if logprobs and rng.random() < 0.3:
+    if not http and rng.random() < 0.3:
         kw["logprobs"] = rng.choice([0, 1, 5, 20])
     if rng.random() < 0.2:
         kw["stop_token_ids"] = [rng.randrange(0, 1000) for _ in range(rng.randint(1, 4))]
@@ -95,13 +95,10 @@ def random_sampling(rng: random.Random, http: bool = False) -> tuple[dict, bool]
                              ("guided", GuidedDecoding(kind="regex", spec="(unclosed")),
                              ("guided", GuidedDecoding(kind="choice", choices=["a"], start_after=[1] * 17)),
                              ("guided", GuidedDecoding(kind="json_object", start_after=[VOCAB]))]
-                            if logprobs else []))
+                            if not http else []))
         kw[bad[0]] = bad[1]
         return kw, False
     return kw, True
-
-
-VOCAB = 1024        # the shipped tiny model's: ids from here on are out of range
 
 
 def _logit_edits(rng: random.Random, kw: dict, http: bool) -> None:
