@@ -157,7 +157,7 @@ def _soak_doc() -> str:
 
 def _soak_main(parser, args, core_args: list[str]) -> int:
     from llmserve_bench import soak
-    from llmserve_client.http.core_procs import flag_value
+    from llmserve_client.core_flags import flag_value
     model = args.model or soak.default_model()
     if model is None or not os.path.isdir(model):
         parser.error(f"--model: {model!r} is not a directory" if model else "--model: no shipped tiny model found")

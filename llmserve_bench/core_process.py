@@ -17,6 +17,7 @@ import tempfile
 import time
 
 from llmserve_client.child_process import die_with_parent
+from llmserve_client.core_flags import flag_value
 
 
 class CoreStartError(RuntimeError):
@@ -29,12 +30,9 @@ def model_max_len(model_dir: str, core_args: list[str]) -> int | None:
     """max_model_len the core will use, when it can be told without loading anything: --max-model-len among
     the core's flags, else config.json's max_position_embeddings. None under YaRN rope scaling, which the
     core extends by its factor (a rule of the model's, kept in the core): its probe refuses what won't fit."""
-    for i, a in enumerate(core_args):
-        if a == "--max-model-len" and i + 1 < len(core_args):
-            return int(core_args[i + 1]) if core_args[i + 1].isdigit() else None
-        if a.startswith("--max-model-len="):
-            v = a.split("=", 1)[1]
-            return int(v) if v.isdigit() else None
+    flag = flag_value(core_args, "--max-model-len")     # the last one, as the core's parser takes it
+    if flag is not None:
+        return int(flag) if flag.isdigit() else None
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)

@@ -722,3 +722,5 @@ def test_the_early_length_check_leaves_yarn_models_to_the_core(tmp_path, rope, w
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 40960, "rope_scaling": rope}))
     assert model_max_len(str(tmp_path), []) == want
     assert model_max_len(str(tmp_path), ["--max-model-len", "100"]) == 100
+    # Repeated, the core's parser keeps the last one; so does the check.
+    assert model_max_len(str(tmp_path), ["--max-model-len", "100", "--max-model-len=300"]) == 300

@@ -30,7 +30,8 @@ import shutil
 import signal
 import sys
 
-from llmserve_client.http.core_procs import CORE_STOP_TIMEOUT_S, OwnedCore, flag_value, start_cores, stop_cores
+from llmserve_client.core_flags import flag_value
+from llmserve_client.http.core_procs import CORE_STOP_TIMEOUT_S, OwnedCore, start_cores, stop_cores
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from llmserve_client.http.reasoning import PARSERS as REASONING_PARSERS
 from llmserve_client.http.tool_parsers import PARSERS as TOOL_PARSERS

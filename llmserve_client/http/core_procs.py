@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 
 from llmserve_client.child_process import die_with_parent
+from llmserve_client.core_flags import flag_value
 
 log = logging.getLogger("llmserve_client.http")
 
@@ -27,18 +28,6 @@ class OwnedCore:
     proc: subprocess.Popen
     endpoint: str
     devices: str | None          # its CUDA_VISIBLE_DEVICES (None: inherited / CPU)
-
-
-def flag_value(flags: list[str], *names: str) -> str | None:
-    """The value of the last `--name VALUE` or `--name=VALUE` among flags, else None."""
-    found = None
-    for i, flag in enumerate(flags):
-        for name in names:
-            if flag == name and i + 1 < len(flags):
-                found = flags[i + 1]
-            elif flag.startswith(name + "="):
-                found = flag.split("=", 1)[1]
-    return found
 
 
 def device_groups(num_cores: int, core_flags: list[str], visible: str | None) -> list[str | None]:
