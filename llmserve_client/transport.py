@@ -38,6 +38,7 @@ log = logging.getLogger("llmserve_client")
 # What a client relies on about the model: a restarted core must announce the same values.
 MODEL_IDENTITY = ("model", "tokenizer", "vocab_size", "max_model_len", "eos_token_ids")
 RECONNECT_BACKOFF_S = (0.05, 2.0)   # first and longest pause between two attempts to open a session
+DRAIN_SLICE_S = 0.05   # the longest the transport thread reads the core's messages before it sends its own
 
 
 def model_difference(old: ModelInfo, new: ModelInfo) -> str | None:
@@ -245,12 +246,17 @@ class Transport:
                     sock.send(encode(Goodbye()))
                 return "closed"
             if sock in events:
-                last_recv = now
-                while True:
+                # Drain what is queued, but for one slice at a time: a core that sends faster than this
+                # thread reads must not keep it from its outbox and its pings (the core drops a client
+                # silent for client_timeout) for as long as the flood lasts. Each output is stamped when
+                # it was read, not when the drain began.
+                slice_end = now + DRAIN_SLICE_S
+                while now < slice_end:
                     try:
                         frame = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    now = last_recv = time.monotonic()
                     welcome = self._dispatch(frame.buffer, now, welcomed)
                     if welcome:
                         welcomed = True
