@@ -9,6 +9,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
+def host_and_port(address: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port), an IPv6 host in brackets ([::1]:29500) taken out of them. ValueError
+    when it is not that."""
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host, int(port)
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -104,8 +115,10 @@ class EngineConfig:
         need(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
         need(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr", "HOST:PORT is needed with nnodes > 1")
         if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            need(bool(host) and port.isdigit() and 0 < int(port) < 65536, "dist_init_addr", "must be HOST:PORT")
+            try:
+                host_and_port(self.dist_init_addr)
+            except ValueError:
+                need(False, "dist_init_addr", "must be HOST:PORT ([HOST]:PORT for IPv6)")
         need(0.0 < self.distributed_timeout <= 86400.0, "distributed_timeout", "must be in (0, 86400]")
         self.draft_shape()                # raises naming the speculative_* field at fault
         self.resolved_dtype()

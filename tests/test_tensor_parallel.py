@@ -261,6 +261,30 @@ def test_tp2_eagle3_verify_graphs_greedy_equal_plain(tiny_model_dir, tmp_path, g
     assert {"verify", "catch-up", "draft step"} <= names and "fused step" not in names, names
 
 
+def test_the_rendezvous_address_takes_ipv6_hosts_in_brackets(tiny_model_dir, monkeypatch):
+    from llmserve_core.config import host_and_port
+    from llmserve_core.distributed import launch
+    assert host_and_port("[::1]:29500") == ("::1", 29500)
+    assert host_and_port("10.0.0.2:80") == ("10.0.0.2", 80)
+    for bad in ("[::1]", "[]:80", ":80", "host:0", "host:65536", "host:-1", "host:8o"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            host_and_port(bad)
+        with pytest.raises(ValueError, match="dist_init_addr"):
+            EngineConfig(model=tiny_model_dir, tensor_parallel_size=2, dist_init_addr=bad).validate()
+    EngineConfig(model=tiny_model_dir, tensor_parallel_size=2, dist_init_addr="[::1]:29500").validate()
+    seen = []
+
+    class Store:        # what a joining rank hands torch: the host without its brackets
+        def __init__(self, host, port, *a, **kw):
+            seen.append((host, port))
+
+        def set(self, *a):
+            pass
+    monkeypatch.setattr(launch.dist, "TCPStore", Store)
+    launch.rendezvous(2, 1, "[::1]:29500", None, datetime.timedelta(seconds=5))
+    assert seen == [("::1", 29500)]
+
+
 def test_start_up_errors_name_the_field(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
         Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=3))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from llmserve_core.config import EngineConfig
+from llmserve_core.config import EngineConfig, host_and_port
 from llmserve_core.distributed.group import TPGroup
 from llmserve_core.distributed.sharding import ShardSpec, check_divisible
 from llmserve_core.models.config import ModelConfig
@@ -62,13 +62,13 @@ def rendezvous(size: int, rank: int, address: str, workers: "Workers | None",
     START_TIMEOUT (other hosts' ranks are started by hand, before or after it), but no longer than one of its
     own workers lives. Store operations themselves (rank 0 reaching its own address) take `timeout`."""
     from llmserve_core.distributed.driver import WorkerLost
-    host, _, port = address.rpartition(":")
+    host, port = host_and_port(address)
     if rank:
-        store = dist.TCPStore(host, int(port), size, is_master=False, timeout=START_TIMEOUT)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=START_TIMEOUT)
         store.set(f"llmserve/joined/{rank}", "1")
         return store
     try:
-        store = dist.TCPStore(host, int(port), size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
     except dist.DistError as e:          # the port is taken, or the address is not this host's
         raise ValueError(f"dist_init_addr: cannot host the rendezvous at {address}: {e}") from None
     deadline = time.monotonic() + START_TIMEOUT.total_seconds()
