@@ -450,6 +450,7 @@ def test_bad_completion_requests(oai, server):
         (dict(prompt="hi", stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
         (dict(prompt="hi", suffix="!"), "suffix"),
         (dict(prompt="hi", best_of=3), "best_of"),
+        (dict(prompt="hi", best_of=1, n=2), "best_of"),
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

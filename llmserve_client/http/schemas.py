@@ -210,6 +210,8 @@ def completion_sampling(req: CompletionRequest) -> dict:
     out = sampling_fields(req)
     if req.best_of not in (None, 1):
         raise ApiError(f"only best_of=1 is supported, got {req.best_of}", "best_of")
+    if req.best_of is not None and req.best_of < req.n:     # OpenAI's rule: best_of candidates hold the n returned
+        raise ApiError(f"best_of must be at least n ({req.n}), got {req.best_of}", "best_of")
     if req.suffix:
         # OpenAI's suffix asks for an insertion (fill-in-the-middle); Qwen3's templates have no such mode.
         raise ApiError("suffix needs a fill-in-the-middle model; Qwen3 has none", "suffix")
