@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_format import dequantize_weight
-from llmserve_core.kernels.fp8_mlp import MAX_ROWS, fp8_mlp, fp8_mlp_reference, fp8_mlp_supported
+from llmserve_core.kernels.fp8_mlp import DEFAULT_CONFIG, MAX_ROWS, fp8_mlp, fp8_mlp_reference, fp8_mlp_supported
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from test_fp8_kernels import A8_TOL, random_fp8_weight
 from test_kernels import rel_err
@@ -30,7 +30,7 @@ def float_mlp(x, wgu, sgu, wd, sd, block):
     return (F.silu(gate) * up) @ dequantize_weight(wd, sd, block).t()
 
 
-@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("atomic,arrive", [(False, 1), (False, 2), (True, 1)])
 @pytest.mark.parametrize("m,hidden,inter,block,dtype,cfg", [
     (1, 64, 96, None, torch.float32, dict(BLOCK_I=32, BLOCK_K=32, BLOCK_H=32, MERGE_P=2)),
     (3, 96, 64, None, torch.float16, dict(BLOCK_I=16, BLOCK_K=32, BLOCK_H=16, MERGE_P=4)),   # merges over 4 programs
@@ -38,7 +38,7 @@ def float_mlp(x, wgu, sgu, wd, sd, block):
     (2, 64, 64, (32, 32), torch.float32, dict(BLOCK_I=16, BLOCK_K=16, BLOCK_H=32, MERGE_P=8)),  # tiles inside a block
     (1, 128, 64, (32, 32), torch.float32, dict(BLOCK_I=32, BLOCK_K=32, BLOCK_H=64, MERGE_P=2)),  # two blocks a chunk
 ])
-def test_fp8_mlp_matches_its_reference(m, hidden, inter, block, dtype, cfg, atomic, monkeypatch):
+def test_fp8_mlp_matches_its_reference(m, hidden, inter, block, dtype, cfg, atomic, arrive, monkeypatch):
     """To float precision against its own arithmetic (x per 1 x BLOCK_K piece, h per 1 x BLOCK_I piece),
     within e4m3's rounding of the activations against the float MLP; twice, as the counters re-arm."""
     import llmserve_core.kernels.fp8_mlp as module
@@ -47,7 +47,7 @@ def test_fp8_mlp_matches_its_reference(m, hidden, inter, block, dtype, cfg, atom
     w = weights(hidden, inter, block, gen)
     x = torch.randn(m, hidden, generator=gen).to(DEVICE, dtype)
     x[0, :5] = 0.0
-    config = dict(cfg, num_warps=4, num_stages=1, ATOMIC=atomic)
+    config = dict(cfg, num_warps=4, num_stages=1, ATOMIC=atomic, ARRIVE=arrive)
     for _ in range(2):
         out = fp8_mlp(x, *w, block, config=config)
         assert out.shape == (m, hidden) and out.dtype == dtype
@@ -64,6 +64,7 @@ def test_fp8_mlp_is_deterministic_and_zero_rows_stay_zero():
     config = dict(BLOCK_I=16, BLOCK_K=32, BLOCK_H=32, MERGE_P=4, num_warps=4, num_stages=1)
     first = fp8_mlp(x, *w, config=config)
     assert torch.equal(first, fp8_mlp(x, *w, config=config))
+    assert torch.equal(first, fp8_mlp(x, *w, config=dict(config, ARRIVE=2)))   # the same sums, in program order
     assert torch.isfinite(first).all() and first[1].abs().sum() == 0
 
 
@@ -81,6 +82,8 @@ def test_fp8_mlp_refuses_what_it_cannot_tile():
     assert not fp8_mlp_supported(4096, 12288, None, (128, 128))          # the two scaled differently
     assert not fp8_mlp_supported(4096, 12288, (64, 64), (64, 64))        # blocks the tiles do not fit
     assert not fp8_mlp_supported(4096, 12300, None, None)
+    assert not fp8_mlp_supported(4096, 12288, None, None, dict(DEFAULT_CONFIG, ARRIVE=3))      # not a power of 2
+    assert not fp8_mlp_supported(4096, 12288, None, None, dict(DEFAULT_CONFIG, BLOCK_H=2048, ARRIVE=4))  # 2 chunks
 
 
 @gpu

@@ -7,9 +7,10 @@ rows over all of K (x quantized per 1 x BLOCK_K piece in the kernel and multipli
 tensor cores, as fp8_gemv's "a8" kernel does), forms h = silu(g) * u in float32, quantizes h per row over
 its BLOCK_I features, and multiplies it by the same BLOCK_I columns of down: one K slice of a split-K down
 projection, its partial parked per output chunk. The program that arrives last at a chunk sums the parked
-partials in program order (deterministic, whatever the arrival order) and writes y. Programs walk the
-chunks from an offset of their own, so different programs arrive last at different chunks and the merges
-run side by side at the end instead of in one program.
+partials in program order (deterministic, whatever the arrival order) and writes y. A program arrives at
+ARRIVE chunks' counters at once (one round trip, not one per chunk). Programs walk the chunks from an
+offset of their own, so different programs arrive last at different chunks and the merges run side by
+side at the end instead of in one program.
 
 Down's columns are read as [BLOCK_H, BLOCK_I] tiles of its row-major [H, I] weight: BLOCK_I bytes per row,
 a whole 128-byte line at BLOCK_I 128. Scales: one per output row of each projection, or one per 128 x 128
@@ -30,7 +31,7 @@ from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 MAX_ROWS = 4          # the parked partials grow with the rows; past a few, the three-launch chain is cheaper
 SCALE_BLOCK = 128     # the block-scaled checkpoints' 128 x 128 blocks
-DEFAULT_CONFIG = dict(BLOCK_I=128, BLOCK_K=128, BLOCK_H=128, MERGE_P=32, num_warps=8, num_stages=3)
+DEFAULT_CONFIG = dict(BLOCK_I=128, BLOCK_K=128, BLOCK_H=128, MERGE_P=32, ARRIVE=8, num_warps=8, num_stages=3)
 # (rows, scale kind) -> tiles where the one launch beat the three-launch chain, measured on the H200 at the
 # Qwen3-8B shape (benchmarks/fp8_mlp_bench.py, benchmarks/results/fp8_mlp_h200.md); other row counts run the chain.
 MEASURED = {(1, "channel"): DEFAULT_CONFIG, (1, "block"): DEFAULT_CONFIG}
@@ -41,6 +42,7 @@ def _fp8_mlp_kernel(x_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, y_ptr, part_ptr, co
                     M, H, I, stride_x, stride_y, stride_sgu, stride_sd,
                     BLOCK_SCALED: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_P: tl.constexpr, ATOMIC: tl.constexpr,
+                    ARRIVE: tl.constexpr,
                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait_and_release(PDL)      # x comes from the kernel before
     p = tl.program_id(0)
@@ -82,25 +84,33 @@ def _fp8_mlp_kernel(x_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, y_ptr, part_ptr, co
     d_cols = wd_ptr + offs_i[None, :]
     part_tile = offs_m[None, :] * BLOCK_H + rh[:, None]               # a chunk's [BLOCK_H, rows] partial
     tile_mask = m_mask[None, :] & (rh[:, None] < BLOCK_H)
-    for c in range(0, n_chunks):
-        chunk = (c + p) % n_chunks
-        offs_n = chunk * BLOCK_H + rh
-        wd = tl.load(d_cols + offs_n[:, None].to(tl.int64) * I)     # [BLOCK_H, BLOCK_I]
-        part = tl.dot(wd, hq) * h_s[None, :]                          # [BLOCK_H, BLOCK_M]
-        if BLOCK_SCALED:
-            part = part * tl.load(sd_ptr + (offs_n // SB) * stride_sd + p * BLOCK_I // SB)[:, None]
-        else:
-            part = part * tl.load(sd_ptr + offs_n)[:, None]
-        if ATOMIC:
-            # float32 sums in L2, fire-and-forget (the order varies from call to call)
-            tl.atomic_add(acc_ptr + offs_m[None, :] * H + offs_n[:, None], part, mask=tile_mask, sem="relaxed")
-        else:
-            # Partials of chunk c: [num_p, M, BLOCK_H], each row's BLOCK_H floats contiguous.
-            slot = part_ptr + (chunk * num_p + p) * M * BLOCK_H
-            tl.store(slot + part_tile, part, mask=tile_mask)
-            tl.debug_barrier()       # every thread's partial stores before the counter's (acq_rel) increment
-            if tl.atomic_add(count_ptr + chunk, 1) == num_p - 1:
-                _merge_chunk(part_ptr, y_ptr, count_ptr, chunk, num_p, M, stride_y, BLOCK_H, MERGE_P)
+    rg = tl.arange(0, ARRIVE)
+    for c0 in range(0, n_chunks, ARRIVE):
+        for j in tl.static_range(ARRIVE):
+            chunk = (c0 + j + p) % n_chunks
+            offs_n = chunk * BLOCK_H + rh
+            wd = tl.load(d_cols + offs_n[:, None].to(tl.int64) * I)     # [BLOCK_H, BLOCK_I]
+            part = tl.dot(wd, hq) * h_s[None, :]                          # [BLOCK_H, BLOCK_M]
+            if BLOCK_SCALED:
+                part = part * tl.load(sd_ptr + (offs_n // SB) * stride_sd + p * BLOCK_I // SB)[:, None]
+            else:
+                part = part * tl.load(sd_ptr + offs_n)[:, None]
+            if ATOMIC:
+                # float32 sums in L2, fire-and-forget (the order varies from call to call)
+                tl.atomic_add(acc_ptr + offs_m[None, :] * H + offs_n[:, None], part, mask=tile_mask, sem="relaxed")
+            else:
+                # Partials of a chunk: [num_p, M, BLOCK_H], each row's BLOCK_H floats contiguous.
+                slot = part_ptr + (chunk * num_p + p) * M * BLOCK_H
+                tl.store(slot + part_tile, part, mask=tile_mask)
+        if not ATOMIC:
+            # Arrive at ARRIVE chunks' counters in one round trip: a counter's returned value gates a branch,
+            # so one arrival per chunk would stall the stream once per chunk.
+            tl.debug_barrier()       # every thread's partial stores before the counters' (acq_rel) increments
+            arrived = tl.atomic_add(count_ptr + (c0 + rg + p) % n_chunks, 1)
+            for j in tl.static_range(ARRIVE):
+                if tl.sum(tl.where(rg == j, arrived, 0)) == num_p - 1:
+                    _merge_chunk(part_ptr, y_ptr, count_ptr, (c0 + j + p) % n_chunks, num_p, M, stride_y, BLOCK_H,
+                                 MERGE_P)
     if ATOMIC:
         tl.debug_barrier()           # every thread's sums before the counter's (acq_rel) increment
         if tl.atomic_add(count_ptr, 1) == num_p - 1:
@@ -153,7 +163,9 @@ def fp8_mlp_supported(hidden: int, intermediate: int, gate_up_block, down_block,
         return False
     if gate_up_block is not None and not (SCALE_BLOCK % cfg["BLOCK_I"] == 0 and SCALE_BLOCK % cfg["BLOCK_K"] == 0):
         return False
-    return intermediate % cfg["BLOCK_I"] == 0 and hidden % cfg["BLOCK_K"] == 0 and hidden % cfg["BLOCK_H"] == 0
+    arrive = cfg.get("ARRIVE", 1)
+    return (intermediate % cfg["BLOCK_I"] == 0 and hidden % cfg["BLOCK_K"] == 0 and hidden % cfg["BLOCK_H"] == 0
+            and arrive & (arrive - 1) == 0 and (hidden // cfg["BLOCK_H"]) % arrive == 0)
 
 
 def fp8_mlp_config(m: int, hidden: int, inter: int, gate_up_block, down_block, device: torch.device) -> dict | None:
@@ -195,6 +207,7 @@ def fp8_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w
     chunks = hidden // block_h
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     atomic = cfg.setdefault("ATOMIC", False)
+    cfg.setdefault("ARRIVE", 1)
     parts, counts = SPLIT_K_SCRATCH.get(x.device, 0 if atomic else chunks * programs * m * block_h, chunks)
     sums = _float_sums(x.device, hidden) if atomic else parts
     _fp8_mlp_kernel[(programs,)](
