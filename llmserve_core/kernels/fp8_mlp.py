@@ -77,7 +77,7 @@ def _fp8_mlp_kernel(x_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, y_ptr, part_ptr, co
 
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                       # [BLOCK_I, BLOCK_M]
     h_s = tl.maximum(tl.max(tl.abs(h), 0) / FP8_MAX, MIN_SCALE)       # one scale per row over these features
-    hq = (h / h_s[None, :]).to(wg.dtype)
+    hq = (h / h_s[None, :]).to(wd_ptr.dtype.element_ty)
 
     rh = tl.arange(0, BLOCK_H)
     n_chunks = H // BLOCK_H
