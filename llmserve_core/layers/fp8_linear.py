@@ -101,17 +101,3 @@ class Fp8Linear(nn.Module):
             return w8a8_gemm_per_channel(a, a_scale, self.weight, self.weight_scale, x.dtype)
         a, a_scale = quantize_activation(x, self.block[1])
         return w8a8_gemm_triton(a, a_scale, self.weight, self.weight_scale, self.block, x.dtype)
-
-
-def fused_fp8_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, pdl: bool) -> torch.Tensor | None:
-    """A decode row's MLP (gate_up, SiLU-and-mul, down) as one launch of kernels/fp8_mlp.py, where both
-    projections are FP8 and its measured table says the launch beats the three-launch chain on this card;
-    None otherwise, and the caller runs the chain."""
-    if not (isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear) and gate_up.fused):
-        return None
-    from llmserve_core.kernels.fp8_mlp import fp8_mlp, fp8_mlp_config
-    cfg = fp8_mlp_config(x.shape[0], down.out_features, down.in_features, gate_up.block, down.block, x.device)
-    if cfg is None or x.stride(-1) != 1:
-        return None
-    return fp8_mlp(x, gate_up.weight, gate_up.weight_scale, down.weight, down.weight_scale, gate_up.block,
-                   config=cfg, pdl=pdl)

@@ -13,7 +13,7 @@ from torch import nn
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
-from llmserve_core.layers.fp8_linear import Fp8Linear, fused_fp8_mlp
+from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
@@ -71,7 +71,6 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     fused = False   # set by Qwen3ForCausalLM on CUDA: SiLU-and-mul as one Triton kernel
     pdl = False     # ... launched under PDL on Hopper
-    chain = False   # ... and on Hopper an FP8 decode row's whole MLP as one launch where that was measured faster
 
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
@@ -82,9 +81,6 @@ class Qwen3MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fused_fp8_mlp(self.gate_up_proj, self.down_proj, x, self.pdl) if self.chain else None
-        if out is not None:
-            return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
@@ -162,8 +158,6 @@ class Qwen3ForCausalLM(nn.Module):
                 m.fused = fused
             if isinstance(m, (Linear, Fp8Linear)):
                 m.fast_kernel = "stream" if chain else None
-            if isinstance(m, Qwen3MLP):
-                m.chain = chain
             if isinstance(m, Linear):
                 m.cublaslt_rows = m.cublaslt_max_rows() if fused else 0
             if isinstance(m, (RMSNorm, Qwen3Attention, Qwen3MLP, Linear, Fp8Linear)):
