@@ -106,11 +106,13 @@ def store_split_k(acc, y_ptrs, y_mask, part_ptr, count_ptr, pid_n, pid_k,
         tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=y_mask)
     else:
         # Split-K without a second launch: every split parks its partial tile, and the split that
-        # arrives last at this column block (the counter's acq_rel atomic orders the partial stores
-        # before it) sums them, writes y and re-arms the counter for the next call.
+        # arrives last at this column block sums them, writes y and re-arms the counter for the next call.
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         parts = part_ptr + pid_n * SPLIT_K * BLOCK_N * BLOCK_M
         tl.store(parts + pid_k * BLOCK_N * BLOCK_M + tile, acc)
+        # The counter's acq_rel increment is one thread's: it publishes the stores that thread has seen,
+        # so the barrier first makes every thread's part of the tile one it has seen (as paged_decode does).
+        tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1)
         if arrived == SPLIT_K - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
