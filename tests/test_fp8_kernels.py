@@ -8,8 +8,8 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
-from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_config, \
-    fp8_gemv_reference, num_sms
+from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference, \
+    fp8_gemv_config, fp8_gemv_reference, num_sms, x_ahead_config
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
 from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
@@ -370,6 +370,14 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
             out = fp8_gemv(x, w, ws, block, config=a8, pdl=pdl)
             assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=a8["BLOCK_K"])) < 8e-3
             assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < 4e-2
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        ahead = x_ahead_config(m, n, k, block, sms, True)
+        if ahead is not None:       # the tile for x quantized ahead (by the RMSNorm before), under PDL too
+            xq, xs = quantize_activation(x, X_AHEAD_GROUP)
+            for pdl in (False, True):
+                out = fp8_gemv(xq, w, ws, block, config=ahead, pdl=pdl, x_scale=xs, x_group=X_AHEAD_GROUP,
+                               out_dtype=torch.bfloat16)
+                assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP)) < 8e-3
         dot = fp8_gemv_config(m, n, k, block)
         assert rel_err(fp8_gemv(x, w, ws, block, config=dot), fp8_gemv_reference(x, w, ws, block)) < 1e-2
         if m <= 4:      # the CUDA-core kernel, K tiles spanning two scale blocks, split-K

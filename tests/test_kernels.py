@@ -11,9 +11,10 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.attention_reference import paged_attention_reference
 from llmserve_core.kernels.fp8_format import FP8, to_cache_dtype
+from llmserve_core.kernels.fp8_quant import quantize_activation_reference
 from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
-from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_quant_reference, rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_reference
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
 from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decode_config, prefill_config
@@ -206,6 +207,34 @@ def test_rmsnorm(rows, cols, with_residual):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,cols,group,with_residual,dtype", [
+    (3, 256, 128, True, torch.float32), (2, 384, 128, False, torch.float16), (1, 96, 32, True, torch.float32)])
+def test_rmsnorm_quantized_output_is_fp8_quant_of_the_norm(rows, cols, group, with_residual, dtype):
+    """The e4m3 rows and per-piece scales equal fp8_quant's arithmetic on the norm's output (what the a8
+    GEMV would compute from it), and the residual stream is unchanged; a zero row keeps zeros."""
+    gen = torch.Generator().manual_seed(rows * cols + group)
+    x = (torch.randn(rows, cols, generator=gen) * 3).to(DEVICE, dtype)
+    x[0, :group] = 0.0                                  # a piece of zeros: the floor scale, zero codes
+    w = torch.randn(cols, generator=gen).to(DEVICE, dtype)
+    res = torch.zeros(rows, cols, dtype=dtype).to(DEVICE) if with_residual else None
+    got = rmsnorm(x, w, 1e-6, res, quant_group=group)
+    ref = rmsnorm_quant_reference(x, w, 1e-6, res, group)
+    (q, scale), (q_ref, scale_ref) = (got[0], ref[0]) if with_residual else (got, ref)
+    assert q.dtype == FP8 and q.shape == (rows, cols) and scale.shape == (rows, cols // group)
+    # The quantization of the kernel's own normed row: on a GPU that row may differ from the reference norm's
+    # by an ulp of float16 (its square root and division), which the quantization must not add to.
+    own = rmsnorm(x, w, 1e-6, res)
+    q_own, scale_own = quantize_activation_reference(own[0] if with_residual else own, group)
+    torch.testing.assert_close(scale, scale_own, rtol=1e-6, atol=0)
+    assert (q.float() != q_own.float()).float().mean() < (1e-3 if DEVICE == "cpu" else 2e-2)   # a division's ulp
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6 if DEVICE == "cpu" else 2e-3, atol=0)
+    assert torch.equal(q[0, :group].float(), torch.zeros(group, device=q.device))
+    if with_residual:
+        assert torch.equal(got[1], ref[1])
+    with pytest.raises(AssertionError, match="power of 2 dividing"):
+        rmsnorm(x, w, 1e-6, quant_group=48)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (3, 3, 8)])
 def test_rotary_reference_matches_the_eager_layer(num_heads, num_kv_heads, head_dim):
     """The float32 rotation the fused q/k kernel is checked against is the model's own rotary."""
@@ -346,6 +375,10 @@ def test_gpu_small_ops_bf16():
     w = torch.randn(4096, generator=gen).to(dtype=torch.bfloat16, device="cuda")
     for a, b in zip(rmsnorm(x, w, 1e-6, r), rmsnorm_reference(x, w, 1e-6, r)):
         assert rel_err(a, b) < 1e-2
+    (q, scale), stream = rmsnorm(x[:1], w, 1e-6, r[:1], quant_group=128)
+    (q_ref, scale_ref), stream_ref = rmsnorm_quant_reference(x[:1], w, 1e-6, r[:1], 128)
+    assert torch.equal(stream, stream_ref) and rel_err(scale, scale_ref) < 1e-2
+    assert rel_err(q.float() * scale.repeat_interleave(128, 1), q_ref.float() * scale_ref.repeat_interleave(128, 1)) < 2e-2
     g = torch.randn(64, 2 * 12288, generator=gen).to(dtype=torch.bfloat16, device="cuda")
     assert rel_err(silu_mul(g), silu_mul_reference(g)) < 1e-2
 

@@ -160,6 +160,32 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 }
 
 
+# Tiles for an x that comes quantized already (e4m3 per 1 x 128 piece, from the RMSNorm before:
+# layers/fp8_linear.py's QuantizedRows), where that beat the a8 kernel quantizing x itself. One row under PDL,
+# TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
+# / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
+# o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
+X_AHEAD_GROUP = 128
+X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
+    **{(6144, 4096, 1, kind): _A8_QKV for kind in ("channel", "block")},
+    **{(24576, 4096, 1, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
+                                    num_stages=4) for kind in ("channel", "block")},
+}
+
+
+def x_ahead_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool) -> dict | None:
+    """The measured tile for x quantized ahead per 1 x X_AHEAD_GROUP piece, on a card like the one measured;
+    None where the table names none (the caller then hands x as it is)."""
+    if sms != TABLE_SMS or not fp8_dot:
+        return None
+    cfg = X_AHEAD_CONFIGS.get((n, k, rows_class(m), _scale_kind(block)))
+    return None if cfg is None else dict(cfg)
+
+
+def _scale_kind(block: tuple[int, int] | None) -> str | None:
+    return "channel" if block is None else "block" if tuple(block) == (128, 128) else None
+
+
 def rows_class(m: int) -> int:
     return 1 if m == 1 else 4 if m <= 4 else 16
 
@@ -176,8 +202,7 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
     tensor cores; stream: the caller can run kernels/stream_gemv.py); otherwise gemv.py's tiles and K
     split, in the "a8" kernel where FP8 products run, else widening the weight ("dot"). A block-scaled
     weight caps BLOCK_K at the scale block's K side."""
-    scale_kind = "channel" if block is None else "block" if tuple(block) == (128, 128) else None
-    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), scale_kind)) if sms == TABLE_SMS and fp8_dot else None
+    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), _scale_kind(block))) if sms == TABLE_SMS and fp8_dot else None
     if measured is not None and (stream or measured["KERNEL"] != "stream"):
         return dict(measured)
     block_k = 128 if block is None else min(128, block[1])

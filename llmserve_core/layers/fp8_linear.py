@@ -6,11 +6,15 @@ GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost): on Ada and Ho
 quantizes each row per 1 x 128 piece as it reads it and multiplies FP8 by FP8, and one row of o_proj's
 shape takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it; more
 rows quantize the activations dynamically (per token, or per 1 x bk piece for block scales) in a launch
-of their own and run a W8A8 GEMM on the FP8 tensor cores. Off the
-fast path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference,
-the dequantized weight times the input in float32.
+of their own and run a W8A8 GEMM on the FP8 tensor cores. Where the table measured x quantized ahead to
+read faster (one row of qkv and gate_up on the H200), `input_group` asks the RMSNorm before the layer for
+QuantizedRows, and the GEMV skips its own quantization. Off the fast path (the CPU, or the torch attention
+backend: see layers/fast_path.py) it computes the reference, the dequantized weight times the input in
+float32.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,6 +22,15 @@ from torch import nn
 from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 
 GEMV_MAX_ROWS = 16
+
+
+class QuantizedRows(NamedTuple):
+    """Rows quantized ahead for an Fp8Linear (by the RMSNorm before it): e4m3 data [M, K] with a float32 scale
+    per 1 x group piece [M, K / group]; the layer's output takes `dtype`, the model's."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    group: int
+    dtype: torch.dtype
 
 
 class Fp8Linear(nn.Module):
@@ -62,7 +75,20 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale, self.block)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_group(self, rows: int) -> int | None:
+        """The piece size this layer wants `rows` rows of x quantized in ahead (QuantizedRows), where its
+        measured table has a tile for that (kernels/fp8_gemv.X_AHEAD_CONFIGS); None: hand x as it is."""
+        if not self.fused or not 0 < rows <= GEMV_MAX_ROWS:
+            return None
+        from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_dot_supported, num_sms, x_ahead_config
+        device = self.weight.device
+        cfg = x_ahead_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
+                             fp8_dot_supported(device))
+        return None if cfg is None else X_AHEAD_GROUP
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return self._gemv_quantized(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
@@ -86,6 +112,16 @@ class Fp8Linear(nn.Module):
             return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl)
         return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=cfg,
                         pdl=self.pdl and not cfg["KERNEL"].startswith("fma"))
+
+    def _gemv_quantized(self, x: QuantizedRows) -> torch.Tensor:
+        """Rows quantized ahead (input_group said so): the a8 kernel at the tile measured for them."""
+        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, num_sms, x_ahead_config
+        m = x.data.shape[0]
+        cfg = x_ahead_config(m, self.out_features, self.in_features, self.block, num_sms(x.data.device),
+                             fp8_dot_supported(x.data.device))
+        assert cfg is not None and self.fused, f"Fp8Linear: no tile for {m} rows quantized ahead"
+        return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=cfg, pdl=self.pdl,
+                        x_scale=x.scale, x_group=x.group, out_dtype=x.dtype)
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block

@@ -26,10 +26,19 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_group: int | None = None):
+        """quant_group (the fused kernel only): the normalized rows leave quantized for the Fp8Linear after
+        the norm, as its input_group asked (layers/fp8_linear.QuantizedRows)."""
         if self.fused:
             from llmserve_core.kernels.rmsnorm import rmsnorm
-            return rmsnorm(x, self.weight, self.eps, residual, pdl=self.pdl)
+            out = rmsnorm(x, self.weight, self.eps, residual, pdl=self.pdl, quant_group=quant_group)
+            if quant_group is None:
+                return out
+            from llmserve_core.layers.fp8_linear import QuantizedRows
+            (data, scale), stream = (out, None) if residual is None else out
+            rows = QuantizedRows(data, scale, quant_group, x.dtype)
+            return rows if residual is None else (rows, stream)
+        assert quant_group is None, "RMSNorm: quantized rows come from the fused kernel only"
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -47,8 +47,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache, batch: ForwardBatch, attn_backend) -> torch.Tensor:
         """cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)      # x may be QuantizedRows (Qwen3DecoderLayer)
+        T = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if self.fused:
             # One kernel norms and rotates q and k and stores k and v in the cache; attention reads it there.
@@ -99,14 +99,21 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, residual, cos, sin, kv_cache, batch, attn_backend):
-        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0)."""
+        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0).
+        A norm hands its FP8 projection the rows quantized where that projection asks for them so."""
+        rows = h.shape[0]
+        group = _input_group(self.self_attn.qkv_proj, rows)
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, h = h, self.input_layernorm(h, quant_group=group)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, quant_group=group)
         h = self.self_attn(h, cos, sin, kv_cache, batch, attn_backend)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, quant_group=_input_group(self.mlp.gate_up_proj, rows))
         return self.mlp(h), residual
+
+
+def _input_group(proj, rows: int) -> int | None:
+    return proj.input_group(rows) if isinstance(proj, Fp8Linear) else None
 
 
 class Qwen3Model(nn.Module):
