@@ -92,35 +92,3 @@ def test_fp8_block_checkpoint_decodes_alone_as_in_a_batch(block_fp8):
                 assert a in top and top[b] - top[a] < 0.2, (j, a, b, want.logprobs[j].top)
                 break
             assert abs(got.logprobs[j].logprob - want.logprobs[j].logprob) < 0.1, (j, got.logprobs[j], want.logprobs[j])
-
-
-@pytest.mark.parametrize("mode", ["o", "oq"])
-def test_l2_prefetch_changes_no_token(block_fp8, monkeypatch, mode):
-    """The side-stream L2 prefetch (layers/weight_prefetch.py) and the evict_first weight loads are hints:
-    with them on, graphs and eager give the tokens and logprobs of the engine without them, exactly."""
-    from llmserve_core.layers.fast_path import use_pdl
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    outs = {}
-    for name, env in (("off", "0"), ("on", mode)):
-        monkeypatch.setenv("LLMSERVE_L2_PREFETCH", env)
-        for eager in (True, False):
-            engine = Engine(EngineConfig(model=block_fp8[0], device="cuda", dtype="bfloat16", num_kv_blocks=256,
-                                         max_model_len=1024, max_num_seqs=8, enforce_eager=eager))
-            model = engine.runner.model
-            assert (model.prefetcher is not None) == (name == "on" and use_pdl("cuda", engine.runner.attn_backend))
-            outs[name, eager] = [(c.token_ids, [lp.logprob for lp in c.logprobs])
-                                 for c in engine.generate(prompts(engine.model_info.vocab_size), params)]
-    assert outs["on", True] == outs["off", True]
-    assert outs["on", False] == outs["off", False]
-
-
-def test_l2_prefetch_kernel_runs_on_any_size():
-    """One line, a ragged tail and a tensor of many rounds: the kernel launches and writes nothing."""
-    from llmserve_core.kernels.l2_prefetch import l2_prefetch
-    for n in (1, 129, 3 * 2**20 + 7):
-        t = torch.randn(n, device="cuda")
-        before = t.clone()
-        l2_prefetch(t)
-        l2_prefetch(t, evict_last=False)
-        torch.cuda.synchronize()
-        assert torch.equal(t, before)

@@ -37,9 +37,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr, X_GROUP: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr, W_EVICT: tl.constexpr):
-    """X_GROUP > 0: x is already e4m3, with a float32 scale per 1 x X_GROUP piece of each row at xs_ptr.
-    W_EVICT: the weight loads' L2 eviction hint ("" or "evict_first")."""
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+    """X_GROUP > 0: x is already e4m3, with a float32 scale per 1 x X_GROUP piece of each row at xs_ptr."""
     pdl_wait_and_release(PDL)      # x comes from the kernel before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -56,11 +55,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0, eviction_policy=W_EVICT)
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
         else:
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0,
-                        eviction_policy=W_EVICT)
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
         if X_GROUP > 0:
             # W8A8 on an x quantized ahead: no amax pass across the tile, whatever the tile's width.
@@ -214,7 +212,7 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
              config: dict | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
-             x_group: int = 128, out_dtype: torch.dtype | None = None, evict_first: bool = False) -> torch.Tensor:
+             x_group: int = 128, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
 
     config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
@@ -224,8 +222,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     x may come quantized already (e4m3, x_scale [M, ceil(K / x_group)] float32, as
     fp8_quant.quantize_activation(x, x_group) makes it; the result in out_dtype): the "a8" kernel then
     skips its amax pass, which every program repeats for its tile (benchmarks/fp8_gemv_sweep.py --a8x
-    measures what that pass costs). evict_first: the tensor-core kernels load the weight with that L2 hint
-    (layers/weight_prefetch.py says why)."""
+    measures what that pass costs)."""
     m, k = x.shape
     n = w.shape[0]
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
@@ -268,8 +265,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
         _fp8_gemv_kernel[(n_blocks, split)](*args, xs, stride_xs, **common, DOT_IEEE=x.dtype == torch.float32,
                                             QUANT_X=kernel == "a8" and not prequantized,
                                             X_GROUP=x_group if prequantized else 0,
-                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl,
-                                            W_EVICT="evict_first" if evict_first else "", **cfg, **pdl_launch(pdl))
+                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, **cfg, **pdl_launch(pdl))
     return y
 
 

@@ -24,13 +24,6 @@ def use_pdl(device, attn_backend) -> bool:
     return torch.cuda.get_device_capability(torch.device(device))[0] >= 9
 
 
-def l2_prefetch_mode(device, attn_backend) -> str | None:
-    """Where the batch-1 chain runs (use_pdl), LLMSERVE_L2_PREFETCH=o|oq warms L2 with the next small
-    projections on a side stream (layers/weight_prefetch.py); unset or 0: off."""
-    mode = os.environ.get("LLMSERVE_L2_PREFETCH", "0")
-    return mode if mode in ("o", "oq") and use_pdl(device, attn_backend) else None
-
-
 def use_cuda_graphs(device, attn_backend, enforce_eager: bool) -> bool:
     """Whether the runners replay their fixed-shape forwards from graphs (engine/step_graphs.py). On a device
     that cannot capture, LLMSERVE_CPU_STEP_GRAPHS=1 turns on the same bookkeeping with the forwards run

@@ -39,9 +39,6 @@ class Fp8Linear(nn.Module):
     # ("stream"), launched under PDL when `pdl`.
     fast_kernel: str | None = None
     pdl = False
-    # Set by the model where it prefetches the small projections into L2 (layers/weight_prefetch.py): this
-    # layer's GEMV loads its weight with the evict_first hint, streaming through L2 without displacing them.
-    evict_weight = False
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int] | None = None):
         super().__init__()
@@ -114,7 +111,7 @@ class Fp8Linear(nn.Module):
             from llmserve_core.kernels.stream_gemv import stream_gemv
             return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl)
         return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=cfg,
-                        pdl=self.pdl and not cfg["KERNEL"].startswith("fma"), evict_first=self.evict_weight)
+                        pdl=self.pdl and not cfg["KERNEL"].startswith("fma"))
 
     def _gemv_quantized(self, x: QuantizedRows) -> torch.Tensor:
         """Rows quantized ahead (input_group said so): the a8 kernel at the tile measured for them."""
@@ -124,7 +121,7 @@ class Fp8Linear(nn.Module):
                              fp8_dot_supported(x.data.device))
         assert cfg is not None and self.fused, f"Fp8Linear: no tile for {m} rows quantized ahead"
         return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=cfg, pdl=self.pdl,
-                        x_scale=x.scale, x_group=x.group, out_dtype=x.dtype, evict_first=self.evict_weight)
+                        x_scale=x.scale, x_group=x.group, out_dtype=x.dtype)
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block

@@ -12,13 +12,12 @@ from torch import nn
 
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
-from llmserve_core.layers.fast_path import fast_path, l2_prefetch_mode, use_pdl
+from llmserve_core.layers.fast_path import fast_path, use_pdl
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
-from llmserve_core.layers.weight_prefetch import WeightPrefetcher
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.quantization import Fp8Scheme, apply_fp8
 
@@ -31,9 +30,6 @@ class Qwen3Attention(nn.Module):
     # Per-tensor scales of an FP8 KV cache (real = stored * scale); the loader sets them from the checkpoint.
     k_scale = 1.0
     v_scale = 1.0
-    # Set by Qwen3ForCausalLM where it warms L2 ahead of the projections (layers/weight_prefetch.py).
-    prefetcher: WeightPrefetcher | None = None
-    layer_index = 0
 
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
@@ -53,8 +49,6 @@ class Qwen3Attention(nn.Module):
         """cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
         qkv = self.qkv_proj(x)      # x may be QuantizedRows (Qwen3DecoderLayer)
         T = qkv.shape[0]
-        if self.prefetcher is not None:
-            self.prefetcher.after_qkv(self.layer_index, T)
         k_cache, v_cache = kv_cache
         if self.fused:
             # One kernel norms and rotates q and k and stores k and v in the cache; attention reads it there.
@@ -157,15 +151,6 @@ class Qwen3ForCausalLM(nn.Module):
         # The torch backend keeps the whole model eager, as the reference.
         chain = use_pdl(device, attn_backend)
         self.set_fused(fast_path(device, attn_backend), chain=chain, pdl=chain)
-        self.prefetcher = None
-        mode = l2_prefetch_mode(device, attn_backend)
-        if mode is not None and tp is None:
-            self.prefetcher = WeightPrefetcher(self.model.layers, mode, max_rows=MAX_ROWS)
-            for i, layer in enumerate(self.model.layers):
-                layer.self_attn.prefetcher, layer.self_attn.layer_index = self.prefetcher, i
-                for big in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                    if isinstance(big, Fp8Linear):
-                        big.evict_weight = True
 
     def set_fused(self, fused: bool, chain: bool = False, pdl: bool = False) -> None:
         """Switch every module between its Triton kernels and its eager torch ops (tests run the fused
@@ -214,8 +199,6 @@ class Qwen3ForCausalLM(nn.Module):
                 aux[i] = h if residual is None else h + residual
             h, residual = layer(h, residual, cos, sin, kv_caches[i], batch, self.attn_backend)
         h, _ = self.model.norm(h, residual)
-        if self.prefetcher is not None:
-            self.prefetcher.join()
         if aux_layer_ids:
             return h, [aux[i] for i in aux_layer_ids]
         return h
