@@ -43,6 +43,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_queued_requests_per_client: int = 1024   # waiting (not yet running) requests one client may have; 0: no cap
     max_queued_requests: int = 4096       # waiting requests of all clients together, past which only a client with none waiting may queue one (up to twice this); 0: no cap
+    max_queued_tokens: int = 16_777_216   # prompt tokens of the waiting requests of all clients together, with the same rule past it as max_queued_requests; 0: no cap
     # Model runner.
     attention_backend: str = "auto"       # auto | torch | triton | triton-fa4 | flash-attn
     enforce_eager: bool = False           # no CUDA graphs
@@ -97,6 +98,7 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_queued_requests_per_client >= 0, "max_queued_requests_per_client", "must be >= 0")
         need(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0")
+        need(self.max_queued_tokens >= 0, "max_queued_tokens", "must be >= 0")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         # Room for one prompt token and one generated token.
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")

@@ -274,3 +274,39 @@ def test_many_clients_under_their_caps_cannot_grow_the_queue_without_bound(tiny_
     eng.add_request("mine", [1, 2, 3], params)  # in-process requests (no client) are not capped
     outs = eng.generate([[9, 9]], params)
     assert outs[0].finish_reason is not None
+
+
+def test_waiting_prompt_tokens_are_capped_like_waiting_requests(tiny_model_dir):
+    """max_queued_tokens bounds the prompts held while waiting (a long prompt is as costly to hold as many
+    short ones): past it only a client with nothing waiting may queue one, up to twice the cap; tokens
+    leave the count as their requests start or are aborted."""
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
+                              max_model_len=128, max_num_seqs=1, max_queued_tokens=200))
+    params = SamplingParams(max_tokens=2)
+    eng.add_request("a0", list(range(1, 101)), params, client="a")
+    eng.add_request("a1", list(range(1, 91)), params, client="a")
+    with pytest.raises(ValidationError, match="max_queued_tokens 200"):
+        eng.add_request("a2", list(range(1, 21)), params, client="a")        # 210 > 200, and a has some waiting
+    eng.add_request("b0", list(range(1, 101)), params, client="b")            # b has none: 290, under 400
+    with pytest.raises(ValidationError, match="queue full"):
+        eng.add_request("c0", list(range(1, 121)), params, client="c")        # 410: past twice the cap
+    assert eng.scheduler.waiting.num_tokens() == 290 and eng.scheduler.waiting.num_tokens("a") == 190
+    eng.abort("a1")
+    assert eng.scheduler.waiting.num_tokens("a") == 100
+    with pytest.raises(ValidationError, match="max_queued_tokens"):
+        eng.add_request("a2", list(range(1, 21)), params, client="a")        # 220, and a0 still waits
+    eng.step()                                                                # a0 starts: one sequence at a time
+    assert eng.scheduler.waiting.num_tokens() == 100 and eng.scheduler.waiting.num_tokens("a") == 0
+    eng.add_request("a2", list(range(1, 21)), params, client="a")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.waiting.num_tokens() == 0
+
+
+def test_a_lone_prompt_longer_than_the_token_cap_still_queues(tiny_model_dir):
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
+                              max_model_len=128, max_queued_tokens=10))
+    eng.add_request("long", list(range(1, 51)), SamplingParams(max_tokens=2), client="a")
+    with pytest.raises(ValidationError, match="queue full"):
+        eng.add_request("more", [1, 2], SamplingParams(max_tokens=2), client="b")   # 52 > twice the cap
+    assert [o.finish_reason for o in eng.generate([[3, 4]], SamplingParams(max_tokens=2))] == ["length"]

@@ -161,7 +161,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         self._validate(request_id, prompt_token_ids, params)
         if client is not None:
-            self._check_queue_caps(client)
+            self._check_queue_caps(client, len(prompt_token_ids))
         req = Request(request_id, list(prompt_token_ids), params, frozenset(self.model_info.eos_token_ids),
                       self.max_model_len, client=client)
         if params.guided is not None:
@@ -182,11 +182,13 @@ class Engine:
         return (self.spec is not None and params.speculative and params.logprobs is None
                 and not params.edits_logits and (params.guided is None or bool(params.guided.start_after)))
 
-    def _check_queue_caps(self, client) -> None:
+    def _check_queue_caps(self, client, prompt_tokens: int) -> None:
         """Each client may have max_queued_requests_per_client waiting. The per-client cap alone lets many
         connections grow the core without bound, so all clients together may have max_queued_requests;
         past that, a client with nothing waiting may still queue one (so a flood of requests cannot lock
-        out a client sending one at a time), up to twice the cap."""
+        out a client sending one at a time), up to twice the cap. The waiting prompts' tokens are capped
+        the same way (max_queued_tokens): requests of max_model_len tokens would otherwise hold gigabytes
+        under the request caps alone."""
         waiting, mine = self.scheduler.waiting, self.scheduler.waiting.count(client)
         cap = self.config.max_queued_requests_per_client
         if cap and mine >= cap:
@@ -195,6 +197,10 @@ class Engine:
         if total and len(waiting) >= total and (mine > 0 or len(waiting) >= 2 * total):
             raise QueueFull(f"{len(waiting)} requests of all clients are waiting (max_queued_requests {total}) "
                             f"and this client has {mine}")
+        tokens, cap = waiting.num_tokens() + prompt_tokens, self.config.max_queued_tokens
+        if cap and tokens > cap and waiting.num_tokens() and (mine > 0 or tokens > 2 * cap):   # a lone request queues
+            raise QueueFull(f"{tokens - prompt_tokens} prompt tokens of all clients are waiting "
+                            f"(max_queued_tokens {cap}) and this client has {waiting.num_tokens(client)}")
 
     def _validate(self, request_id, prompt, params) -> None:
         if not isinstance(request_id, str) or not request_id:

@@ -20,6 +20,10 @@ class WaitingQueue:
         self._preempted: OrderedDict[str, Request] = OrderedDict()
         self._clients: OrderedDict[object, OrderedDict[str, Request]] = OrderedDict()
         self._len = 0
+        # Prompt tokens of the new requests waiting, all together and per client (the queue caps' other
+        # measure: a waiting prompt is held as a Python list, about 44 bytes a token).
+        self._tokens = 0
+        self._client_tokens: dict[object, int] = {}
 
     def __len__(self) -> int:
         return self._len
@@ -37,6 +41,7 @@ class WaitingQueue:
         """A new request: to the back of its client's queue."""
         self._clients.setdefault(req.client, OrderedDict())[req.request_id] = req
         self._len += 1
+        self._count_tokens(req, 1)
 
     def push_preempted(self, req: Request) -> None:
         """A preempted request: ahead of everything waiting."""
@@ -63,6 +68,7 @@ class WaitingQueue:
         else:
             del self._clients[req.client]
         self._len -= 1
+        self._count_tokens(req, -1)
         return req
 
     def admission_order(self, skip: frozenset[str] | set[str] = frozenset()):
@@ -93,9 +99,23 @@ class WaitingQueue:
         if not fifo:
             del self._clients[req.client]
         self._len -= 1
+        self._count_tokens(req, -1)
         return True
 
     def count(self, client) -> int:
         """New (never admitted) requests of `client` waiting."""
         fifo = self._clients.get(client)
         return len(fifo) if fifo is not None else 0
+
+    def num_tokens(self, client=None) -> int:
+        """Prompt tokens of the new requests waiting: `client`'s, or with no client all of them."""
+        return self._tokens if client is None else self._client_tokens.get(client, 0)
+
+    def _count_tokens(self, req: Request, sign: int) -> None:
+        n = sign * req.num_prompt_tokens
+        self._tokens += n
+        left = self._client_tokens.get(req.client, 0) + n
+        if left:
+            self._client_tokens[req.client] = left
+        else:
+            self._client_tokens.pop(req.client, None)
