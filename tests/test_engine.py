@@ -310,3 +310,18 @@ def test_a_lone_prompt_longer_than_the_token_cap_still_queues(tiny_model_dir):
     with pytest.raises(ValidationError, match="queue full"):
         eng.add_request("more", [1, 2], SamplingParams(max_tokens=2), client="b")   # 52 > twice the cap
     assert [o.finish_reason for o in eng.generate([[3, 4]], SamplingParams(max_tokens=2))] == ["length"]
+
+
+@pytest.mark.parametrize("value", [-1, -2 ** 63])
+def test_a_negative_token_cap_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="max_queued_tokens: must be >= 0"):
+        EngineConfig(model="unused", max_queued_tokens=value).validate()
+
+
+def test_a_token_cap_past_any_int64_still_serves(tiny_model_dir):
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
+                              max_model_len=128, max_queued_tokens=2 ** 64))
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2), client="c")
+    eng.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2), client="c")
+    while eng.has_unfinished():
+        eng.step()

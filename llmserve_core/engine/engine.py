@@ -197,10 +197,12 @@ class Engine:
         if total and len(waiting) >= total and (mine > 0 or len(waiting) >= 2 * total):
             raise QueueFull(f"{len(waiting)} requests of all clients are waiting (max_queued_requests {total}) "
                             f"and this client has {mine}")
-        tokens, cap = waiting.num_tokens() + prompt_tokens, self.config.max_queued_tokens
-        if cap and tokens > cap and waiting.num_tokens() and (mine > 0 or tokens > 2 * cap):   # a lone request queues
-            raise QueueFull(f"{tokens - prompt_tokens} prompt tokens of all clients are waiting "
-                            f"(max_queued_tokens {cap}) and this client has {waiting.num_tokens(client)}")
+        queued, token_cap = waiting.num_tokens(), self.config.max_queued_tokens
+        tokens = queued + prompt_tokens
+        # queued > 0: a lone request queues whatever its length (max_model_len bounds it).
+        if token_cap and tokens > token_cap and queued and (mine > 0 or tokens > 2 * token_cap):
+            raise QueueFull(f"{queued} prompt tokens of all clients are waiting (max_queued_tokens {token_cap}) "
+                            f"and this client has {waiting.num_tokens(client)}")
 
     def _validate(self, request_id, prompt, params) -> None:
         if not isinstance(request_id, str) or not request_id:

@@ -80,11 +80,15 @@ class Fp8Linear(nn.Module):
         measured table has a tile for that (kernels/fp8_gemv.X_AHEAD_CONFIGS); None: hand x as it is."""
         if not self.fused or not 0 < rows <= GEMV_MAX_ROWS:
             return None
-        from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_dot_supported, num_sms, x_ahead_config
+        from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP
+        return None if self._x_ahead_tile(rows) is None else X_AHEAD_GROUP
+
+    def _x_ahead_tile(self, rows: int) -> dict | None:
+        """kernels/fp8_gemv.x_ahead_config for this layer's shape and scales, on its device."""
+        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, num_sms, x_ahead_config
         device = self.weight.device
-        cfg = x_ahead_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
-                             fp8_dot_supported(device))
-        return None if cfg is None else X_AHEAD_GROUP
+        return x_ahead_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
+                              fp8_dot_supported(device))
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):
@@ -115,10 +119,9 @@ class Fp8Linear(nn.Module):
 
     def _gemv_quantized(self, x: QuantizedRows) -> torch.Tensor:
         """Rows quantized ahead (input_group said so): the a8 kernel at the tile measured for them."""
-        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, num_sms, x_ahead_config
+        from llmserve_core.kernels.fp8_gemv import fp8_gemv
         m = x.data.shape[0]
-        cfg = x_ahead_config(m, self.out_features, self.in_features, self.block, num_sms(x.data.device),
-                             fp8_dot_supported(x.data.device))
+        cfg = self._x_ahead_tile(m)
         assert cfg is not None and self.fused, f"Fp8Linear: no tile for {m} rows quantized ahead"
         return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=cfg, pdl=self.pdl,
                         x_scale=x.scale, x_group=x.group, out_dtype=x.dtype)
