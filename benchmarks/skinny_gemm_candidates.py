@@ -57,7 +57,7 @@ def _xa_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stri
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
         acc = tl.dot(xv, tl.trans(w), acc)
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    store_split_k(tl.trans(acc), y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+    store_split_k(tl.trans(acc), y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
@@ -85,7 +85,7 @@ def _prefetch_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x
         acc = tl.dot(w, tl.trans(xv), acc)
         w = w_next
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 

@@ -86,7 +86,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
@@ -135,7 +135,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k,
+    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
