@@ -116,10 +116,10 @@ def summarize(path: str) -> list[dict]:
         case = CASES[i_launch // CALLS][0] if i_launch < len(CASES) * CALLS else None
         rec = {"case": case, "kernel": r[name_col][:60]}
         for i, h in enumerate(header):
-            for key, short in COUNTERS.items():
-                if h == key:
-                    v = _num(r[i])
-                    rec[short] = v * TIME_UNITS.get(units[i], 1.0) if short == "us" and isinstance(v, float) else v
+            short = COUNTERS.get(h)
+            if short is not None:
+                v = _num(r[i])
+                rec[short] = v * TIME_UNITS.get(units[i], 1.0) if short == "us" and isinstance(v, float) else v
             m = STALL.fullmatch(h)
             if m and _num(r[i]):
                 rec.setdefault("stalls", {})[m.group(1)] = _num(r[i])

@@ -67,13 +67,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     assert group == 0 or (n_cols % group == 0 and group & (group - 1) == 0), \
         f"rmsnorm: quantization groups of {group} must be a power of 2 dividing {n_cols}"
     out = torch.empty_like(x) if not group else torch.empty(n_rows, n_cols, dtype=FP8, device=x.device)
-    scale = torch.empty(n_rows, n_cols // group if group else 0, dtype=torch.float32, device=x.device)
+    scale = torch.empty(n_rows, n_cols // group, dtype=torch.float32, device=x.device) if group else None
     res_out = torch.empty_like(x) if residual is not None else out
     if n_rows:
         res = residual if residual is not None else x
+        scales, stride_s = (scale, scale.stride(0)) if group else (out, 1)    # (out: any pointer, unread)
         _rmsnorm_kernel[(n_rows,)](
-            x, res, weight, out, res_out, scale, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            max(scale.stride(0), 1), n_cols, eps, HAS_RESIDUAL=residual is not None,
+            x, res, weight, out, res_out, scales, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+            stride_s, n_cols, eps, HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(n_cols), GROUP=group, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
             num_warps=8 if n_cols >= 2048 else 4, PDL=pdl, **pdl_launch(pdl),
         )
