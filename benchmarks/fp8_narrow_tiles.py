@@ -52,11 +52,23 @@ def time_shape(n: int, k: int, gen) -> dict:
         split = split_for(n, k, bn, bk, SMS, per_sm)
         configs[f"a8_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"] = dict(
             KERNEL="a8", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+    def call_and_reference(cfg):
+        call, reference = one_row_call(cfg)
+        return call, reference(x, *weights[0])
+    return time_configs(configs, call_and_reference, x, weights)
+
+
+def time_configs(configs: dict, call_and_reference, x, weights) -> dict:
+    """label -> {config, us, tb_s, rel_err} (or the error) for each config: call_and_reference(cfg) gives
+    the (x, weight, scale) -> y call and what it must compute on weights[0]; timed over every weight copy,
+    twice, in one CUDA graph."""
+    n, k = weights[0][0].shape
     case = {}
     for label, cfg in configs.items():
         try:
-            call, reference = one_row_call(cfg)
-            ref = reference(x, *weights[0]).float()
+            call, ref = call_and_reference(cfg)
+            ref = ref.float()
             err = ((call(x, *weights[0]).float() - ref).norm() / ref.norm()).item()
             if err > 2e-2:
                 case[label] = {"config": cfg, "error": f"relative error {err:.3g} against the reference"}
@@ -64,7 +76,7 @@ def time_shape(n: int, k: int, gen) -> dict:
             us = launches_us([lambda q=q, s=s: call(x, q, s) for q, s in weights] * 2)
             case[label] = {"config": cfg, "us": us, "tb_s": n * k / us / 1e6, "rel_err": err}
         except Exception as e:       # a tile the compiler refuses is reported, not fatal
-            case[label] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]}
+            case[label] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]}
     return case
 
 

@@ -195,6 +195,38 @@ def test_fp8_gemv_on_an_x_quantized_ahead(m, n, k, block, block_n, group, split_
         fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=0, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("m,n,k,block,block_n,split_k,group", [
+    (1, 48, 256, None, 16, 1, None),
+    (3, 40, 208, None, 16, 3, None),              # ragged N; K ends inside a tile, the last split past it
+    (16, 64, 384, (32, 32), 32, 2, None),         # block scales, split-K, every row of the tile real
+    (2, 70, 256, (32, 32), 32, 4, 64),            # x quantized ahead, two K tiles per x scale
+])
+def test_fp8_gemv_tma_weight_tiles(m, n, k, block, block_n, split_k, group):
+    """Weight tiles by tensor descriptor (zero past N and K, as the masked loads give) compute what the
+    per-thread loads do: the same numbers in the interpreter, within the FP8 products' summation on a GPU."""
+    gen = torch.Generator().manual_seed(m * 11 + n + k)
+    w, s = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    ahead = {} if group is None else dict(x_scale=quantize_activation(x, group)[1], x_group=group,
+                                          out_dtype=torch.float32)
+    xin = x if group is None else quantize_activation(x, group)[0]
+    plain = fp8_gemv(xin, w, s, block, config=dict(config), **ahead)
+    for _ in range(2):                  # twice: the split-K counters must re-arm themselves
+        out = fp8_gemv(xin, w, s, block, config=dict(config, TMA=True), **ahead)
+        assert out.shape == (m, n)
+        if CUDA:
+            assert rel_err(out, plain) < A8_TOL
+        else:
+            assert torch.equal(out, plain)
+    assert rel_err(out, fp8_gemv_a8_reference(x, w, s, block, group=group or 32)) < A8_TOL
+    with pytest.raises(AssertionError, match="TMA"):     # a row pitch TMA cannot take, and a kernel without it
+        fp8_gemv(x[:, :200].contiguous(), w[:, :200].contiguous(), s if block is None else s[:, :7], block,
+                 config=dict(config, TMA=True))
+    with pytest.raises(AssertionError, match="TMA"):
+        fp8_gemv(x, w, s, block, config=dict(config, KERNEL="dot", TMA=True))
+
+
 def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
     gen = torch.Generator().manual_seed(5)
     w, s = random_fp8_weight(64, 128, (32, 32), gen)
@@ -370,6 +402,9 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
             out = fp8_gemv(x, w, ws, block, config=a8, pdl=pdl)
             assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=a8["BLOCK_K"])) < 8e-3
             assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < 4e-2
+            # the same tile with its weight brought by TMA (benchmarks/fp8_tma_tiles.py's candidates)
+            tma = fp8_gemv(x, w, ws, block, config=dict(a8, TMA=True), pdl=pdl)
+            assert rel_err(tma, out) < A8_TOL
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         ahead = x_ahead_config(m, n, k, block, sms, True)
         if ahead is not None:       # the tile for x quantized ahead (by the RMSNorm before), under PDL too

@@ -22,6 +22,7 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from llmserve_core.kernels.gemv import TABLE_SMS, gemv_config, num_sms, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
@@ -37,8 +38,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr, X_GROUP: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
-    """X_GROUP > 0: x is already e4m3, with a float32 scale per 1 x X_GROUP piece of each row at xs_ptr."""
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr, W_TMA: tl.constexpr):
+    """X_GROUP > 0: x is already e4m3, with a float32 scale per 1 x X_GROUP piece of each row at xs_ptr.
+    W_TMA: w_ptr is a [BLOCK_N, BLOCK_K] tensor descriptor of the weight, whose tiles the copy engine (TMA)
+    brings into shared memory whole, zero past N and K."""
     pdl_wait_and_release(PDL)      # x comes from the kernel before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -49,16 +52,21 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
     rk = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
     x_rows = x_ptr + offs_m[:, None] * stride_x
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    if not W_TMA:
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + rk
-        if EVEN_K:
+        if W_TMA:
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+        elif EVEN_K:
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
-            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
         else:
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+        if EVEN_K:
+            xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
         if X_GROUP > 0:
             # W8A8 on an x quantized ahead: no amax pass across the tile, whatever the tile's width.
@@ -216,8 +224,10 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
 
     config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
-    FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead. pdl: launch
-    under PDL (the tensor-core kernels), as a link of the decode chain.
+    FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead. "TMA": True
+    brings the a8 kernel's weight tiles by tensor descriptor instead of per-thread loads (the same
+    arithmetic; benchmarks/fp8_tma_tiles.py measures whether it streams faster). pdl: launch under PDL (the
+    tensor-core kernels), as a link of the decode chain.
 
     x may come quantized already (e4m3, x_scale [M, ceil(K / x_group)] float32, as
     fp8_quant.quantize_activation(x, x_group) makes it; the result in out_dtype): the "a8" kernel then
@@ -230,6 +240,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device), fp8_dot_supported(x.device)))
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     kernel = cfg.pop("KERNEL", "dot")
+    tma = cfg.pop("TMA", False)
     assert kernel in ("dot", "a8", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
     prequantized = x.dtype == FP8
     if prequantized:
@@ -237,6 +248,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
         assert x_group > 0 and x_group % block_k == 0, f"fp8_gemv: BLOCK_K must divide x's scale group, not {x_group}"
         assert x_scale is not None and x_scale.shape == (m, triton.cdiv(k, x_group)) and out_dtype is not None, \
             f"fp8_gemv: an e4m3 x takes x_scale [{m}, {triton.cdiv(k, x_group)}] and an out_dtype"
+    assert not tma or (kernel == "a8" and k % 16 == 0 and w.data_ptr() % 16 == 0), \
+        "fp8_gemv: TMA weight tiles are the a8 kernel's, over a 16-byte aligned weight whose K is a multiple of 16"
     fma = kernel.startswith("fma")
     assert not (pdl and fma), "fp8_gemv: the CUDA-core kernel does not launch under PDL"
     assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
@@ -262,11 +275,19 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
         _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
         xs, stride_xs = (x_scale, x_scale.stride(0)) if prequantized else (x, 0)   # (x: any pointer, unread)
+        if tma:
+            args = (x, weight_descriptor(w, block_n, block_k), *args[2:])
         _fp8_gemv_kernel[(n_blocks, split)](*args, xs, stride_xs, **common, DOT_IEEE=x.dtype == torch.float32,
                                             QUANT_X=kernel == "a8" and not prequantized,
                                             X_GROUP=x_group if prequantized else 0,
-                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, **cfg, **pdl_launch(pdl))
+                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, W_TMA=tma, **cfg,
+                                            **pdl_launch(pdl))
     return y
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of a [N, K] weight in [block_n, block_k] tiles."""
+    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [block_n, block_k])
 
 
 def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

@@ -1,0 +1,131 @@
+"""One-row FP8 "a8" GEMVs whose weight tiles come by TMA (a tensor descriptor: one copy-engine request a
+tile into shared memory, no per-thread addresses or registers on the way), against the table's kernels,
+timed under PDL as the decode chain runs them (per-channel scales, CUDA graphs over weight copies larger
+than L2). qkv and gate_up read x quantized ahead, as the engine hands it; o_proj and down quantize x in the
+kernel. A TMA tile that beats the engine's kernel for its shape by 3% is patched into kernels/fp8_gemv.py's
+tables, and the FP8 batch-1 decode step then runs with the tables as committed and as patched, alternating,
+twice each, in the same process: the step is the verdict, not the kernel alone. Needs a Hopper GPU.
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_tma_tiles.py --out $OUT/fp8_tma.json   # H200, ~2 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import llmserve_core.kernels.fp8_gemv as fp8_gemv_module  # noqa: E402
+from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import (X_AHEAD_GROUP, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
+                                             fp8_gemv_config, x_ahead_config)
+from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
+from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
+from floor import measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
+from fp8_gemv_sweep import ROTATE_BYTES, SHAPES, split_for  # noqa: E402
+from fp8_narrow_tiles import time_configs  # noqa: E402
+from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
+
+SMS = 132   # the table's card (kernels/fp8_gemv.py's TABLE_SMS)
+X_AHEAD = ("qkv", "gate_up")       # the shapes whose x the RMSNorm before quantizes
+# (BLOCK_N, BLOCK_K, warps, stages, programs per SM the K split aims at)
+CANDIDATES = ((64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 6, 4), (64, 128, 4, 6, 2), (128, 128, 4, 4, 2),
+              (128, 128, 8, 4, 2), (128, 128, 4, 6, 2), (64, 256, 4, 4, 4), (128, 256, 4, 3, 2), (32, 128, 4, 8, 2))
+
+
+def call_for(name: str, cfg: dict | None, x_ahead):
+    """(x, weight, scale) -> y in this config, under PDL (None: the stream kernel)."""
+    if cfg is None:
+        return lambda x, q, s: stream_gemv(x, q, s, None, pdl=True)
+    if name in X_AHEAD:
+        xq, xs = x_ahead
+        return lambda x, q, s: fp8_gemv(xq, q, s, None, config=dict(cfg), pdl=True, x_scale=xs,
+                                        x_group=X_AHEAD_GROUP, out_dtype=x.dtype)
+    return lambda x, q, s: fp8_gemv(x, q, s, None, config=dict(cfg), pdl=True)
+
+
+def engine_config(name: str, n: int, k: int) -> dict | None:
+    """The config the engine runs at one row for this shape (None: the stream kernel)."""
+    cfg = x_ahead_config(1, n, k, None, SMS, True) if name in X_AHEAD else None
+    cfg = cfg or fp8_gemv_config(1, n, k, None, SMS, True, stream=True)
+    return None if cfg["KERNEL"] == "stream" else cfg
+
+
+def time_shape(name: str, n: int, k: int, gen) -> dict:
+    copies = max(2, -(-ROTATE_BYTES // (n * k)))
+    weights = [quantize_per_channel(torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02)
+               for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x_ahead = quantize_activation(x, X_AHEAD_GROUP)
+    current = engine_config(name, n, k)
+    configs = {"current": current}
+    if current is not None:
+        configs["current_tma"] = dict(current, TMA=True)
+    for bn, bk, warps, stages, per_sm in CANDIDATES:
+        split = split_for(n, k, bn, bk, SMS, per_sm)
+        configs[f"tma_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"] = dict(
+            KERNEL="a8", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
+            TMA=True)
+    ref = fp8_gemv_a8_reference(x, *weights[0], None, group=X_AHEAD_GROUP)
+    return time_configs(configs, lambda cfg: (call_for(name, cfg, x_ahead), ref), x, weights)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--steps", type=int, default=60)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("fp8_tma_tiles: needs a Hopper (or later) GPU: TMA, and the chain's kernels launch under PDL")
+    out = {"commit": args.commit, "device": torch.cuda.get_device_name(),
+           "copy_tb_s": measure_copy_bandwidth() / 1e12, "cases": {}, "engine": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    patch = {}
+    for name, (n, k) in SHAPES.items():
+        case = out["cases"][name] = time_shape(name, n, k, gen)
+        timed = {label: r for label, r in case.items() if "us" in r}
+        best = min(timed, key=lambda label: timed[label]["us"])
+        print(f"{name:8s} engine {timed['current']['us']:6.2f} us {timed['current']['tb_s']:.2f} TB/s; "
+              f"same tile by TMA {timed.get('current_tma', {}).get('tb_s', float('nan')):.2f}; "
+              f"best {best} {timed[best]['us']:.2f} us {timed[best]['tb_s']:.2f} TB/s", flush=True)
+        for label, r in case.items():
+            if "error" in r:
+                print(f"    {label}: {r['error'][:160]}", flush=True)
+        if best != "current" and timed[best]["us"] < 0.97 * timed["current"]["us"]:
+            patch[name] = timed[best]["config"]
+        torch.cuda.empty_cache()
+    out["patch"] = patch
+    if not patch:
+        print("no TMA tile beat the engine's kernel by 3%: no engine run", flush=True)
+    else:
+        import decode_profile
+        peak, model_dir = measure_bf16_peak(), write_qwen3_8b_dir(tempfile.mkdtemp())
+        tables = (dict(fp8_gemv_module.DEFAULT_CONFIGS), dict(fp8_gemv_module.X_AHEAD_CONFIGS))
+        for variant in ("table", "patched", "table2", "patched2"):
+            for live, saved in zip((fp8_gemv_module.DEFAULT_CONFIGS, fp8_gemv_module.X_AHEAD_CONFIGS), tables):
+                live.clear()
+                live.update(saved)
+            if variant.startswith("patched"):
+                for name, cfg in patch.items():
+                    n, k = SHAPES[name]
+                    table = fp8_gemv_module.X_AHEAD_CONFIGS if name in X_AHEAD else fp8_gemv_module.DEFAULT_CONFIGS
+                    for kind in ("channel", "block"):
+                        table[(n, k, 1, kind)] = dict(cfg)
+            r = decode_profile.run_batch(model_dir, 1, 512, measure_copy_bandwidth(), peak, args.steps, False,
+                                         "fp8", "auto")
+            out["engine"][variant] = {key: r[key] for key in ("step_ms", "floor_ms", "fraction_of_floor",
+                                                              "kernels_per_step")}
+            print(f"fp8 batch 1, {variant:9s} step {r['step_ms']:.3f} ms ({100 * r['fraction_of_floor']:.1f}% of "
+                  f"the floor)", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
