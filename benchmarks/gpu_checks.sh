@@ -21,9 +21,9 @@
 #            (needs xgrammar and its wheels)  -> $OUT/grammar.json
 #   profile  benchmarks/decode_profile.py: the decode step at batch 1, 64, 256 against its floor, kernels
 #            and idle time  -> $OUT/decode_profile.json
-#   fp8      the FP8 kernel and engine GPU tests, then the open FP8 measurements: fp8_gemv_sweep.py --a8x
-#            (one row, x quantized ahead against in the kernel) and kernels_bench.py --fp8-kv (decode,
-#            extend and prefill tiles over FP8 caches)  -> $OUT/fp8_tests.log, $OUT/fp8_a8x.json, $OUT/fp8_kv/
+#   fp8      the FP8 kernel and engine GPU tests, then the open FP8 measurement: fp8_tma_tiles.py (one-row a8
+#            tiles with TMA weight loads against the engine's kernels, then the batch-1 FP8 step with any
+#            winner patched in)  -> $OUT/fp8_tests.log, $OUT/fp8_tma.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
 # README "GPU checks"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
@@ -87,11 +87,9 @@ for stage in $stages; do
     fp8)
       python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_gpu_fp8.py > "$out/fp8_tests.log" 2>&1
       status[$stage]=$?; tail -3 "$out/fp8_tests.log"
-      python3 benchmarks/fp8_gemv_sweep.py --a8x --out "$out/fp8_a8x.json" > "$out/fp8_a8x.log" 2>&1 || status[$stage]=1
-      grep -v "^ *(" "$out/fp8_a8x.log" | tail -30
-      python3 benchmarks/kernels_bench.py "$out/fp8_kv" --fp8-kv --budget-s 150 --commit "$commit" > "$out/fp8_kv.log" 2>&1 \
+      python3 benchmarks/fp8_tma_tiles.py --commit "$commit" --out "$out/fp8_tma.json" > "$out/fp8_tma.log" 2>&1 \
         || status[$stage]=1
-      grep "^| " "$out/fp8_kv/results.md" | head -60 ;;
+      tail -30 "$out/fp8_tma.log" ;;
     *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
