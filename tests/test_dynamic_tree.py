@@ -149,12 +149,12 @@ def test_verify_with_different_trees_per_request_equals_each_alone():
                                          positions=[30] * len(seeds))
         return verify_probs(rows, st.repeat_rows(n, tree_batch.depths().tolist()))
     sampled = tree_rejection_verify(trees, seeded_probs(logits, trees, range(4)), tokens, None)
-    assert len({len(p) for p in together.path_lists()}) > 1
+    assert len({len(p) for p in together.lists()[1]}) > 1
     for b in range(4):
         one = TreeBatch(trees.parents[b:b + 1], trees.max_depth, trees.max_children)
         alone = tree_greedy_verify(one, logits[b * n:(b + 1) * n], tokens[b:b + 1])
         assert alone.token_lists()[0] == together.token_lists()[b]
-        assert alone.path_lists()[0] == together.path_lists()[b]
+        assert alone.lists()[1][0] == together.lists()[1][b]
         again = tree_rejection_verify(one, seeded_probs(logits[b * n:(b + 1) * n], one, [b]), tokens[b:b + 1])
         assert again.token_lists()[0] == sampled.token_lists()[b]
 

@@ -282,12 +282,12 @@ def test_tree_greedy_verify_paths():
     logits = one_hot_logits(sum(argmax, []), vocab)
     out = tree_greedy_verify(tree.batch(3), logits, tokens)
     assert out.token_lists() == [[5, 2, 9], [4, 3], [6]]
-    assert out.path_lists() == [[0, 2, 6], [0, 1], [0]]
+    assert out.lists()[1] == [[0, 2, 6], [0, 1], [0]]
     assert out.num_accepted.tolist() == [2, 1, 0]
     # Greedy rows through the sampled path give the same answer.
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
     sampled = tree_rejection_verify(tree.batch(3), one_hot, tokens)
-    assert sampled.token_lists() == out.token_lists() and sampled.path_lists() == out.path_lists()
+    assert sampled.token_lists() == out.token_lists() and sampled.lists()[1] == out.lists()[1]
 
 
 @pytest.mark.parametrize("with_q", [False, True])
@@ -528,7 +528,7 @@ def test_draft_loader_names_sharing_and_vocab_mapping(target, draft_dir, tmp_pat
         assert n1 == n2 and torch.equal(p1, p2)
     assert draft.embed_weight is target.model.embed_tokens.weight                 # shared, not copied
     # d2t: target id = draft id + d2t[draft id]; the tiny draft takes every other target id.
-    assert draft.to_target_ids(torch.tensor([0, 1, 5])).tolist() == [0, 2, 10]
+    assert greedy_propose(torch.eye(cfg.draft_vocab_size)[[0, 1, 5]], draft.d2t).tolist() == [0, 2, 10]
     assert int(draft.t2d.sum()) == cfg.draft_vocab_size and bool(draft.t2d[10]) and not bool(draft.t2d[11])
     logits = torch.randn(2, cfg.draft_vocab_size)
     full = to_target_space(logits, draft.d2t, cfg.vocab_size)
@@ -672,7 +672,7 @@ def test_trained_pair_loads_and_the_draft_predicts_the_target():
                     torch.zeros(num_blocks, 16, draft.cfg.num_key_value_heads, draft.cfg.head_dim))
         normed, _ = draft(torch.tensor(ids[1:]), draft.combine_aux([a[:-1] for a in aux]),
                           make_batch([(0, n - 1)], tables, 16), draft_kv)
-        proposal = draft.to_target_ids(draft.compute_logits(normed).argmax(-1))
+        proposal = greedy_propose(draft.compute_logits(normed), draft.d2t)
         region = slice(prompt_len - 1, n - 1)                                    # proposals of generated tokens
         agree += int((proposal[region] == greedy[1:][region]).sum())
         total += len(range(n - 1)[region])

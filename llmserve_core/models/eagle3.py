@@ -358,9 +358,6 @@ class Eagle3DraftModel(nn.Module):
             return gemv(normed, self.lm_head_weight, out_dtype=torch.float32)
         return F.linear(normed, self.lm_head_weight).float()
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
 
 # -- loading --------------------------------------------------------------------------------------
 

@@ -224,9 +224,6 @@ class TreeVerifyOutput:
     def token_lists(self) -> list[list[int]]:
         return self.lists()[0]
 
-    def path_lists(self) -> list[list[int]]:
-        return self.lists()[1]
-
 
 def _check_tree_inputs(tree: TreeBatch, rows: int, node_tokens: torch.Tensor) -> int:
     if node_tokens.dim() != 2 or node_tokens.shape != tree.parents.shape:
