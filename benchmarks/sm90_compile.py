@@ -1,0 +1,287 @@
+"""The engine's Triton kernels compiled for Hopper (sm_90, the H100 and H200) on any machine, no GPU needed:
+each variant's shared memory against the cards' opt-in limit, its registers and its SASS instruction mix.
+
+Each kernel's own wrapper is called as the engine calls it, with CPU tensors standing in for CUDA ones and
+the device queries answered as a 132-multiprocessor Hopper card would (232,448 bytes of shared memory a
+block); the launch is replaced by Triton's compiler run on exactly the specialization the launch would
+have had (argument alignment, constants, options) for target cuda:90, with the ptxas that Triton ships.
+So the tile a wrapper picks for a dtype and head size is compiled as a GPU run would compile it, and a
+tile that would not fit (issue 11's float32 prefill asked for 262,144 bytes) shows without a device.
+
+    python benchmarks/sm90_compile.py                       # every set, a table
+    python benchmarks/sm90_compile.py --sets attention,gemv --check --json out.json
+    python benchmarks/sm90_compile.py --sets fp8 --sass     # with each variant's top SASS opcodes
+
+--check exits non-zero when a variant fails to compile, needs more shared memory than the cards have, or
+needs more than kernels/tiling.py's estimate for its tile (the estimate is what the wrappers fit tiles
+with, so it must not undercount). tests/test_sm90_compile.py runs the attention and GEMV sets that way.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"      # compile, never interpret (before any kernel is decorated)
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 232_448       # opt-in shared memory per block on the H100 and H200
+SMS = 132
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEAD_DIMS = (64, 128, 256)
+SETS = ("attention", "gemv", "fp8")
+
+
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict):
+    """fn compiled for TARGET as a launch with these arguments would specialize it (JITFunction.run's own
+    binder and packing, with this target's backend in place of the current device's)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(kwargs, debug=kwargs.get("debug", False), instrumentation_mode="")
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+
+
+@contextlib.contextmanager
+def compiling_instead_of_launching(record: list):
+    """Within: every Triton launch compiles for TARGET and appends (kernel name, its launch kwargs, the
+    compiled kernel or the exception) to record, launching nothing; the wrappers see a Hopper card."""
+    import llmserve_core.kernels.fp8_gemv as fp8_gemv
+    import llmserve_core.kernels.gemv as gemv
+    import llmserve_core.kernels.sampling as sampling
+    import llmserve_core.kernels.stream_gemv as stream_gemv
+    import llmserve_core.kernels.tiling as tiling
+
+    def run(self, *args, grid, warmup, **kwargs):
+        try:
+            record.append((self.__name__, kwargs, compile_launch(self, args, kwargs)))
+        except Exception as e:        # reported per variant, not fatal
+            record.append((self.__name__, kwargs, e))
+
+    tiles = gemv._device_tiles.__wrapped__      # fits its table's tiles only on a CUDA device
+    patches = [(JITFunction, "run", run), (torch.Tensor, "is_cuda", property(lambda self: True)),
+               (gemv, "_device_tiles", lambda tile, n, k, device, *rest: tiles(tile, n, k, torch.device("cuda"), *rest)),
+               (tiling, "device_smem_limit", lambda device: SMEM_LIMIT),
+               (gemv, "device_smem_limit", lambda device: SMEM_LIMIT),
+               (fp8_gemv, "fp8_dot_supported", lambda device: True)]
+    patches += [(module, "num_sms", lambda device: SMS) for module in (gemv, fp8_gemv, stream_gemv, sampling)]
+    missing = object()          # (torch.Tensor's is_cuda lives on its C base class)
+    saved = [(obj, name, obj.__dict__.get(name, missing)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+def attention_variants():
+    """(label, call, estimate) for prefill (long and short queries) and decode (split and one piece) at
+    each dtype and head size, Qwen3-8B's heads per KV head (4). estimate(kwargs): tiling.py's bytes."""
+    from llmserve_core.kernels.paged_decode import paged_decode
+    from llmserve_core.kernels.paged_prefill import paged_prefill
+    from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes
+
+    def prefill_estimate(dtype):
+        return lambda kw: attention_smem_bytes(TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"],
+                                                          kw["num_stages"]), kw["BLOCK_D"], dtype.itemsize)
+
+    def decode_estimate(dtype):
+        return lambda kw: attention_smem_bytes(TileConfig(kw["BLOCK_G"], kw["BLOCK_N"], kw["num_warps"],
+                                                          kw["num_stages"]), kw["BLOCK_D"], dtype.itemsize)
+
+    def cache(dtype, head_dim, seqs, ctx):
+        blocks = seqs * (-(-ctx // 16)) + 1
+        kc = torch.empty(blocks, 16, 2, head_dim, dtype=dtype)
+        tables = torch.arange(1, blocks, dtype=torch.int32).view(seqs, -1)
+        return kc, torch.empty_like(kc), tables, torch.full((seqs,), ctx, dtype=torch.int32)
+
+    out = []
+    for dname, dtype in DTYPES.items():
+        for hd in HEAD_DIMS:
+            for label, query in (("prefill", 512), ("prefill_short", 32)):
+                kc, vc, bt, lens = cache(dtype, hd, 1, query)
+                q = torch.empty(query, 8, hd, dtype=dtype)
+                qsl = torch.tensor([0, query], dtype=torch.int32)
+                out.append((f"{label} {dname} d{hd}",
+                            lambda q=q, kc=kc, vc=vc, qsl=qsl, lens=lens, bt=bt, query=query:
+                            paged_prefill(q, kc, vc, qsl, lens, bt, query, 0.1), prefill_estimate(dtype)))
+            for label, batch in (("decode_split", 1), ("decode", 64)):
+                kc, vc, bt, lens = cache(dtype, hd, batch, 512)
+                q = torch.empty(batch, 8, hd, dtype=dtype)
+                out.append((f"{label} {dname} d{hd}", lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens:
+                            paged_decode(q, kc, vc, bt, lens, 0.1), decode_estimate(dtype)))
+    return out
+
+
+def gemv_variants():
+    """The lm_head GEMV (Qwen3-8B's [151936, 4096], never touched: empty tensors) at each dtype and row
+    tile, and its greedy argmax form; estimate: tiling.py's gemv_smem_bytes."""
+    from llmserve_core.kernels.gemv import gemv, gemv_argmax
+    from llmserve_core.kernels.tiling import gemv_smem_bytes
+
+    out = []
+    for dname, dtype in DTYPES.items():
+        w = torch.empty(151936, 4096, dtype=dtype)
+        estimate = (lambda kw, size=dtype.itemsize: gemv_smem_bytes(kw, size, size))
+        for rows in (1, 16, 17, 64):
+            x = torch.empty(rows, 4096, dtype=dtype)
+            out.append((f"gemv {dname} rows {rows}", lambda x=x, w=w: gemv(x, w), estimate))
+        x = torch.empty(16, 4096, dtype=dtype)
+        out.append((f"gemv_argmax {dname} rows 16", lambda x=x, w=w: gemv_argmax(x, w), estimate))
+    return out
+
+
+def fp8_variants():
+    """The FP8 projections at one row as the decode chain runs them (the table's tiles, x quantized ahead
+    where the table says so), and the same a8 tiles with TMA weight loads."""
+    from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_gemv, fp8_gemv_config, x_ahead_config
+    from llmserve_core.kernels.stream_gemv import stream_gemv
+
+    out = []
+    for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+                         "down": (4096, 12288)}.items():
+        w, s = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, dtype=torch.float32)
+        x = torch.empty(1, k, dtype=torch.bfloat16)
+        ahead = x_ahead_config(1, n, k, None, SMS, True)
+        cfg = ahead or fp8_gemv_config(1, n, k, None, SMS, True, stream=True)
+        if cfg["KERNEL"] == "stream":
+            out.append((f"fp8 {name} stream", lambda x=x, w=w, s=s: stream_gemv(x, w, s, None, pdl=True), None))
+            cfg = fp8_gemv_config(1, n, k, None, SMS, True)
+        xq = torch.empty(1, k, dtype=torch.float8_e4m3fn)
+        xs = torch.empty(1, k // X_AHEAD_GROUP, dtype=torch.float32)
+        for tma in (False, True):
+            label = f"fp8 {name} a8{'x' if ahead else ''}{' tma' if tma else ''}"
+            config = dict(cfg, TMA=tma)
+            if ahead:
+                call = (lambda w=w, s=s, xq=xq, xs=xs, config=config:
+                        fp8_gemv(xq, w, s, None, config=dict(config), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
+                                 out_dtype=torch.bfloat16))
+            else:
+                call = lambda x=x, w=w, s=s, config=config: fp8_gemv(x, w, s, None, config=dict(config), pdl=True)
+            out.append((label, call, None))
+    return out
+
+
+def ptxas_tool(name: str) -> str:
+    import triton.backends.nvidia as nvidia
+    return os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
+
+
+def cubin_resources(cubin: bytes, sass: bool) -> dict:
+    """Registers (and spills) from cuobjdump's resource usage; with sass, the 12 commonest SASS opcodes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([ptxas_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        out = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+               "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1))}
+        if sass:
+            text = subprocess.run([ptxas_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+            ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+            out["sass_top"] = collections.Counter(ops).most_common(12)
+    return out
+
+
+def compile_set(variants, sass: bool) -> list[dict]:
+    rows = []
+    for label, call, estimate in variants:
+        record = []
+        start = time.perf_counter()
+        with compiling_instead_of_launching(record):
+            try:
+                call()
+            except Exception as e:     # the wrapper itself refused (reported, not fatal)
+                record.append(("(wrapper)", {}, e))
+        for kernel_name, kwargs, kernel in record:
+            row = {"variant": label, "kernel": kernel_name, "compile_s": round(time.perf_counter() - start, 2),
+                   "tile": {k: v for k, v in kwargs.items() if k.startswith("BLOCK_") or k.startswith("num_")
+                            or k in ("SPLIT_K", "W_TMA")}}
+            if isinstance(kernel, Exception):
+                row["error"] = f"{type(kernel).__name__}: {kernel}"[:400]
+            else:
+                row["shared_bytes"] = kernel.metadata.shared
+                row.update(cubin_resources(kernel.asm["cubin"], sass))
+                if estimate is not None and kernel_name not in ("_argmax_unpack_kernel",):
+                    row["estimate_bytes"] = estimate(kwargs)
+            rows.append(row)
+    return rows
+
+
+def problems(rows: list[dict]) -> list[str]:
+    found = []
+    for r in rows:
+        where = f"{r['variant']} ({r['kernel']})"
+        if "error" in r:
+            found.append(f"{where}: {r['error']}")
+            continue
+        if r["shared_bytes"] > SMEM_LIMIT:
+            found.append(f"{where}: {r['shared_bytes']} bytes of shared memory, the cards have {SMEM_LIMIT}")
+        if r.get("estimate_bytes") is not None and r["shared_bytes"] > r["estimate_bytes"]:
+            found.append(f"{where}: {r['shared_bytes']} bytes of shared memory, tiling.py estimated "
+                         f"{r['estimate_bytes']} for its tile {r['tile']}")
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {', '.join(SETS)}")
+    ap.add_argument("--check", action="store_true", help="exit 1 on a compile error, a tile over the cards' "
+                    "shared memory or over tiling.py's estimate")
+    ap.add_argument("--sass", action="store_true", help="also list each variant's commonest SASS opcodes")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    builders = {"attention": attention_variants, "gemv": gemv_variants, "fp8": fp8_variants}
+    rows = []
+    for name in args.sets.split(","):
+        if name not in builders:
+            sys.exit(f"sm90_compile: unknown set {name!r}, choose from {', '.join(SETS)}")
+        rows += compile_set(builders[name](), args.sass)
+    print("| variant | kernel | tile | shared bytes (estimate) | registers | compile s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        tile = " ".join(f"{k}={v}" for k, v in r["tile"].items())
+        if "error" in r:
+            print(f"| {r['variant']} | {r['kernel']} | {tile} | error: {r['error'][:120]} | | |")
+            continue
+        est = f" ({r['estimate_bytes']})" if r.get("estimate_bytes") is not None else ""
+        print(f"| {r['variant']} | {r['kernel']} | {tile} | {r['shared_bytes']}{est} | {r['registers']}"
+              f"{' + spills' if r['local_bytes'] else ''} | {r['compile_s']} |")
+        if args.sass:
+            print("|  |  | " + ", ".join(f"{op} {n}" for op, n in r["sass_top"]) + " | | | |")
+    found = problems(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": "cuda:90", "smem_limit": SMEM_LIMIT, "triton": triton.__version__, "rows": rows,
+                       "problems": found}, f, indent=1)
+    for p in found:
+        print("PROBLEM:", p)
+    if args.check and found:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Every attention and GEMV tile the wrappers pick for float32, bfloat16 and float16 at head sizes 64, 128
+and 256, and the FP8 projections' tiles (TMA ones too), compiled for Hopper (sm_90) on this CPU machine as a
+launch would compile them: each compiles, fits the H100/H200's shared memory, and needs no more than
+kernels/tiling.py's estimate for its tile, the number the wrappers fit tiles with. The GPU sweep
+(test_gpu_dtypes.py) runs these tiles where a card is present; this catches a tile that cannot compile or
+fit without one (issue 11's float32 prefill asked for 262,144 of 232,448 bytes)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ptxas_present() -> bool:
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return False
+    return os.access(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"), os.X_OK)
+
+
+@pytest.mark.skipif(not _ptxas_present(), reason="needs Triton's NVIDIA backend and its ptxas")
+@pytest.mark.timeout(1500)
+def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
+    out = tmp_path / "sm90.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    # float32 prefill tiles take 10-20 s each to compile on a busy 2-core machine: time, not a hang
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sm90_compile.py"), "--sets",
+                           "attention,gemv,fp8", "--check", "--json", str(out)], env=env, capture_output=True,
+                          text=True, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["problems"] == []
+    rows = {(r["variant"], r["kernel"]): r for r in report["rows"]}
+    for dtype in ("float32", "bfloat16", "float16"):
+        for hd in (64, 128, 256):
+            for variant, kernel in (("prefill", "_prefill_kernel"), ("prefill_short", "_prefill_kernel"),
+                                    ("decode_split", "_decode_kernel"), ("decode", "_decode_kernel")):
+                r = rows[(f"{variant} {dtype} d{hd}", kernel)]
+                assert 0 < r["shared_bytes"] <= min(r["estimate_bytes"], report["smem_limit"]), r
+        for m in (1, 16, 17, 64):
+            r = rows[(f"gemv {dtype} rows {m}", "_gemv_kernel")]
+            assert 0 < r["shared_bytes"] <= min(r["estimate_bytes"], report["smem_limit"]), r
+    # the table's FP8 tiles and their TMA twins: the same shared memory give or take TMA's barriers
+    for name in ("qkv", "gate_up"):
+        plain, tma = rows[(f"fp8 {name} a8x", "_fp8_gemv_kernel")], rows[(f"fp8 {name} a8x tma", "_fp8_gemv_kernel")]
+        assert tma["tile"]["W_TMA"] and not plain["tile"]["W_TMA"]
+        assert 0 <= tma["shared_bytes"] - plain["shared_bytes"] <= 64
+    assert rows[("fp8 o stream", "_stream_gemv_kernel")]["registers"] > 0
