@@ -197,8 +197,9 @@ def cubin_resources(cubin: bytes, sass: bool) -> dict:
         f.flush()
         usage = subprocess.run([ptxas_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
+        # STACK: a thread's stack frame, where ptxas spills what its registers cannot hold
         out = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-               "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1))}
+               "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
         if sass:
             text = subprocess.run([ptxas_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
                                   check=True).stdout
@@ -261,15 +262,16 @@ def main() -> None:
         if name not in builders:
             sys.exit(f"sm90_compile: unknown set {name!r}, choose from {', '.join(SETS)}")
         rows += compile_set(builders[name](), args.sass)
-    print("| variant | kernel | tile | shared bytes (estimate) | registers | compile s |\n|---|---|---|---|---|---|")
+    print("| variant | kernel | tile | shared bytes (estimate) | registers (spill stack) | compile s |\n|---|---|---|---|---|---|")
     for r in rows:
         tile = " ".join(f"{k}={v}" for k, v in r["tile"].items())
         if "error" in r:
             print(f"| {r['variant']} | {r['kernel']} | {tile} | error: {r['error'][:120]} | | |")
             continue
         est = f" ({r['estimate_bytes']})" if r.get("estimate_bytes") is not None else ""
-        print(f"| {r['variant']} | {r['kernel']} | {tile} | {r['shared_bytes']}{est} | {r['registers']}"
-              f"{' + spills' if r['local_bytes'] else ''} | {r['compile_s']} |")
+        stack = f", {r['stack_bytes']}-byte stack" if r["stack_bytes"] else ""
+        print(f"| {r['variant']} | {r['kernel']} | {tile} | {r['shared_bytes']}{est} | {r['registers']}{stack} | "
+              f"{r['compile_s']} |")
         if args.sass:
             print("|  |  | " + ", ".join(f"{op} {n}" for op, n in r["sass_top"]) + " | | | |")
     found = problems(rows)
