@@ -30,6 +30,11 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
     out = tmp_path / "sm90.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)
+    cache = env.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:                # Triton's compile cache: kept between runs where the home directory takes it
+        os.makedirs(cache, exist_ok=True)
+    except OSError:
+        env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     # float32 prefill tiles take 10-20 s each to compile on a busy 2-core machine: time, not a hang
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sm90_compile.py"), "--sets",
                            "attention,gemv,fp8", "--check", "--json", str(out)], env=env, capture_output=True,
