@@ -1,7 +1,8 @@
 """Every attention and GEMV tile the wrappers pick for float32, bfloat16 and float16 at head sizes 64, 128
 and 256, and the FP8 projections' tiles (TMA ones too), compiled for Hopper (sm_90) on this CPU machine as a
 launch would compile them: each compiles, fits the H100/H200's shared memory, and needs no more than
-kernels/tiling.py's estimate for its tile, the number the wrappers fit tiles with. The GPU sweep
+kernels/tiling.py's estimate for its tile, the number the wrappers fit tiles with; the serving tiles (16-bit
+attention up to head_dim 128, the 16-bit GEMVs, the FP8 projections) spill nothing. The GPU sweep
 (test_gpu_dtypes.py) runs these tiles where a card is present; this catches a tile that cannot compile or
 fit without one (issue 11's float32 prefill asked for 262,144 of 232,448 bytes)."""
 from __future__ import annotations
@@ -49,12 +50,17 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
                                     ("decode_split", "_decode_kernel"), ("decode", "_decode_kernel")):
                 r = rows[(f"{variant} {dtype} d{hd}", kernel)]
                 assert 0 < r["shared_bytes"] <= min(r["estimate_bytes"], report["smem_limit"]), r
+                if dtype != "float32" and hd <= 128:     # the serving tiles keep everything in registers
+                    assert r["stack_bytes"] == 0, r
         for m in (1, 16, 17, 64):
             r = rows[(f"gemv {dtype} rows {m}", "_gemv_kernel")]
             assert 0 < r["shared_bytes"] <= min(r["estimate_bytes"], report["smem_limit"]), r
+            assert dtype == "float32" or r["stack_bytes"] == 0, r
     # the table's FP8 tiles and their TMA twins: the same shared memory give or take TMA's barriers
     for name in ("qkv", "gate_up"):
         plain, tma = rows[(f"fp8 {name} a8x", "_fp8_gemv_kernel")], rows[(f"fp8 {name} a8x tma", "_fp8_gemv_kernel")]
         assert tma["tile"]["W_TMA"] and not plain["tile"]["W_TMA"]
         assert 0 <= tma["shared_bytes"] - plain["shared_bytes"] <= 64
+    assert all(r["stack_bytes"] == 0 for (variant, _), r in rows.items() if variant.startswith("fp8 ")), \
+        [r for (variant, _), r in rows.items() if variant.startswith("fp8 ") and r["stack_bytes"]]
     assert rows[("fp8 o stream", "_stream_gemv_kernel")]["registers"] > 0
