@@ -46,7 +46,7 @@ SMEM_LIMIT = 232_448       # opt-in shared memory per block on the H100 and H200
 SMS = 132
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (64, 128, 256)
-SETS = ("attention", "gemv", "fp8")
+SETS = ("attention", "gemv", "fp8", "chain")
 
 
 def compile_launch(fn: JITFunction, args: tuple, kwargs: dict):
@@ -185,6 +185,65 @@ def fp8_variants():
     return out
 
 
+def chain_variants():
+    """The rest of what a step launches, with the GPU-only arguments the interpreter never compiles (PDL,
+    FP8 caches and activations, verify rows and trees), at Qwen3-8B's sizes in bf16: the norms, the q/k
+    norm + rotary + KV store, split decodes, the one-row stream GEMV and the few-row GEMVs under PDL,
+    SiLU-and-mul, the sampler's race, activation quantization and the W8A8 prefill GEMM."""
+    from llmserve_core.kernels.fp8_gemm import w8a8_gemm_triton
+    from llmserve_core.kernels.fp8_quant import quantize_activation
+    from llmserve_core.kernels.gemv import gemv, gemv_argmax
+    from llmserve_core.kernels.paged_decode import paged_decode
+    from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
+    from llmserve_core.kernels.rmsnorm import rmsnorm
+    from llmserve_core.kernels.sampling import race_argmax
+    from llmserve_core.kernels.silu_mul import silu_mul
+    from llmserve_core.kernels.stream_gemv import stream_gemv
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    h, w_norm = torch.empty(1, 4096, dtype=bf16), torch.empty(4096, dtype=bf16)
+    qkv, cos = torch.empty(1, 6144, dtype=bf16), torch.empty(4096, 64, dtype=torch.float32)
+    pos, slot = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    head_w = torch.empty(128, dtype=bf16)
+
+    def caches(dtype, seqs=1, ctx=512):
+        kc = torch.empty(seqs * ctx // 16 + 1, 16, 8, 128, dtype=dtype)
+        return kc, torch.empty_like(kc), torch.arange(1, seqs * ctx // 16 + 1, dtype=torch.int32).view(seqs, -1), \
+            torch.full((seqs,), ctx, dtype=torch.int32)
+
+    out = [("rmsnorm + residual, pdl", lambda: rmsnorm(h, w_norm, 1e-6, residual=h, pdl=True), None),
+           ("rmsnorm + residual, fp8 out, pdl", lambda: rmsnorm(h, w_norm, 1e-6, residual=h, pdl=True,
+                                                               quant_group=128), None)]
+    for dtype in (bf16, fp8):
+        kc, vc, bt, lens = caches(dtype)
+        name = "fp8 cache" if dtype == fp8 else "bf16 cache"
+        out.append((f"qk norm + rope + store, {name}, pdl",
+                    lambda kc=kc, vc=vc: qk_norm_rope_store(qkv, pos, slot, head_w, head_w, cos, cos, 1e-6, 32, 8, 128,
+                                                            kc, vc, pdl=True), None))
+        out.append((f"decode batch 1, {name}, pdl", lambda kc=kc, vc=vc, bt=bt, lens=lens:
+                    paged_decode(torch.empty(1, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True), None))
+        kc, vc, bt, lens = caches(dtype, seqs=4)
+        tree = torch.ones(16, 4, dtype=torch.bool)
+        out.append((f"verify 4 x 4 rows, tree, {name}", lambda kc=kc, vc=vc, bt=bt, lens=lens, tree=tree:
+                    paged_decode(torch.empty(16, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, rows_per_seq=4,
+                                 tree_mask=tree), None))
+    w_qkv, w_up = torch.empty(6144, 4096, dtype=bf16), torch.empty(24576, 4096, dtype=bf16)
+    out += [("stream gemv qkv, pdl", lambda: stream_gemv(h, w_qkv, pdl=True), None),
+            ("gemv qkv 4 rows, pdl", lambda: gemv(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
+            ("gemv_argmax 4 rows, pdl", lambda: gemv_argmax(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
+            ("silu_mul, pdl", lambda: silu_mul(torch.empty(1, 24576, dtype=bf16), pdl=True), None),
+            ("race_argmax 64 rows", lambda: race_argmax(torch.empty(64, 151936, dtype=torch.float32),
+                                                        torch.ones(64), torch.empty(64, 151936)), None),
+            ("quantize_activation per 128", lambda: quantize_activation(torch.empty(512, 4096, dtype=bf16), 128),
+             None),
+            ("w8a8 gemm 512 rows, 128x128 blocks",
+             lambda: w8a8_gemm_triton(torch.empty(512, 4096, dtype=fp8), torch.empty(512, 32),
+                                      torch.empty(24576, 4096, dtype=fp8), torch.empty(192, 32), (128, 128), bf16),
+             None)]
+    del w_up
+    return out
+
+
 def ptxas_tool(name: str) -> str:
     import triton.backends.nvidia as nvidia
     return os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
@@ -256,7 +315,8 @@ def main() -> None:
     ap.add_argument("--sass", action="store_true", help="also list each variant's commonest SASS opcodes")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
-    builders = {"attention": attention_variants, "gemv": gemv_variants, "fp8": fp8_variants}
+    builders = {"attention": attention_variants, "gemv": gemv_variants, "fp8": fp8_variants,
+                "chain": chain_variants}
     rows = []
     for name in args.sets.split(","):
         if name not in builders:

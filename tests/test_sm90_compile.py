@@ -2,7 +2,9 @@
 and 256, and the FP8 projections' tiles (TMA ones too), compiled for Hopper (sm_90) on this CPU machine as a
 launch would compile them: each compiles, fits the H100/H200's shared memory, and needs no more than
 kernels/tiling.py's estimate for its tile, the number the wrappers fit tiles with; the serving tiles (16-bit
-attention up to head_dim 128, the 16-bit GEMVs, the FP8 projections) spill nothing. The GPU sweep
+attention up to head_dim 128, the 16-bit GEMVs, the FP8 projections) spill nothing; and the rest of a
+step's kernels compile with the GPU-only arguments the interpreter never compiles (PDL, FP8 caches and
+activations, verify trees). The GPU sweep
 (test_gpu_dtypes.py) runs these tiles where a card is present; this catches a tile that cannot compile or
 fit without one (issue 11's float32 prefill asked for 262,144 of 232,448 bytes)."""
 from __future__ import annotations
@@ -38,7 +40,7 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
         env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     # float32 prefill tiles take 10-20 s each to compile on a busy 2-core machine: time, not a hang
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sm90_compile.py"), "--sets",
-                           "attention,gemv,fp8", "--check", "--json", str(out)], env=env, capture_output=True,
+                           "attention,gemv,fp8,chain", "--check", "--json", str(out)], env=env, capture_output=True,
                           text=True, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -64,3 +66,11 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
     assert all(r["stack_bytes"] == 0 for (variant, _), r in rows.items() if variant.startswith("fp8 ")), \
         [r for (variant, _), r in rows.items() if variant.startswith("fp8 ") and r["stack_bytes"]]
     assert rows[("fp8 o stream", "_stream_gemv_kernel")]["registers"] > 0
+    # the GPU-only arguments the interpreter never compiles: PDL, FP8 caches and activations, verify trees
+    for variant, kernel in (("rmsnorm + residual, fp8 out, pdl", "_rmsnorm_kernel"),
+                            ("qk norm + rope + store, fp8 cache, pdl", "_qk_norm_rope_store_kernel"),
+                            ("decode batch 1, fp8 cache, pdl", "_decode_kernel"),
+                            ("verify 4 x 4 rows, tree, fp8 cache", "_decode_kernel"),
+                            ("stream gemv qkv, pdl", "_stream_gemv_kernel"), ("silu_mul, pdl", "_silu_mul_kernel"),
+                            ("w8a8 gemm 512 rows, 128x128 blocks", "_w8a8_kernel")):
+        assert rows[(variant, kernel)]["registers"] > 0
