@@ -97,6 +97,15 @@ def compiling_instead_of_launching(record: list):
                 setattr(obj, name, value)
 
 
+def paged_cache(dtype, kv_heads: int, head_dim: int, seqs: int, ctx: int):
+    """(k_cache, v_cache, block_tables, seq_lens) of `seqs` sequences of `ctx` tokens in 16-token pages,
+    never touched (empty tensors: only their shapes, strides and alignment reach the compiler)."""
+    blocks = seqs * (-(-ctx // 16)) + 1
+    kc = torch.empty(blocks, 16, kv_heads, head_dim, dtype=dtype)
+    tables = torch.arange(1, blocks, dtype=torch.int32).view(seqs, -1)
+    return kc, torch.empty_like(kc), tables, torch.full((seqs,), ctx, dtype=torch.int32)
+
+
 def attention_variants():
     """(label, call, estimate) for prefill (long and short queries) and decode (split and one piece) at
     each dtype and head size, Qwen3-8B's heads per KV head (4). estimate(kwargs): tiling.py's bytes."""
@@ -104,35 +113,25 @@ def attention_variants():
     from llmserve_core.kernels.paged_prefill import paged_prefill
     from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes
 
-    def prefill_estimate(dtype):
-        return lambda kw: attention_smem_bytes(TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"],
+    def estimate(rows_key, dtype):     # the tile's query rows are BLOCK_M in prefill, BLOCK_G in decode
+        return lambda kw: attention_smem_bytes(TileConfig(kw[rows_key], kw["BLOCK_N"], kw["num_warps"],
                                                           kw["num_stages"]), kw["BLOCK_D"], dtype.itemsize)
-
-    def decode_estimate(dtype):
-        return lambda kw: attention_smem_bytes(TileConfig(kw["BLOCK_G"], kw["BLOCK_N"], kw["num_warps"],
-                                                          kw["num_stages"]), kw["BLOCK_D"], dtype.itemsize)
-
-    def cache(dtype, head_dim, seqs, ctx):
-        blocks = seqs * (-(-ctx // 16)) + 1
-        kc = torch.empty(blocks, 16, 2, head_dim, dtype=dtype)
-        tables = torch.arange(1, blocks, dtype=torch.int32).view(seqs, -1)
-        return kc, torch.empty_like(kc), tables, torch.full((seqs,), ctx, dtype=torch.int32)
 
     out = []
     for dname, dtype in DTYPES.items():
         for hd in HEAD_DIMS:
             for label, query in (("prefill", 512), ("prefill_short", 32)):
-                kc, vc, bt, lens = cache(dtype, hd, 1, query)
+                kc, vc, bt, lens = paged_cache(dtype, 2, hd, 1, query)
                 q = torch.empty(query, 8, hd, dtype=dtype)
                 qsl = torch.tensor([0, query], dtype=torch.int32)
                 out.append((f"{label} {dname} d{hd}",
                             lambda q=q, kc=kc, vc=vc, qsl=qsl, lens=lens, bt=bt, query=query:
-                            paged_prefill(q, kc, vc, qsl, lens, bt, query, 0.1), prefill_estimate(dtype)))
+                            paged_prefill(q, kc, vc, qsl, lens, bt, query, 0.1), estimate("BLOCK_M", dtype)))
             for label, batch in (("decode_split", 1), ("decode", 64)):
-                kc, vc, bt, lens = cache(dtype, hd, batch, 512)
+                kc, vc, bt, lens = paged_cache(dtype, 2, hd, batch, 512)
                 q = torch.empty(batch, 8, hd, dtype=dtype)
                 out.append((f"{label} {dname} d{hd}", lambda q=q, kc=kc, vc=vc, bt=bt, lens=lens:
-                            paged_decode(q, kc, vc, bt, lens, 0.1), decode_estimate(dtype)))
+                            paged_decode(q, kc, vc, bt, lens, 0.1), estimate("BLOCK_G", dtype)))
     return out
 
 
@@ -206,28 +205,23 @@ def chain_variants():
     pos, slot = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     head_w = torch.empty(128, dtype=bf16)
 
-    def caches(dtype, seqs=1, ctx=512):
-        kc = torch.empty(seqs * ctx // 16 + 1, 16, 8, 128, dtype=dtype)
-        return kc, torch.empty_like(kc), torch.arange(1, seqs * ctx // 16 + 1, dtype=torch.int32).view(seqs, -1), \
-            torch.full((seqs,), ctx, dtype=torch.int32)
-
     out = [("rmsnorm + residual, pdl", lambda: rmsnorm(h, w_norm, 1e-6, residual=h, pdl=True), None),
            ("rmsnorm + residual, fp8 out, pdl", lambda: rmsnorm(h, w_norm, 1e-6, residual=h, pdl=True,
                                                                quant_group=128), None)]
     for dtype in (bf16, fp8):
-        kc, vc, bt, lens = caches(dtype)
+        kc, vc, bt, lens = paged_cache(dtype, 8, 128, 1, 512)
         name = "fp8 cache" if dtype == fp8 else "bf16 cache"
         out.append((f"qk norm + rope + store, {name}, pdl",
                     lambda kc=kc, vc=vc: qk_norm_rope_store(qkv, pos, slot, head_w, head_w, cos, cos, 1e-6, 32, 8, 128,
                                                             kc, vc, pdl=True), None))
         out.append((f"decode batch 1, {name}, pdl", lambda kc=kc, vc=vc, bt=bt, lens=lens:
                     paged_decode(torch.empty(1, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True), None))
-        kc, vc, bt, lens = caches(dtype, seqs=4)
+        kc, vc, bt, lens = paged_cache(dtype, 8, 128, 4, 512)
         tree = torch.ones(16, 4, dtype=torch.bool)
         out.append((f"verify 4 x 4 rows, tree, {name}", lambda kc=kc, vc=vc, bt=bt, lens=lens, tree=tree:
                     paged_decode(torch.empty(16, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, rows_per_seq=4,
                                  tree_mask=tree), None))
-    w_qkv, w_up = torch.empty(6144, 4096, dtype=bf16), torch.empty(24576, 4096, dtype=bf16)
+    w_qkv = torch.empty(6144, 4096, dtype=bf16)
     out += [("stream gemv qkv, pdl", lambda: stream_gemv(h, w_qkv, pdl=True), None),
             ("gemv qkv 4 rows, pdl", lambda: gemv(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("gemv_argmax 4 rows, pdl", lambda: gemv_argmax(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
@@ -240,7 +234,6 @@ def chain_variants():
              lambda: w8a8_gemm_triton(torch.empty(512, 4096, dtype=fp8), torch.empty(512, 32),
                                       torch.empty(24576, 4096, dtype=fp8), torch.empty(192, 32), (128, 128), bf16),
              None)]
-    del w_up
     return out
 
 

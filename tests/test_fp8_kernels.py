@@ -208,9 +208,10 @@ def test_fp8_gemv_tma_weight_tiles(m, n, k, block, block_n, split_k, group):
     w, s = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
     config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=2)
-    ahead = {} if group is None else dict(x_scale=quantize_activation(x, group)[1], x_group=group,
-                                          out_dtype=torch.float32)
-    xin = x if group is None else quantize_activation(x, group)[0]
+    xin, ahead = x, {}
+    if group is not None:               # x quantized ahead, as the RMSNorm before hands it
+        xin, xs = quantize_activation(x, group)
+        ahead = dict(x_scale=xs, x_group=group, out_dtype=torch.float32)
     plain = fp8_gemv(xin, w, s, block, config=dict(config), **ahead)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
         out = fp8_gemv(xin, w, s, block, config=dict(config, TMA=True), **ahead)

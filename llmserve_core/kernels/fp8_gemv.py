@@ -268,15 +268,14 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     parts, counts = SPLIT_K_SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
                                         n_blocks if split > 1 else 0)
-    args = (x, w, scale, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, stride_sn, stride_sk)
+    w_arg = weight_descriptor(w, block_n, block_k) if tma else w
+    args = (x, w_arg, scale, y, parts, counts, m, n, k, x.stride(0), y.stride(0), k_per_split, stride_sn, stride_sk)
     common = dict(SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, BLOCK_SCALED=block is not None,
                   SPLIT_K=split, EVEN_K=k_per_split * split == k)
     if fma:
         _fp8_gemv_fma_kernel[(n_blocks, split)](*args, **common, REDUCE_LATE=kernel == "fma_late", **cfg)
     else:
         xs, stride_xs = (x_scale, x_scale.stride(0)) if prequantized else (x, 0)   # (x: any pointer, unread)
-        if tma:
-            args = (x, weight_descriptor(w, block_n, block_k), *args[2:])
         _fp8_gemv_kernel[(n_blocks, split)](*args, xs, stride_xs, **common, DOT_IEEE=x.dtype == torch.float32,
                                             QUANT_X=kernel == "a8" and not prequantized,
                                             X_GROUP=x_group if prequantized else 0,
