@@ -58,6 +58,16 @@ def _w8a8_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, out_ptr, M, N, K,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+# GPU tiles (BLOCK_M, BLOCK_N, warps, stages), by (more than 64 rows, per-block scales). Keyed so that
+# benchmarks/fp8_block_gemm_tiles.py can time a candidate in the engine's own prefill step.
+GPU_TILES = {
+    (False, False): (64, 128, 4, 4),
+    (True, False): (128, 128, 4, 3),
+    (False, True): (64, 128, 4, 4),
+    (True, True): (128, 128, 4, 3),
+}
+
+
 def w8a8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      block: tuple[int, int] | None, out_dtype: torch.dtype, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
@@ -71,11 +81,11 @@ def w8a8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
     if m == 0:
         return out
     if a.is_cuda:
-        block_m = block_m or (64 if m <= 64 else 128)
-        block_n = block_n or 128
+        tile_m, tile_n, tile_warps, tile_stages = GPU_TILES[(m > 64, block is not None)]
+        block_m, block_n = block_m or tile_m, block_n or tile_n
         # A K tile never straddles a scale block: checkpoints with blocks narrower than 128 get narrower tiles.
         block_k = block_k or (128 if block is None else min(128, block[1]))
-        num_warps, num_stages = num_warps or 4, num_stages or (4 if block_m == 64 else 3)
+        num_warps, num_stages = num_warps or tile_warps, num_stages or tile_stages
     else:
         block_m, block_n, block_k = block_m or 16, block_n or 16, block_k or 16
         num_warps, num_stages = 4, 1
