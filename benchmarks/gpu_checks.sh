@@ -23,7 +23,9 @@
 #            and idle time  -> $OUT/decode_profile.json
 #   fp8      the FP8 kernel and engine GPU tests, then the open FP8 measurement: fp8_tma_tiles.py (one-row a8
 #            tiles with TMA weight loads against the engine's kernels, then the batch-1 FP8 step with any
-#            winner patched in)  -> $OUT/fp8_tests.log, $OUT/fp8_tma.json
+#            winner patched in), and fp8_block_gemm_tiles.py (the block-scaled W8A8 prefill tile that
+#            spills against spill-free ones, then the prefill step with any winner patched in)
+#            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
 # README "GPU checks"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
@@ -89,7 +91,10 @@ for stage in $stages; do
       status[$stage]=$?; tail -3 "$out/fp8_tests.log"
       python3 benchmarks/fp8_tma_tiles.py --commit "$commit" --out "$out/fp8_tma.json" > "$out/fp8_tma.log" 2>&1 \
         || status[$stage]=1
-      tail -30 "$out/fp8_tma.log" ;;
+      tail -30 "$out/fp8_tma.log"
+      python3 benchmarks/fp8_block_gemm_tiles.py --commit "$commit" --out "$out/fp8_block_gemm.json" \
+        > "$out/fp8_block_gemm.log" 2>&1 || status[$stage]=1
+      tail -20 "$out/fp8_block_gemm.log" ;;
     *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
