@@ -29,47 +29,38 @@ import llmserve_core.kernels.fp8_gemm as fp8_gemm_module  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_block  # noqa: E402
 from llmserve_core.kernels.fp8_gemm import w8a8_gemm_reference, w8a8_gemm_triton  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
-from gemv_bench import launches_us  # noqa: E402
-from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
+from fp8_narrow_tiles import time_configs  # noqa: E402
+from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
 
 BLOCK = (128, 128)
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 ROWS = (256, 2048, 8192)
 KEY = (True, True)       # GPU_TILES' entry for more than 64 rows with per-block scales
 # (BLOCK_M, BLOCK_N, warps, stages)
-CANDIDATES = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 3))
+CANDIDATES = {"m{}_n{}_w{}_s{}".format(*t): t
+              for t in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 3))}
 PREFILLS = ((1, 512), (4, 2048))     # (prompts, tokens each) in one prefill step
 
 
-def label(tile) -> str:
-    return "m{}_n{}_w{}_s{}".format(*tile)
-
-
 def time_kernels(gen) -> dict:
-    """shape -> rows -> label -> {us, tflops, rel_err} (or the error)."""
-    tiles = {"engine": fp8_gemm_module.GPU_TILES[KEY], **{label(t): t for t in CANDIDATES}}
+    """shape -> rows -> label -> {config, us, tflops, rel_err} (or the error)."""
+    tiles = {"engine": fp8_gemm_module.GPU_TILES[KEY], **CANDIDATES}
     out = {}
     for name, (n, k) in SHAPES.items():
-        wq, ws = quantize_per_block(torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02, BLOCK)
+        weight = quantize_per_block(torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02, BLOCK)
         out[name] = {}
         for m in ROWS:
             a, a_s = quantize_activation(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16), BLOCK[1])
-            ref = w8a8_gemm_reference(a, a_s, wq, ws, BLOCK, torch.float32)
-            row = out[name][m] = {}
-            for lab, (bm, bn, warps, stages) in tiles.items():
-                def call(bm=bm, bn=bn, warps=warps, stages=stages):
-                    return w8a8_gemm_triton(a, a_s, wq, ws, BLOCK, torch.bfloat16, block_m=bm, block_n=bn,
-                                            num_warps=warps, num_stages=stages)
-                try:
-                    err = ((call().float() - ref).norm() / ref.norm()).item()
-                    if err > 1e-2:
-                        row[lab] = {"tile": (bm, bn, warps, stages), "error": f"relative error {err:.3g}"}
-                        continue
-                    us = launches_us([call] * 4)
-                    row[lab] = {"tile": (bm, bn, warps, stages), "us": us, "tflops": 2 * m * n * k / us / 1e6,
-                                "rel_err": err}
-                except Exception as e:      # a tile the compiler refuses is reported, not fatal
-                    row[lab] = {"tile": (bm, bn, warps, stages), "error": f"{type(e).__name__}: {e}"[:300]}
+
+            def call_and_reference(tile, a_s=a_s):
+                bm, bn, warps, stages = tile
+                return (lambda x, q, s: w8a8_gemm_triton(x, a_s, q, s, BLOCK, torch.bfloat16, block_m=bm,
+                                                         block_n=bn, num_warps=warps, num_stages=stages),
+                        w8a8_gemm_reference(a, a_s, *weight, BLOCK, torch.float32))
+            row = out[name][m] = time_configs(tiles, call_and_reference, a, [weight], tolerance=1e-2)
+            for r in row.values():
+                if "us" in r:
+                    r["tflops"] = 2 * m * n * k / r["us"] / 1e6
             print(f"{name:8s} m={m:5d} engine {row['engine'].get('tflops', 0):6.0f} TFLOP/s, best "
                   + max((lab for lab in row if "us" in row[lab]), key=lambda lab: row[lab]["tflops"]), flush=True)
         torch.cuda.empty_cache()
@@ -84,17 +75,13 @@ def geomean_ratio(kernels: dict) -> dict:
             for lab, r in row.items():
                 if "us" in r and "us" in row["engine"]:
                     ratios.setdefault(lab, []).append(row["engine"]["us"] / r["us"])
-    count = len([1 for rows in kernels.values() for _ in rows])
+    count = sum(len(rows) for rows in kernels.values())
     return {lab: math.exp(statistics.fmean(map(math.log, v))) for lab, v in ratios.items() if len(v) == count}
 
 
 def write_block_scaled_dir() -> str:
-    path = write_qwen3_8b_dir(tempfile.mkdtemp())
-    cfg = dict(QWEN3_8B_CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                                     "weight_block_size": list(BLOCK)})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    return path
+    return write_qwen3_8b_dir(tempfile.mkdtemp(), quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)})
 
 
 def prefill_ms(engine, prompts: int, tokens: int, rnd: random.Random, reps: int, ids) -> float:
@@ -151,7 +138,7 @@ def main() -> None:
           + ", ".join(f"{lab} {r:.3f}" for lab, r in sorted(out["geomean_speedup"].items(), key=lambda x: -x[1])))
     if best != "engine" and out["geomean_speedup"][best] > 1.03:
         out["candidate"] = best
-        out["engine"] = engine_verdict(dict((label(t), t) for t in CANDIDATES)[best], args.reps)
+        out["engine"] = engine_verdict(CANDIDATES[best], args.reps)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -406,10 +406,7 @@ def main():
     gemv(ctx)
     gemm(ctx)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_qwen3_8b_dir(os.path.join(tmp, "qwen3-8b"))
-        if ctx.smoke:
-            with open(os.path.join(model_dir, "config.json"), "w") as f:
-                json.dump(SMOKE_CONFIG, f)
+        model_dir = write_qwen3_8b_dir(os.path.join(tmp, "qwen3-8b"), **(SMOKE_CONFIG if ctx.smoke else {}))
         engine_section(ctx, model_dir, bw)
     RESULTS["table"] = table(ctx)
     save(ctx)

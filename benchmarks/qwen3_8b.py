@@ -12,10 +12,11 @@ QWEN3_8B_CONFIG = dict(
 )
 
 
-def write_qwen3_8b_dir(path: str) -> str:
+def write_qwen3_8b_dir(path: str, **overrides) -> str:
+    """The 8B config.json (with `overrides` on top: a smaller smoke shape, a quantization_config) at `path`."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(QWEN3_8B_CONFIG, f, indent=1)
+        json.dump(dict(QWEN3_8B_CONFIG, **overrides), f, indent=1)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [151645, 151643]}, f)
     return path
