@@ -61,8 +61,9 @@ def time_kernels(gen) -> dict:
             for r in row.values():
                 if "us" in r:
                     r["tflops"] = 2 * m * n * k / r["us"] / 1e6
-            print(f"{name:8s} m={m:5d} engine {row['engine'].get('tflops', 0):6.0f} TFLOP/s, best "
-                  + max((lab for lab in row if "us" in row[lab]), key=lambda lab: row[lab]["tflops"]), flush=True)
+            best = max((lab for lab in row if "us" in row[lab]), key=lambda lab: row[lab]["tflops"])
+            print(f"{name:8s} m={m:5d} engine {row['engine'].get('tflops', 0):6.0f} TFLOP/s, best {best} "
+                  f"{row[best]['tflops']:6.0f} TFLOP/s", flush=True)
         torch.cuda.empty_cache()
     return out
 
@@ -85,15 +86,18 @@ def write_block_scaled_dir() -> str:
 
 
 def prefill_ms(engine, prompts: int, tokens: int, rnd: random.Random, reps: int, ids) -> float:
-    """Median wall ms of an Engine.step() that prefills `prompts` fresh prompts of `tokens` tokens."""
+    """Median ms of an Engine.step() that prefills `prompts` fresh prompts of `tokens` tokens, to the end of
+    its GPU work (with async scheduling step() returns once the forward is launched)."""
     from llmserve_proto import SamplingParams
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     times = []
     for rep in range(reps + 2):               # two untimed: the first of each shape warms the allocator
         for i in range(prompts):
             engine.add_request(f"p{next(ids)}", [rnd.randrange(1000, 150000) for _ in range(tokens)], params)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.step()
+        torch.cuda.synchronize()
         if rep >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
         while engine.has_unfinished():
