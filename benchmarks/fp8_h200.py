@@ -225,7 +225,7 @@ def gemm(ctx):
             out[f"{name}_m{m}"] = {"n": n, "k": k, "rows": m, "rel_err": errs,
                                    **{f"{key}_us": t for key, t in times.items()},
                                    **{f"{key}_tflops": flop / t / 1e6 for key, t in times.items()}}
-        del w, wq, ws, bq, bs
+        w = wq = ws = bq = bs = None
         if ctx.cuda:
             torch.cuda.empty_cache()
     return out

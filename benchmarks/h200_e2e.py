@@ -146,7 +146,7 @@ def decode_steps(args, model_dir):
                             "fraction_of_floor": floor / ms, "idle_fraction": 1 - busy / span,
                             "jit_compilations": engine.stats()["jit_compilations"] - jit0,
                             **{f"{c}_fraction": v for c, v in split.items()}}
-        del engine
+        engine = None      # frees the pool before the next batch (a closure above reads the name)
         gc.collect()
         torch.cuda.empty_cache()
     return out
@@ -189,7 +189,7 @@ def inprocess_closed_loop(args, model_dir):
             engine.step()
         out[f"c{conc}"] = {"output_throughput": tokens / secs,
                            "jit_compilations": engine.stats()["jit_compilations"] - jit0}
-    del engine
+    engine = None
     gc.collect()
     torch.cuda.empty_cache()
     return out

@@ -206,7 +206,7 @@ class Bench:
                              rel_err=err, method=method)
                 except Exception as e:
                     self.add(**shape, impl=f"fa4 num_splits={splits}", error=f"{type(e).__name__}: {e}"[:300])
-        del kc, vc
+        kc = vc = None
 
     # ------------------------------------------------------------ verify (a few rows per sequence)
 
