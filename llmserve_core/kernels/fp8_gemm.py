@@ -62,8 +62,9 @@ def _w8a8_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, out_ptr, M, N, K,
 # benchmarks/fp8_block_gemm_tiles.py can time a candidate in the engine's own prefill step. Per-block scales
 # keep the 64-row tile at every row count: a 128-row tile over 4 warps holds each K step's scaled partial
 # product beside the accumulator and spills (255 registers, a 296-byte stack), which ran 2.7-7x slower at
-# Qwen3-8B's projections (65-246 TFLOP/s against 416-676, 256 to 8,192 rows, H100; benchmarks/results/
-# fp8_block_gemm_h100.md). Per-channel scales multiply once after the loop, so the 128-row tile fits there.
+# Qwen3-8B's projections (65-246 TFLOP/s against 416-676, 256 to 8,192 rows, H100) and made a 4 x 2,048-token
+# prefill step 2.13x slower (benchmarks/results/fp8_block_gemm_h100.md). Per-channel scales multiply once
+# after the loop, so the 128-row tile fits there.
 GPU_TILES = {
     (False, False): (64, 128, 4, 4),
     (True, False): (128, 128, 4, 3),
