@@ -74,5 +74,5 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
                             ("stream gemv qkv, pdl", "_stream_gemv_kernel"), ("silu_mul, pdl", "_silu_mul_kernel"),
                             ("w8a8 gemm 512 rows, 128x128 blocks", "_w8a8_kernel")):
         assert rows[(variant, kernel)]["registers"] > 0
-    # the block-scaled W8A8 prefill tile: the 128-row 4-warp one spilled 296 bytes a thread and ran 2.7x slower
+    # the block-scaled W8A8 prefill tile: the 128-row 4-warp one spilled 296 bytes a thread and ran 2.7-7x slower
     assert rows[("w8a8 gemm 512 rows, 128x128 blocks", "_w8a8_kernel")]["stack_bytes"] == 0
