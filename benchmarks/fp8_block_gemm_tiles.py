@@ -1,11 +1,11 @@
-"""The W8A8 prefill GEMM for 128x128 block-scaled checkpoints (Qwen's FP8 releases) past 64 rows: the
-engine's tile (GPU_TILES in kernels/fp8_gemm.py) against the others a block-scaled tile could be: the
-128 x 128 x 128 tile over 4 warps the engine used until 04f759d (it spills 296 bytes a thread), 8 warps, 64
-rows, and wider ones, at the Qwen3-8B projections and 256 to 8,192 rows, in CUDA graphs. If one beats the
-engine's tile by 3% (geometric mean over every shape and row count), it is patched into GPU_TILES and the
-engine's whole prefill step of a block-scaled Qwen3-8B (dummy weights quantized as the checkpoint would be)
-runs with the table as committed and as patched, alternating, twice each: the step is the verdict, not the
-kernel alone.
+"""The W8A8 prefill GEMM for 128x128 block-scaled checkpoints (Qwen's FP8 releases): cuBLASLt's block-scaled
+FP8 GEMM (torch._scaled_mm with 1 x 128 by 128 x 128 scales, on sm90 with CUDA >= 12.9) and the engine's
+Triton tile (GPU_TILES in kernels/fp8_gemm.py) against the other tiles a block-scaled Triton tile could be:
+the 128 x 128 x 128 tile over 4 warps the engine used until 04f759d (it spills 296 bytes a thread), 8 warps,
+64 rows, and wider ones, at the Qwen3-8B projections and 32 to 8,192 rows, in CUDA graphs. If one beats the
+Triton tile by 3% (geometric mean over every shape and row count), the engine's whole prefill step of a
+block-scaled Qwen3-8B (dummy weights quantized as the checkpoint would be) runs on the Triton tile and on the
+winner, alternating, twice each: the step is the verdict, not the kernel alone.
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_block_gemm_tiles.py --out $OUT/fp8_block_gemm.json  # ~2 min
 """
@@ -28,44 +28,59 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import llmserve_core.kernels.fp8_gemm as fp8_gemm_module  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_block  # noqa: E402
-from llmserve_core.kernels.fp8_gemm import w8a8_gemm_reference, w8a8_gemm_triton  # noqa: E402
+from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_gemm_per_block,  # noqa: E402
+                                             w8a8_gemm_reference, w8a8_gemm_triton)
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from fp8_narrow_tiles import time_configs  # noqa: E402
 from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
 
 BLOCK = (128, 128)
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-ROWS = (256, 2048, 8192)
-KEY = (True, True)       # GPU_TILES' entry for more than 64 rows with per-block scales
+ROWS = (32, 256, 2048, 8192)
 # (BLOCK_M, BLOCK_N, warps, stages)
 CANDIDATES = {"m{}_n{}_w{}_s{}".format(*t): t for t in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
                                                         (64, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 3))}
 PREFILLS = ((1, 512), (4, 2048))     # (prompts, tokens each) in one prefill step
+CUBLAS = "cublas"
+
+
+def engine_tile(rows: int) -> tuple:
+    return fp8_gemm_module.GPU_TILES[(rows > 64, True)]
 
 
 def time_kernels(gen) -> dict:
-    """shape -> rows -> label -> {config, us, tflops, rel_err} (or the error)."""
-    engine_tile = fp8_gemm_module.GPU_TILES[KEY]
-    tiles = {"engine": engine_tile, **{lab: t for lab, t in CANDIDATES.items() if t != engine_tile}}
+    """shape -> rows -> label -> {config, us, tflops, rel_err} (or the error). "engine" is the Triton tile the
+    engine runs at that row count where cuBLAS does not take the layout; "cublas" is torch._scaled_mm."""
     out = {}
     for name, (n, k) in SHAPES.items():
         weight = quantize_per_block(torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02, BLOCK)
+        cublas = scaled_mm_supported(torch.device("cuda"), n, k, torch.bfloat16, BLOCK)
         out[name] = {}
         for m in ROWS:
-            a, a_s = quantize_activation(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16), BLOCK[1])
+            tiles = {"engine": engine_tile(m), **{lab: t for lab, t in CANDIDATES.items() if t != engine_tile(m)}}
+            if cublas:
+                tiles[CUBLAS] = CUBLAS
+            # M-major scales, as the engine quantizes for a block-scaled layer (the Triton kernel takes either)
+            a, a_s = quantize_activation(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16),
+                                         BLOCK[1], m_major=True)
 
             def call_and_reference(tile, a_s=a_s):
+                ref = w8a8_gemm_reference(a, a_s, *weight, BLOCK, torch.float32)
+                if tile == CUBLAS:
+                    return lambda x, q, s: w8a8_gemm_per_block(x, a_s, q, s, BLOCK, torch.bfloat16), ref
                 bm, bn, warps, stages = tile
                 return (lambda x, q, s: w8a8_gemm_triton(x, a_s, q, s, BLOCK, torch.bfloat16, block_m=bm,
-                                                         block_n=bn, num_warps=warps, num_stages=stages),
-                        w8a8_gemm_reference(a, a_s, *weight, BLOCK, torch.float32))
+                                                         block_n=bn, num_warps=warps, num_stages=stages), ref)
             row = out[name][m] = time_configs(tiles, call_and_reference, a, [weight], tolerance=1e-2)
             for r in row.values():
                 if "us" in r:
                     r["tflops"] = 2 * m * n * k / r["us"] / 1e6
+            for lab, r in row.items():
+                if "error" in r:
+                    print(f"    {name} m={m} {lab}: {r['error'][:200]}", flush=True)
             best = max((lab for lab in row if "us" in row[lab]), key=lambda lab: row[lab]["tflops"])
-            print(f"{name:8s} m={m:5d} engine {row['engine'].get('tflops', 0):6.0f} TFLOP/s, best {best} "
-                  f"{row[best]['tflops']:6.0f} TFLOP/s", flush=True)
+            print(f"{name:8s} m={m:5d} engine tile {row['engine'].get('tflops', 0):6.0f} TFLOP/s, cublas "
+                  f"{row.get(CUBLAS, {}).get('tflops', 0):6.0f}, best {best} {row[best]['tflops']:6.0f}", flush=True)
         torch.cuda.empty_cache()
     return out
 
@@ -107,23 +122,34 @@ def prefill_ms(engine, prompts: int, tokens: int, rnd: random.Random, reps: int,
     return statistics.median(times)
 
 
-def engine_verdict(tile, reps: int) -> dict:
+def engine_verdict(winner: str, reps: int) -> dict:
+    """The prefill steps on the engine's Triton tile ("triton": cuBLAS refused the layout) and on `winner`
+    (a candidate tile, with cuBLAS refused too, or "cublas"), alternating, twice each."""
     from llmserve_core import Engine, EngineConfig
     engine = Engine(EngineConfig(model=write_block_scaled_dir(), load_format="dummy", max_model_len=4096,
                                  max_num_seqs=8, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
                                  warmup=False))     # the untimed steps of each variant compile what it needs
-    rnd, ids, table, out = random.Random(0), itertools.count(), fp8_gemm_module.GPU_TILES[KEY], {}
+    rnd, ids, out = random.Random(0), itertools.count(), {}
+    tiles, supported = dict(fp8_gemm_module.GPU_TILES), fp8_gemm_module.scaled_mm_supported
+
+    def refuse_blocks(device, n, k, out_dtype, block=None):
+        return block is None and supported(device, n, k, out_dtype)
     try:
-        for variant in ("table", "patched", "table2", "patched2"):
-            fp8_gemm_module.GPU_TILES[KEY] = tile if variant.startswith("patched") else table
+        for variant in ("triton", winner, "triton2", winner + "2"):
+            fp8_gemm_module.GPU_TILES.update(tiles)
+            fp8_gemm_module.scaled_mm_supported = supported if variant.startswith(CUBLAS) else refuse_blocks
+            if variant.startswith(winner) and winner != CUBLAS:
+                for key in ((False, True), (True, True)):
+                    fp8_gemm_module.GPU_TILES[key] = CANDIDATES[winner]
             for prompts, tokens in PREFILLS:
                 ms = prefill_ms(engine, prompts, tokens, rnd, reps, ids)
                 out.setdefault(f"{prompts}x{tokens}", {})[variant] = ms
                 print(f"prefill {prompts}x{tokens:5d} {variant:9s} {ms:8.2f} ms", flush=True)
     finally:
-        fp8_gemm_module.GPU_TILES[KEY] = table
+        fp8_gemm_module.GPU_TILES.update(tiles)
+        fp8_gemm_module.scaled_mm_supported = supported
     for case in out.values():
-        case["speedup"] = (case["table"] + case["table2"]) / (case["patched"] + case["patched2"])
+        case["speedup"] = (case["triton"] + case["triton2"]) / (case[winner] + case[winner + "2"])
     return out
 
 
@@ -136,15 +162,16 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         sys.exit("fp8_block_gemm_tiles: needs an FP8 GPU (sm89 or later)")
-    out = {"commit": args.commit, "device": torch.cuda.get_device_name(), "engine_tile": fp8_gemm_module.GPU_TILES[KEY]}
+    out = {"commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "engine_tiles": {str(k): v for k, v in fp8_gemm_module.GPU_TILES.items()}}
     out["kernels"] = time_kernels(torch.Generator(device="cuda").manual_seed(0))
     out["geomean_speedup"] = geomean_ratio(out["kernels"])
     best = max(out["geomean_speedup"], key=out["geomean_speedup"].get)
-    print("geomean speedup over the engine's tile: "
+    print("geomean speedup over the engine's Triton tile: "
           + ", ".join(f"{lab} {r:.3f}" for lab, r in sorted(out["geomean_speedup"].items(), key=lambda x: -x[1])))
     if best != "engine" and out["geomean_speedup"][best] > 1.03:
         out["candidate"] = best
-        out["engine"] = engine_verdict(CANDIDATES[best], args.reps)
+        out["engine"] = engine_verdict(best, args.reps)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

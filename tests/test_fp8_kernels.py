@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_channel, w8a8_gemm_reference, w8a8_gemm_triton
+from llmserve_core.kernels.fp8_gemm import scaled_mm_supported, w8a8_gemm_per_block, w8a8_gemm_per_channel, \
+    w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
 from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference, \
     fp8_gemv_config, fp8_gemv_reference, num_sms, x_ahead_config
@@ -66,11 +67,13 @@ def test_quantize_activation(m, k, group, dtype):
     gen = torch.Generator().manual_seed(m * k)
     x = (torch.randn(m, k, generator=gen) * 5).to(DEVICE, dtype)
     x[0, :] = 0                                       # an all-zero row keeps a finite scale
-    q, s = quantize_activation(x, group)
     q_ref, s_ref = quantize_activation_reference(x, group)
-    assert s.shape == s_ref.shape and torch.allclose(s, s_ref, rtol=1e-6)
-    # Same float32 division, same round-to-nearest-even cast: bit-equal codes.
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    for m_major in (False, True):
+        q, s = quantize_activation(x, group, m_major=m_major)
+        assert s.shape == s_ref.shape and torch.allclose(s, s_ref, rtol=1e-6)
+        assert s.stride() == ((1, m) if m_major else (s.shape[1], 1))     # cuBLAS's block scaling reads (1, M)
+        # Same float32 division, same round-to-nearest-even cast: bit-equal codes.
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 # ---------------------------------------------------------------- GEMV
@@ -290,11 +293,65 @@ def test_w8a8_gemm_triton(m, n, k, block):
     gen = torch.Generator().manual_seed(m * n + k)
     w, ws = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
-    a, a_s = quantize_activation(x, None if block is None else block[1])
-    out = w8a8_gemm_triton(a, a_s, w, ws, block, torch.float32)
-    assert rel_err(out, w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)) < A8_TOL
-    # and the whole W8A8 product stays near the unquantized one
-    assert rel_err(out, x @ dequantize_weight(w, ws, block).t()) < 0.08
+    for m_major in (False, True) if block else (False,):     # the Triton kernel reads either scale layout
+        a, a_s = quantize_activation(x, None if block is None else block[1], m_major=m_major)
+        out = w8a8_gemm_triton(a, a_s, w, ws, block, torch.float32)
+        assert rel_err(out, w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)) < A8_TOL
+        # and the whole W8A8 product stays near the unquantized one
+        assert rel_err(out, x @ dequantize_weight(w, ws, block).t()) < 0.08
+
+
+def test_scaled_mm_takes_block_scales_only_where_cublas_runs_them(monkeypatch):
+    import llmserve_core.kernels.fp8_gemm as fp8_gemm_module
+    cuda, cap = torch.device("cuda"), [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    monkeypatch.setattr(fp8_gemm_module, "TORCH_VERSION", (2, 11))
+    monkeypatch.setattr(fp8_gemm_module, "CUDA_VERSION", (13, 0))
+    block = (128, 128)
+    for n, k in QWEN3_8B_LINEARS:
+        assert scaled_mm_supported(cuda, n, k, torch.bfloat16, block)
+    assert not scaled_mm_supported(torch.device("cpu"), 4096, 4096, torch.bfloat16, block)
+    assert not scaled_mm_supported(cuda, 4096, 4096, torch.float16, block)          # bf16 out only
+    assert not scaled_mm_supported(cuda, 4096, 4096, torch.bfloat16, (64, 128))     # cuBLAS's blocks are 128
+    assert not scaled_mm_supported(cuda, 4000, 4096, torch.bfloat16, block)         # a partial block of rows
+    assert not scaled_mm_supported(cuda, 4096, 4224, torch.bfloat16, block)         # 33 K blocks: padded scales
+    for attr, old in (("TORCH_VERSION", (2, 8)), ("CUDA_VERSION", (12, 8))):
+        monkeypatch.setattr(fp8_gemm_module, attr, old)
+        assert not scaled_mm_supported(cuda, 4096, 4096, torch.bfloat16, block)
+        monkeypatch.setattr(fp8_gemm_module, attr, (99, 0))
+    for other in ((8, 9), (10, 0)):       # torch refuses the layout off sm90; row-wise stays
+        cap[0] = other
+        assert not scaled_mm_supported(cuda, 4096, 4096, torch.bfloat16, block)
+        assert scaled_mm_supported(cuda, 4096, 4096, torch.bfloat16)
+
+
+def test_block_scaled_gemm_hands_cublas_the_scale_layouts_torch_checks(monkeypatch):
+    """w8a8_gemm_per_block's call of torch._scaled_mm, held to the layouts torch accepts for 1 x 128 by 128 x
+    128 scaling (aten ScaledBlas: a's scales [M, K/128] with strides (1, M); b = w.t() checked as b.t() with
+    scale_b.t(): [N/128, K/128] with strides (K/128, 1)), and computing what those scales mean."""
+    import llmserve_core.kernels.fp8_gemm as fp8_gemm_module
+    monkeypatch.setattr(fp8_gemm_module, "scaled_mm_supported", lambda *args: True)
+    calls = []
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        m, k = a.shape
+        n = b.shape[1]
+        assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
+        assert scale_b.t().shape == (n // 128, k // 128) and scale_b.t().stride() == (k // 128, 1)
+        calls.append(m)
+        a_deq = a.float() * scale_a.repeat_interleave(128, 1)
+        b_deq = b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return (a_deq @ b_deq).to(out_dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    gen = torch.Generator().manual_seed(5)
+    w, ws = random_fp8_weight(256, 512, (128, 128), gen, "cpu")
+    x = torch.randn(20, 512, generator=gen)
+    a, a_s = quantize_activation(x, 128, m_major=True)
+    ref = w8a8_gemm_reference(a, a_s, w, ws, (128, 128), torch.float32)
+    assert rel_err(w8a8_gemm_per_block(a, a_s, w, ws, (128, 128), torch.float32), ref) < 1e-6 and calls == [20]
+    # row-major scales are not cuBLAS's layout: the Triton kernel takes them
+    a, a_s = quantize_activation(x, 128)
+    assert rel_err(w8a8_gemm_per_block(a, a_s, w, ws, (128, 128), torch.float32), ref) < A8_TOL and calls == [20]
 
 
 def test_fp8_linear_matches_its_dequantized_twin():
@@ -427,6 +484,11 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
             assert rel_err(w8a8_gemm_per_channel(a, a_s, w, ws, torch.bfloat16), ref) < 1e-2
             assert rel_err(w8a8_gemm_triton(a, a_s.view(-1, 1), w, ws, None, torch.bfloat16), ref) < 1e-2
         else:
+            assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
+            # the layer's path: M-major scales, cuBLAS's block-scaled GEMM where scaled_mm_supported says so
+            a, a_s = quantize_activation(x, block[1], m_major=True)
+            ref = w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)
+            assert rel_err(w8a8_gemm_per_block(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
             assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
     # the layer's dispatch: empty, GEMV and W8A8 row counts against the weight-only reference
     layer = Fp8Linear(k, n, block).to("cuda")

@@ -5,8 +5,9 @@ scale layouts:
 - per channel: a has one scale per row (token), w one per output row. torch._scaled_mm runs this with
   row-wise scales (torch >= 2.5, sm89+, bf16 out, N and K multiples of 16); the Triton kernel covers the rest.
 - per block: a has one scale per 1 x bk piece of a row, w one per bn x bk tile (Qwen's FP8 checkpoints,
-  128 x 128). Each K tile of the Triton kernel lies in one scale block, so its partial product is scaled
-  as it is accumulated (the DeepSeek-V3 / vLLM w8a8_block_fp8_matmul scheme).
+  128 x 128). cuBLASLt runs 1 x 128 by 128 x 128 scales on sm90 (CUDA >= 12.9, through torch._scaled_mm
+  since torch 2.9), reading a's scales M-major; elsewhere the Triton kernel, whose K tiles each lie in one
+  scale block, so its partial product is scaled as it is accumulated (the DeepSeek-V3 scheme).
 """
 from __future__ import annotations
 
@@ -110,14 +111,26 @@ def w8a8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
     return out
 
 
-def scaled_mm_supported(device: torch.device, n: int, k: int, out_dtype: torch.dtype) -> bool:
-    """Whether torch._scaled_mm takes row-wise scales here: torch >= 2.5, an sm89+ card, bf16 out, 16-aligned."""
+def _version(text: str | None) -> tuple[int, int]:
+    return tuple(int(p) for p in (text or "0.0").split("+")[0].split(".")[:2])
+
+
+TORCH_VERSION, CUDA_VERSION = _version(torch.__version__), _version(torch.version.cuda)
+
+
+def scaled_mm_supported(device: torch.device, n: int, k: int, out_dtype: torch.dtype,
+                        block: tuple[int, int] | None = None) -> bool:
+    """Whether torch._scaled_mm runs this layer's scales here, bf16 out. Row-wise (block None): torch >= 2.5,
+    an sm89+ card, N and K 16-aligned. 1 x 128 by 128 x 128 blocks: torch >= 2.9 over CUDA >= 12.9 on
+    sm90 (torch refuses the layout on other cards), N a whole number of blocks, and K a whole number of
+    four blocks (cuBLAS pads the weight's scale rows to four; unpadded rows then need no copy)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or out_dtype != torch.bfloat16:
         return False
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    if (major, minor) < (2, 5):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9) and n % 16 == 0 and k % 16 == 0
+    if block is None:
+        return TORCH_VERSION >= (2, 5) and torch.cuda.get_device_capability(device) >= (8, 9) \
+            and n % 16 == 0 and k % 16 == 0
+    return (tuple(block) == (128, 128) and TORCH_VERSION >= (2, 9) and CUDA_VERSION >= (12, 9)
+            and torch.cuda.get_device_capability(device) == (9, 0) and n % 128 == 0 and k % 512 == 0)
 
 
 def w8a8_gemm_per_channel(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -127,6 +140,16 @@ def w8a8_gemm_per_channel(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
         return torch._scaled_mm(a, w.t(), scale_a=a_scale.view(-1, 1), scale_b=w_scale.view(1, -1),
                                 out_dtype=out_dtype)
     return w8a8_gemm_triton(a, a_scale.view(-1, 1), w, w_scale, None, out_dtype)
+
+
+def w8a8_gemm_per_block(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """Per 1 x bk piece x per bn x bk tile: cuBLASLt's block-scaled FP8 GEMM through torch._scaled_mm where
+    scaled_mm_supported says so (a_scale M-major: quantize_activation(..., m_major=True)), else Triton."""
+    if a_scale.stride() == (1, a.shape[0]) and w_scale.is_contiguous() \
+            and scaled_mm_supported(a.device, w.shape[0], a.shape[1], out_dtype, block):
+        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+    return w8a8_gemm_triton(a, a_scale, w, w_scale, block, out_dtype)
 
 
 def w8a8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
