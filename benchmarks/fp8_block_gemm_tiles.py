@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import llmserve_core.kernels.fp8_gemm as fp8_gemm_module  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_block  # noqa: E402
-from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_gemm_per_block,  # noqa: E402
+from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_block_linear,  # noqa: E402
                                              w8a8_gemm_reference, w8a8_gemm_triton)
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from fp8_narrow_tiles import time_configs  # noqa: E402
@@ -36,7 +36,7 @@ from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
 
 BLOCK = (128, 128)
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-ROWS = (32, 256, 2048, 8192)
+ROWS = (17, 32, 256, 2048, 8192)     # 17: the fewest rows past the GEMV, padded for cuBLAS
 # (BLOCK_M, BLOCK_N, warps, stages)
 CANDIDATES = {"m{}_n{}_w{}_s{}".format(*t): t for t in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
                                                         (64, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 3))}
@@ -49,8 +49,9 @@ def engine_tile(rows: int) -> tuple:
 
 
 def time_kernels(gen) -> dict:
-    """shape -> rows -> label -> {config, us, tflops, rel_err} (or the error). "engine" is the Triton tile the
-    engine runs at that row count where cuBLAS does not take the layout; "cublas" is torch._scaled_mm."""
+    """shape -> rows -> label -> {config, us, tflops, rel_err} (or the error), each timing x's quantization
+    and the GEMM, as a layer runs them. "engine" is the Triton tile the engine runs at that row count where
+    cuBLAS does not take the layout; "cublas" is w8a8_block_linear's torch._scaled_mm."""
     out = {}
     for name, (n, k) in SHAPES.items():
         weight = quantize_per_block(torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02, BLOCK)
@@ -60,18 +61,18 @@ def time_kernels(gen) -> dict:
             tiles = {"engine": engine_tile(m), **{lab: t for lab, t in CANDIDATES.items() if t != engine_tile(m)}}
             if cublas:
                 tiles[CUBLAS] = CUBLAS
-            # M-major scales, as the engine quantizes for a block-scaled layer (the Triton kernel takes either)
-            a, a_s = quantize_activation(torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16),
-                                         BLOCK[1], m_major=True)
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = w8a8_gemm_reference(*quantize_activation(x, BLOCK[1]), *weight, BLOCK, torch.float32)
 
-            def call_and_reference(tile, a_s=a_s):
-                ref = w8a8_gemm_reference(a, a_s, *weight, BLOCK, torch.float32)
+            def call_and_reference(tile, ref=ref):
+                # each arm as the engine runs it: x quantized per 1 x 128 piece, then the GEMM
                 if tile == CUBLAS:
-                    return lambda x, q, s: w8a8_gemm_per_block(x, a_s, q, s, BLOCK, torch.bfloat16), ref
+                    return lambda x, q, s: w8a8_block_linear(x, q, s, BLOCK, torch.bfloat16), ref
                 bm, bn, warps, stages = tile
-                return (lambda x, q, s: w8a8_gemm_triton(x, a_s, q, s, BLOCK, torch.bfloat16, block_m=bm,
-                                                         block_n=bn, num_warps=warps, num_stages=stages), ref)
-            row = out[name][m] = time_configs(tiles, call_and_reference, a, [weight], tolerance=1e-2)
+                return (lambda x, q, s: w8a8_gemm_triton(*quantize_activation(x, BLOCK[1]), q, s, BLOCK,
+                                                         torch.bfloat16, block_m=bm, block_n=bn,
+                                                         num_warps=warps, num_stages=stages), ref)
+            row = out[name][m] = time_configs(tiles, call_and_reference, x, [weight], tolerance=1e-2)
             for r in row.values():
                 if "us" in r:
                     r["tflops"] = 2 * m * n * k / r["us"] / 1e6

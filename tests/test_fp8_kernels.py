@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels.fp8_gemm import scaled_mm_supported, w8a8_gemm_per_block, w8a8_gemm_per_channel, \
+from llmserve_core.kernels.fp8_gemm import scaled_mm_supported, w8a8_block_linear, w8a8_gemm_per_channel, \
     w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
 from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference, \
@@ -326,9 +326,10 @@ def test_scaled_mm_takes_block_scales_only_where_cublas_runs_them(monkeypatch):
 
 
 def test_block_scaled_gemm_hands_cublas_the_scale_layouts_torch_checks(monkeypatch):
-    """w8a8_gemm_per_block's call of torch._scaled_mm, held to the layouts torch accepts for 1 x 128 by 128 x
+    """w8a8_block_linear's call of torch._scaled_mm, held to the layouts torch accepts for 1 x 128 by 128 x
     128 scaling (aten ScaledBlas: a's scales [M, K/128] with strides (1, M); b = w.t() checked as b.t() with
-    scale_b.t(): [N/128, K/128] with strides (K/128, 1)), and computing what those scales mean."""
+    scale_b.t(): [N/128, K/128] with strides (K/128, 1)) and to the rows cuBLAS took (padded to a multiple
+    of CUBLAS_BLOCK_ROWS), computing what those scales mean."""
     import llmserve_core.kernels.fp8_gemm as fp8_gemm_module
     monkeypatch.setattr(fp8_gemm_module, "scaled_mm_supported", lambda *args: True)
     calls = []
@@ -336,6 +337,7 @@ def test_block_scaled_gemm_hands_cublas_the_scale_layouts_torch_checks(monkeypat
     def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype):
         m, k = a.shape
         n = b.shape[1]
+        assert m % fp8_gemm_module.CUBLAS_BLOCK_ROWS == 0
         assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
         assert scale_b.t().shape == (n // 128, k // 128) and scale_b.t().stride() == (k // 128, 1)
         calls.append(m)
@@ -344,14 +346,20 @@ def test_block_scaled_gemm_hands_cublas_the_scale_layouts_torch_checks(monkeypat
         return (a_deq @ b_deq).to(out_dtype)
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
     gen = torch.Generator().manual_seed(5)
-    w, ws = random_fp8_weight(256, 512, (128, 128), gen, "cpu")
-    x = torch.randn(20, 512, generator=gen)
-    a, a_s = quantize_activation(x, 128, m_major=True)
-    ref = w8a8_gemm_reference(a, a_s, w, ws, (128, 128), torch.float32)
-    assert rel_err(w8a8_gemm_per_block(a, a_s, w, ws, (128, 128), torch.float32), ref) < 1e-6 and calls == [20]
-    # row-major scales are not cuBLAS's layout: the Triton kernel takes them
+    w, ws = random_fp8_weight(256, 512, (128, 128), gen)
+    x = torch.randn(20, 512, generator=gen).to(DEVICE)
     a, a_s = quantize_activation(x, 128)
-    assert rel_err(w8a8_gemm_per_block(a, a_s, w, ws, (128, 128), torch.float32), ref) < A8_TOL and calls == [20]
+    ref = w8a8_gemm_reference(a, a_s, w, ws, (128, 128), torch.float32)
+    out = w8a8_block_linear(x, w, ws, (128, 128), torch.float32)
+    assert out.shape == (20, 256) and calls == [32] and rel_err(out, ref) < 1e-6
+    # the padding rows are zeros with a finite scale, whatever x's memory held past its rows
+    q, s = quantize_activation(x[:3], 128, m_major=True, pad_rows_to=16)
+    assert q.shape == (16, 512) and s.shape == (16, 4) and s.stride() == (1, 16)
+    assert (q[3:].float() == 0).all() and torch.isfinite(s).all()
+    assert torch.equal(q[:3].view(torch.uint8), a[:3].view(torch.uint8)) and torch.equal(s[:3], a_s[:3])
+    # where cuBLAS does not take the layout, the Triton kernel runs
+    monkeypatch.setattr(fp8_gemm_module, "scaled_mm_supported", lambda *args: False)
+    assert rel_err(w8a8_block_linear(x, w, ws, (128, 128), torch.float32), ref) < A8_TOL and calls == [32]
 
 
 def test_fp8_linear_matches_its_dequantized_twin():
@@ -485,10 +493,10 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
             assert rel_err(w8a8_gemm_triton(a, a_s.view(-1, 1), w, ws, None, torch.bfloat16), ref) < 1e-2
         else:
             assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
-            # the layer's path: M-major scales, cuBLAS's block-scaled GEMM where scaled_mm_supported says so
-            a, a_s = quantize_activation(x, block[1], m_major=True)
-            ref = w8a8_gemm_reference(a, a_s, w, ws, block, torch.float32)
-            assert rel_err(w8a8_gemm_per_block(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
+            # the layer's path: cuBLAS's block-scaled GEMM (rows padded) where scaled_mm_supported says so
+            out = w8a8_block_linear(x, w, ws, block, torch.bfloat16)
+            assert out.shape == (m, n) and rel_err(out, ref) < 1e-2
+            a, a_s = quantize_activation(x, block[1], m_major=True)       # Triton on M-major scales
             assert rel_err(w8a8_gemm_triton(a, a_s, w, ws, block, torch.bfloat16), ref) < 1e-2
     # the layer's dispatch: empty, GEMV and W8A8 row counts against the weight-only reference
     layer = Fp8Linear(k, n, block).to("cuda")

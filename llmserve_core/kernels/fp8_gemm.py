@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from llmserve_core.kernels.fp8_format import FP8, dequantize_weight
+from llmserve_core.kernels.fp8_quant import quantize_activation
 
 
 @triton.jit
@@ -142,13 +143,21 @@ def w8a8_gemm_per_channel(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
     return w8a8_gemm_triton(a, a_scale.view(-1, 1), w, w_scale, None, out_dtype)
 
 
-def w8a8_gemm_per_block(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                        block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
-    """Per 1 x bk piece x per bn x bk tile: cuBLASLt's block-scaled FP8 GEMM through torch._scaled_mm where
-    scaled_mm_supported says so (a_scale M-major: quantize_activation(..., m_major=True)), else Triton."""
-    if a_scale.stride() == (1, a.shape[0]) and w_scale.is_contiguous() \
-            and scaled_mm_supported(a.device, w.shape[0], a.shape[1], out_dtype, block):
-        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+# cuBLASLt refused 1 x 128 scales for 17 rows (CUBLAS_STATUS_NOT_SUPPORTED, H100, CUDA 13.0) and took 32:
+# the block-scaled path pads the rows (zeros) to a multiple of this and drops the padding from the output.
+CUBLAS_BLOCK_ROWS = 16
+
+
+def w8a8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] (16-bit) @ dequant(w [N, K], per bn x bk tile)^T, x quantized here per 1 x bk piece: through
+    cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm) where scaled_mm_supported says so, with the scales
+    M-major and the rows padded as it needs; else the Triton kernel."""
+    m, k = x.shape
+    if w_scale.is_contiguous() and scaled_mm_supported(x.device, w.shape[0], k, out_dtype, block):
+        a, a_scale = quantize_activation(x, block[1], m_major=True, pad_rows_to=CUBLAS_BLOCK_ROWS)
+        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
+    a, a_scale = quantize_activation(x, block[1])
     return w8a8_gemm_triton(a, a_scale, w, w_scale, block, out_dtype)
 
 

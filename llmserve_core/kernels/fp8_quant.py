@@ -9,49 +9,54 @@ from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, to_fp8
 
 
 # stride_sg is the row count where the scales are M-major: not specialized, so no row count compiles anew.
-@triton.jit(do_not_specialize=["stride_sm", "stride_sg"])
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm, stride_sg,
+@triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, group, stride_xm, stride_qm, stride_sm, stride_sg,
                           FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (row, group of `group` columns): amax pass, then the scaled, saturating cast."""
+    """One program per (row, group of `group` columns): amax pass, then the scaled, saturating cast. Rows
+    past M (padding) read as zeros."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     lo = g * group
     hi = tl.minimum(lo + group, K)
+    hi_x = tl.where(row < M, hi, lo)     # a padding row reads nothing
     amax = tl.zeros([BLOCK], tl.float32)
     for k0 in range(lo, hi, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + k, mask=k < hi, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < hi_x, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
     for k0 in range(lo, hi, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + k, mask=k < hi, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < hi_x, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < hi)
 
 
-def quantize_activation(x: torch.Tensor, group: int | None = None,
-                        m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, group: int | None = None, m_major: bool = False,
+                        pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K/group)]).
 
     group None: one scale per token (row), as compressed-tensors' per-token scheme; group 128: one per
     1 x 128 piece of a row, what a 128 x 128 block-scaled weight is multiplied against. m_major: the scales
-    are laid out row index fastest (strides (1, M)), the layout cuBLAS's 1 x 128 block scaling reads.
+    are laid out row index fastest (strides (1, rows)), the layout cuBLAS's 1 x 128 block scaling reads.
+    pad_rows_to: the rows come padded to a multiple of it, zeros (with the smallest scale) past M.
     """
     m, k = x.shape
     assert x.stride(1) == 1, "x: last dim must be contiguous"
+    assert pad_rows_to >= 1, "pad_rows_to: a positive row multiple"
     group = group or k
     num_groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    rows = triton.cdiv(m, pad_rows_to) * pad_rows_to
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
     if m_major:
-        scale = torch.empty(num_groups, m, dtype=torch.float32, device=x.device).t()
+        scale = torch.empty(num_groups, rows, dtype=torch.float32, device=x.device).t()
     else:
-        scale = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
-    if m == 0:
+        scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    if rows == 0:
         return q, scale
-    _quantize_rows_kernel[(m, num_groups)](
-        x, q, scale, k, group, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+    _quantize_rows_kernel[(rows, num_groups)](
+        x, q, scale, m, k, group, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=min(1024, triton.next_power_of_2(group)), num_warps=4)
     return q, scale
 

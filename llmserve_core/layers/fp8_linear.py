@@ -133,11 +133,9 @@ class Fp8Linear(nn.Module):
         return self.in_features % MIN_BLOCK_K == 0 and (self.block is None or self.block[0] % ROWS_PER_PROGRAM == 0)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        from llmserve_core.kernels.fp8_gemm import w8a8_gemm_per_block, w8a8_gemm_per_channel
+        from llmserve_core.kernels.fp8_gemm import w8a8_block_linear, w8a8_gemm_per_channel
         from llmserve_core.kernels.fp8_quant import quantize_activation
-        if self.block is None:
-            a, a_scale = quantize_activation(x)
-            return w8a8_gemm_per_channel(a, a_scale, self.weight, self.weight_scale, x.dtype)
-        # M-major scales: the layout cuBLAS's block scaling reads; the Triton kernel takes either.
-        a, a_scale = quantize_activation(x, self.block[1], m_major=True)
-        return w8a8_gemm_per_block(a, a_scale, self.weight, self.weight_scale, self.block, x.dtype)
+        if self.block is not None:
+            return w8a8_block_linear(x, self.weight, self.weight_scale, self.block, x.dtype)
+        a, a_scale = quantize_activation(x)
+        return w8a8_gemm_per_channel(a, a_scale, self.weight, self.weight_scale, x.dtype)
