@@ -143,9 +143,11 @@ def w8a8_gemm_per_channel(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
     return w8a8_gemm_triton(a, a_scale.view(-1, 1), w, w_scale, None, out_dtype)
 
 
-# cuBLASLt refused 1 x 128 scales for 17 rows (CUBLAS_STATUS_NOT_SUPPORTED, H100, CUDA 13.0) and took 32:
-# the block-scaled path pads the rows (zeros) to a multiple of this and drops the padding from the output.
-CUBLAS_BLOCK_ROWS = 16
+# cuBLASLt takes 1 x 128 scales (M-major, a column of scales per K block) only for a row count that is a
+# multiple of 4: on an H100 with CUDA 13.0 every count from 20 to 48 in steps of 4 ran, and 1,000 and 1,004,
+# while 17-19, 21-23, ... and 1,001 got CUBLAS_STATUS_NOT_SUPPORTED. The block-scaled path pads the rows
+# (zeros) to a multiple of this and drops the padding from the output.
+CUBLAS_BLOCK_ROWS = 4
 
 
 def w8a8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
