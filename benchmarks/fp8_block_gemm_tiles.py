@@ -40,7 +40,7 @@ ROWS = (17, 32, 256, 2048, 8192)     # 17: the fewest rows past the GEMV, padded
 # (BLOCK_M, BLOCK_N, warps, stages)
 CANDIDATES = {"m{}_n{}_w{}_s{}".format(*t): t for t in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
                                                         (64, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 3))}
-PREFILLS = ((1, 512), (4, 2048))     # (prompts, tokens each) in one prefill step
+PREFILLS = "1x512,4x2048"     # (prompts)x(tokens each) of the timed prefill steps
 CUBLAS = "cublas"
 
 
@@ -86,6 +86,29 @@ def time_kernels(gen) -> dict:
     return out
 
 
+def host_us_per_call(rows: int = 512, calls: int = 200) -> dict:
+    """Host microseconds a layer's block-scaled GEMM call takes (quantization included) on each path, qkv's
+    shape, the GPU left to run behind: what an eager step that the host bounds pays per call."""
+    n, k = SHAPES["qkv"]
+    w, ws = quantize_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16) * 0.02, BLOCK)
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    paths = {"triton": lambda: w8a8_gemm_triton(*quantize_activation(x, BLOCK[1]), w, ws, BLOCK, torch.bfloat16)}
+    if scaled_mm_supported(x.device, n, k, torch.bfloat16, BLOCK):
+        paths[CUBLAS] = lambda: w8a8_block_linear(x, w, ws, BLOCK, torch.bfloat16)
+    out = {}
+    for name, call in paths.items():
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+    print("host us per call at 512 rows: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def geomean_ratio(kernels: dict) -> dict:
     """label -> geometric mean of (engine us / its us) over every shape and row count it ran."""
     ratios = {}
@@ -123,7 +146,20 @@ def prefill_ms(engine, prompts: int, tokens: int, rnd: random.Random, reps: int,
     return statistics.median(times)
 
 
-def engine_verdict(winner: str, reps: int) -> dict:
+def parse_prefills(text: str) -> list[tuple[int, int]]:
+    """"1x512,4x2048" -> [(1, 512), (4, 2048)]: prompts and tokens each of a prefill step (8,192 tokens at most)."""
+    steps = []
+    for item in text.split(","):
+        prompts, _, tokens = item.partition("x")
+        if not (prompts.isdigit() and tokens.isdigit()) or not 1 <= int(prompts) * int(tokens) <= 8192 \
+                or not 1 <= int(tokens) <= 4000 or int(prompts) > 8:
+            raise argparse.ArgumentTypeError(f"--prefills: {item!r} is not PROMPTSxTOKENS (up to 8 prompts of "
+                                             f"up to 4,000 tokens, 8,192 in all)")
+        steps.append((int(prompts), int(tokens)))
+    return steps
+
+
+def engine_verdict(winner: str, reps: int, prefills: list[tuple[int, int]]) -> dict:
     """The prefill steps on the engine's Triton tile ("triton": cuBLAS refused the layout) and on `winner`
     (a candidate tile, with cuBLAS refused too, or "cublas"), alternating, twice each."""
     from llmserve_core import Engine, EngineConfig
@@ -142,7 +178,7 @@ def engine_verdict(winner: str, reps: int) -> dict:
             if variant.startswith(winner) and winner != CUBLAS:
                 for key in ((False, True), (True, True)):
                     fp8_gemm_module.GPU_TILES[key] = CANDIDATES[winner]
-            for prompts, tokens in PREFILLS:
+            for prompts, tokens in prefills:
                 ms = prefill_ms(engine, prompts, tokens, rnd, reps, ids)
                 out.setdefault(f"{prompts}x{tokens}", {})[variant] = ms
                 print(f"prefill {prompts}x{tokens:5d} {variant:9s} {ms:8.2f} ms", flush=True)
@@ -158,6 +194,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--prefills", type=parse_prefills, default=parse_prefills(PREFILLS),
+                    help=f"the timed prefill steps, PROMPTSxTOKENS,... (default {PREFILLS})")
+    ap.add_argument("--step-only", choices=[CUBLAS, *CANDIDATES], default=None,
+                    help="skip the kernel table: time the prefill steps on the Triton tile and this arm")
     ap.add_argument("--reps", type=int, default=5, choices=range(1, 101), metavar="1..100",
                     help="timed prefill steps per variant and shape")
     args = ap.parse_args()
@@ -165,14 +205,19 @@ def main() -> None:
         sys.exit("fp8_block_gemm_tiles: needs an FP8 GPU (sm89 or later)")
     out = {"commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cuda": torch.version.cuda, "engine_tiles": {str(k): v for k, v in fp8_gemm_module.GPU_TILES.items()}}
-    out["kernels"] = time_kernels(torch.Generator(device="cuda").manual_seed(0))
-    out["geomean_speedup"] = geomean_ratio(out["kernels"])
-    best = max(out["geomean_speedup"], key=out["geomean_speedup"].get)
-    print("geomean speedup over the engine's Triton tile: "
-          + ", ".join(f"{lab} {r:.3f}" for lab, r in sorted(out["geomean_speedup"].items(), key=lambda x: -x[1])))
-    if best != "engine" and out["geomean_speedup"][best] > 1.03:
-        out["candidate"] = best
-        out["engine"] = engine_verdict(best, args.reps)
+    out["host_us_per_call"] = host_us_per_call()
+    if args.step_only:
+        out["candidate"] = args.step_only
+        out["engine"] = engine_verdict(args.step_only, args.reps, args.prefills)
+    else:
+        out["kernels"] = time_kernels(torch.Generator(device="cuda").manual_seed(0))
+        out["geomean_speedup"] = geomean_ratio(out["kernels"])
+        best = max(out["geomean_speedup"], key=out["geomean_speedup"].get)
+        print("geomean speedup over the engine's Triton tile: " + ", ".join(
+            f"{lab} {r:.3f}" for lab, r in sorted(out["geomean_speedup"].items(), key=lambda x: -x[1])))
+        if best != "engine" and out["geomean_speedup"][best] > 1.03:
+            out["candidate"] = best
+            out["engine"] = engine_verdict(best, args.reps, args.prefills)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 
