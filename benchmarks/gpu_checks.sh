@@ -23,8 +23,9 @@
 #            and idle time  -> $OUT/decode_profile.json
 #   fp8      the FP8 kernel and engine GPU tests, then the open FP8 measurement: fp8_tma_tiles.py (one-row a8
 #            tiles with TMA weight loads against the engine's kernels, then the batch-1 FP8 step with any
-#            winner patched in), and fp8_block_gemm_tiles.py (the block-scaled W8A8 prefill tile against
-#            the earlier spilling one, 8-warp and wider ones, then the prefill step with any winner patched in)
+#            winner patched in), and fp8_block_gemm_tiles.py (the block-scaled W8A8 GEMM: cuBLAS's block
+#            scaling and the Triton tile against other tiles, then the prefill steps on the Triton tile and
+#            any winner)
 #            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
 # README "GPU checks"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
