@@ -2,7 +2,7 @@
 FP8 GEMM (torch._scaled_mm with 1 x 128 by 128 x 128 scales, on sm90 with CUDA >= 12.9) and the engine's
 Triton tile (GPU_TILES in kernels/fp8_gemm.py) against the other tiles a block-scaled Triton tile could be:
 the 128 x 128 x 128 tile over 4 warps the engine used until 04f759d (it spills 296 bytes a thread), 8 warps,
-64 rows, and wider ones, at the Qwen3-8B projections and 32 to 8,192 rows, in CUDA graphs. If one beats the
+64 rows, and wider ones, at the Qwen3-8B projections and 17 to 8,192 rows, in CUDA graphs. If one beats the
 Triton tile by 3% (geometric mean over every shape and row count), the engine's whole prefill step of a
 block-scaled Qwen3-8B (dummy weights quantized as the checkpoint would be) runs on the Triton tile and on the
 winner, alternating, twice each: the step is the verdict, not the kernel alone.

@@ -11,6 +11,7 @@ twice each, in the same process: the step is the verdict, not the kernel alone. 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -77,12 +78,15 @@ def time_shape(name: str, n: int, k: int, gen) -> dict:
     # 1 x 128 piece ahead, or in the kernel per 1 x BLOCK_K piece (the two differ by x's quantization error,
     # about 2%, more than the check allows).
 
-    def reference(cfg):
-        if cfg is None:
+    @functools.cache
+    def reference(group: int | None):       # None: the stream kernel's; one float32 pass per distinct arithmetic
+        if group is None:
             return stream_gemv_reference(x, *weights[0])
-        group = X_AHEAD_GROUP if name in X_AHEAD else cfg["BLOCK_K"]
         return fp8_gemv_a8_reference(x, *weights[0], None, group=group)
-    return time_configs(configs, lambda cfg: (call_for(name, cfg, x_ahead), reference(cfg)), x, weights)
+
+    def group_of(cfg):
+        return None if cfg is None else X_AHEAD_GROUP if name in X_AHEAD else cfg["BLOCK_K"]
+    return time_configs(configs, lambda cfg: (call_for(name, cfg, x_ahead), reference(group_of(cfg))), x, weights)
 
 
 def main() -> None:
