@@ -376,6 +376,53 @@ def test_fp8_linear_matches_its_dequantized_twin():
         assert layer(torch.zeros(0, 64)).shape == (0, 48)
 
 
+
+@pytest.mark.parametrize("block", [None, (32, 32)])
+def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_tile(block, monkeypatch):
+    """1-16 rows always take the GEMV; 17-64 take it only for a rows class (32: 17-32, 64: 33-64) the table
+    has a tile for, on a card like the measured one (faked: FP8 products, 132 multiprocessors); other rows
+    quantize x and run the W8A8 GEMM. Each path agrees with its reference, and input_group asks for rows
+    quantized ahead only where the x-ahead table has the rows class."""
+    import llmserve_core.kernels.fp8_gemm as fp8_gemm_module
+    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
+    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(11)
+    n, k = 64, 128
+    layer = Fp8Linear(k, n, block)
+    layer.quantize_rows_(torch.randn(n, k, generator=gen))
+    layer.fused = True
+    kind = "channel" if block is None else None         # a 32 x 32 block is no kind the tables name
+    tile = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 32, kind), tile)
+    monkeypatch.setitem(fp8_gemv_module.X_AHEAD_CONFIGS, (n, k, 64, kind), dict(tile, BLOCK_M=64))
+    took = []
+    real_gemv, real_gemm = fp8_gemv_module.fp8_gemv, fp8_gemm_module.w8a8_gemm_triton
+    monkeypatch.setattr(fp8_gemv_module, "fp8_gemv", lambda *a, **kw: took.append("gemv") or real_gemv(*a, **kw))
+    monkeypatch.setattr(fp8_gemm_module, "w8a8_gemm_triton",
+                        lambda *a, **kw: took.append("gemm") or real_gemm(*a, **kw))
+    w, ws = layer.weight, layer.weight_scale
+    for rows, path in ((16, "gemv"), (17, "gemv"), (32, "gemv"), (33, "gemm"), (64, "gemm"), (65, "gemm")):
+        x = torch.randn(rows, k, generator=gen)
+        took.clear()
+        out = layer(x)
+        assert took == [path], rows
+        if path == "gemv" and rows > 16:
+            ref = fp8_gemv_a8_reference(x, w, ws, block, group=32)
+        elif path == "gemv":        # the fallback tile's pieces (gemv_config: BLOCK_K 128, or the block's 32)
+            ref = fp8_gemv_a8_reference(x, w, ws, block, group=fp8_gemv_config(rows, n, k, block, 132, True)["BLOCK_K"])
+        else:
+            ref = w8a8_gemm_reference(*quantize_activation(x, None if block is None else block[1]), w, ws, block,
+                                      torch.float32)
+        assert rel_err(out, ref) < 1e-5, rows
+        assert layer.input_group(rows) == (X_AHEAD_GROUP if 33 <= rows <= 64 else None), rows
+    # 33-64 rows quantized ahead (as the RMSNorm before hands them) take the x-ahead tile
+    x = torch.randn(40, k, generator=gen)
+    from llmserve_core.layers.fp8_linear import QuantizedRows
+    xq, xs = quantize_activation(x, X_AHEAD_GROUP)
+    took.clear()
+    out = layer(QuantizedRows(xq, xs, X_AHEAD_GROUP, torch.float32))
+    assert took == ["gemv"] and rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP)) < 1e-5
+
 # ---------------------------------------------------------------- FP8 KV cache
 
 def fp8_cache(kc, vc, k_scale, v_scale):
@@ -460,9 +507,10 @@ def test_scales_are_ignored_for_a_bf16_cache():
 def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
     gen = torch.Generator().manual_seed(n + k)
     w, ws = random_fp8_weight(n, k, block, gen, "cuda")
-    for m in (1, 4, 16):
+    for m in (1, 4, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-        # the card's default (the "a8" kernel from the measured table on an H200), then widening the weight
+        # the card's default (the "a8" kernel from the measured table on an H200, the rule's tile past it:
+        # 17-64 rows run in the engine only where the table has a tile), then widening the weight
         a8 = fp8_gemv_config(m, n, k, block, torch.cuda.get_device_properties(0).multi_processor_count, True)
         assert a8["KERNEL"] == "a8"
         for pdl in (False, True):

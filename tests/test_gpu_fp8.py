@@ -92,3 +92,33 @@ def test_fp8_block_checkpoint_decodes_alone_as_in_a_batch(block_fp8):
                 assert a in top and top[b] - top[a] < 0.2, (j, a, b, want.logprobs[j].top)
                 break
             assert abs(got.logprobs[j].logprob - want.logprobs[j].logprob) < 0.1, (j, got.logprobs[j], want.logprobs[j])
+
+
+def test_fp8_rows_17_to_64_at_the_8b_projection_shapes(make_random_qwen3_dir):
+    """kernels/fp8_gemv.py's tables are keyed by Qwen3-8B's projection shapes, so one layer of those widths
+    takes them on a card like the measured one: 17-64 rows of qkv, gate_up and down read x quantized ahead (by
+    the norms and the SiLU-and-mul). The warm-up meets every variant (serving 1-64 rows of decodes and prompts
+    compiles nothing), and CUDA graphs give eager's tokens."""
+    from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP
+    model = make_random_qwen3_dir(seed=5, hidden_size=4096, intermediate_size=12288, num_hidden_layers=1,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    work = [[torch.randint(0, 1000, (L,), generator=g).tolist() for L in lengths]
+            for lengths in ([5], [3] * 17, [40] + [2] * 24, [7] * 40, [1, 33, 64, 65] * 16)]
+    outs = []
+    for eager in (False, True):
+        engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", quantization="fp8",
+                                     enforce_eager=eager, max_num_seqs=64, max_num_batched_tokens=1024,
+                                     max_model_len=512, num_kv_blocks=1024))
+        layer = engine.runner.model.model.layers[0]
+        if torch.cuda.get_device_properties(0).multi_processor_count == 132 and not eager:   # the tables' card
+            assert layer.self_attn.qkv_proj.input_group(40) == X_AHEAD_GROUP
+            assert layer.mlp.down_proj.input_group(64) == X_AHEAD_GROUP
+            assert layer.self_attn.o_proj.input_group(40) is None
+        before = engine.stats()["jit_compilations"]
+        outs.append([c.token_ids for batch in work for c in engine.generate(batch, GREEDY)])
+        assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"
+    same = sum(a == b for a, b in zip(*outs))
+    print(f"fp8 8B-shape layer, graphs vs eager: {same}/{len(outs[0])} identical")
+    assert same >= len(outs[0]) - 3      # a bf16 near-tie may flip a row

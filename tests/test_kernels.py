@@ -261,6 +261,27 @@ def test_silu_mul(rows, d):
     torch.testing.assert_close(out, silu_and_mul(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,d,group,dtype", [(3, 256, 128, torch.float32), (2, 2048 + 1024, 128, torch.float16),
+                                              (1, 96, 32, torch.float32)] + ([(5, 12288, 128, torch.bfloat16)] if CUDA else []))
+def test_silu_mul_quantized_output_is_fp8_quant_of_its_row(rows, d, group, dtype):
+    """The e4m3 rows and per-piece scales equal fp8_quant's arithmetic on the kernel's own output row in the
+    model dtype (what the a8 GEMV would compute from it), across program boundaries (d past one 1024-wide
+    program); a piece of zeros keeps zero codes at the floor scale."""
+    gen = torch.Generator().manual_seed(rows * d + group)
+    x = (torch.randn(rows, 2 * d, generator=gen) * 3).to(DEVICE, dtype)
+    x[0, :group] = 0.0                                  # gate zero: a piece of zeros
+    q, scale = silu_mul(x, quant_group=group)
+    assert q.dtype == FP8 and q.shape == (rows, d) and scale.shape == (rows, d // group)
+    q_ref, scale_ref = quantize_activation_reference(silu_mul(x), group)
+    # exact in the interpreter; a GPU's float32 division may land an ulp away, moving a rare code by one step
+    torch.testing.assert_close(scale, scale_ref, rtol=0 if DEVICE == "cpu" else 1e-6, atol=0)
+    mismatched = (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item()
+    assert mismatched == 0 if DEVICE == "cpu" else mismatched < 1e-3
+    assert torch.equal(q[0, :group].float(), torch.zeros(group, device=q.device))
+    with pytest.raises(AssertionError, match="quantization groups"):
+        silu_mul(x, quant_group=48)
+
+
 # ---------------------------------------------------------------- backend end to end
 
 def backend_steps(steps, block_size, num_heads, num_kv_heads, head_dim, dtype, device, seed, backends):

@@ -112,11 +112,12 @@ def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3
 def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make_random_qwen3_dir, tmp_path,
                                                                monkeypatch):
     """On a card whose table has tiles for x quantized ahead (faked here: FP8 products, 132 multiprocessors),
-    a decode row's input and post-attention norms leave in e4m3 for qkv_proj and gate_up_proj, and the
-    logits equal those of the GEMVs quantizing x themselves (the same tile, group and arithmetic); prefill
-    rows (more than the table's one) keep the unquantized norm."""
+    a decode row's input and post-attention norms leave in e4m3 for qkv_proj and gate_up_proj, and its
+    SiLU-and-mul for down_proj, and the logits equal those of the GEMVs quantizing x themselves (the same
+    tile, group and arithmetic); prefill rows (more than the table's one) stay unquantized."""
     import llmserve_core.kernels.fp8_gemv as fp8_gemv_module
     import llmserve_core.kernels.rmsnorm as rmsnorm_module
+    import llmserve_core.kernels.silu_mul as silu_mul_module
     from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa4-yarn"])
     block = None if quantization == "channel" else (32, 32)
@@ -127,13 +128,17 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
     monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
     group = 64 if block is None else 32          # divides the hidden size (64) and the scale block
     kind = fp8_gemv_module._scale_kind(block)    # (a 32 x 32 block is no kind the H200 tables name)
-    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size)}
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+              "down": (cfg.hidden_size, cfg.intermediate_size)}
     for n, k in shapes.values():               # both paths run the same a8 tile, quantizing per `group` columns
         tile = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=group, SPLIT_K=2, num_warps=4, num_stages=1)
         monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 1, kind), tile)
-    calls = []
+    calls, silu_calls = [], []
     real = rmsnorm_module.rmsnorm
     monkeypatch.setattr(rmsnorm_module, "rmsnorm", lambda *a, **kw: calls.append(kw.get("quant_group")) or real(*a, **kw))
+    real_silu = silu_mul_module.silu_mul
+    monkeypatch.setattr(silu_mul_module, "silu_mul",
+                        lambda *a, **kw: silu_calls.append(kw.get("quant_group")) or real_silu(*a, **kw))
     prompt = random_prompts(cfg.vocab_size, [9], seed=5)[0]
     tables, num_blocks = allocate_tables([len(prompt) + 2], BLOCK_SIZE)
     logits = {}
@@ -147,11 +152,15 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
         kv = make_kv_caches(cfg, num_blocks, BLOCK_SIZE)
         steps = [([(0, len(prompt))], prompt)] + [([(len(prompt) + i, 1)], torch.tensor([5 + i])) for i in range(2)]
         calls.clear()
+        silu_calls.clear()
         logits[ahead] = [model.compute_logits(model(ids, make_batch(seqs, tables, BLOCK_SIZE), kv)) for seqs, ids in steps]
         per_step = 2 * cfg.num_hidden_layers + 1      # two norms a layer, then the final norm
         quantized = [g for g in calls if g is not None]
         assert len(calls) == 3 * per_step and quantized == ([group] * 2 * cfg.num_hidden_layers * 2 if ahead else [])
         assert calls[:per_step] == [None] * per_step      # the prefill's rows are not one row
+        # down_proj's input leaves the SiLU-and-mul quantized for the decode rows
+        layers = cfg.num_hidden_layers
+        assert silu_calls == [None] * layers + [group if ahead else None] * 2 * layers
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)
 

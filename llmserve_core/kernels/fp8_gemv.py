@@ -29,7 +29,9 @@ from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: c
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, dequantize_weight
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
-MAX_ROWS = 16     # the measured tables' row classes; layers/fp8_linear.py quantizes x for a W8A8 GEMM past it
+# The measured tables' rows: layers/fp8_linear.py runs 1-16 here always, 17-64 where a table names a tile for
+# the shape, and otherwise quantizes x for a W8A8 GEMM.
+MAX_ROWS = 64
 
 
 @triton.jit
@@ -147,8 +149,8 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
-# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows) or 16 (5-16 rows), scale
-# kind "channel" or "block" (128x128). From benchmarks/results/fp8_gemv_sweep_h200_f3f7a22.json (`--a8`,
+# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows), 16 (5-16 rows), 32 (17-32)
+# or 64 (33-64), scale kind "channel" or "block" (128x128). From benchmarks/results/fp8_gemv_sweep_h200_f3f7a22.json (`--a8`,
 # each tile timed under PDL, as the decode chain launches it), TB/s of FP8 weight at one row, copy 4.22:
 # qkv 2.31 / 2.41 (the stream kernel 1.80 / 1.77), o_proj's stream kernel 2.16 / 2.14 (a8 1.87 / 1.75),
 # gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
@@ -159,12 +161,24 @@ _A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_w
 _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
                "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
 _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
+# 17-32 and 33-64 rows (rows classes 32 and 64), per-channel scales, from benchmarks/fp8_skinny_gemm.py on an
+# H100 (132 SMs as the H200; results/fp8_skinny_h100.md), each against what the engine ran before, x quantized
+# per token then torch._scaled_mm (cuBLAS's FP8 GEMM, whose 128 x 128 tiles leave most of the multiprocessors
+# idle at these rows: qkv 48 programs). us at 17 / 32 rows: qkv 15.7 / 16.0 against 21.5 / 20.0, o_proj
+# 11.8 / 11.8 against 16.3 / 16.2, gate_up 41.1 / 42.0 against 48.6 / 47.9, down 24.7 / 25.0 against
+# 43.0 / 40.9. At 64 rows the in-kernel quantization of a 64-row tile loses (down 37.9 against 38.8, qkv 29.5
+# against 18.3): that class only takes x quantized ahead (below).
+_A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
 DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 4096, 1, kind): dict(KERNEL="stream") for kind in ("channel", "block")},
     **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
+    (6144, 4096, 32, "channel"): _A8_32,
+    (4096, 4096, 32, "channel"): _A8_32,
+    (24576, 4096, 32, "channel"): dict(_A8_32, SPLIT_K=1),
+    (4096, 12288, 32, "channel"): _A8_32,
 }
 
 
@@ -173,18 +187,37 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 # TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
 # / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
 # o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
+# 17-64 rows (fp8_skinny_gemm.py on the H100, per-channel scales, us at 17 / 32 / 64 rows, the GEMM alone):
+# qkv 14.2 / 14.9 / 16.8 (the table's in-kernel tile 15.7 / 16.0, cuBLAS after its own quantization 21.5 /
+# 20.0 / 18.3), gate_up 37.6 / 38.5 / 41.0 (41.1 / 42.0, and 48.6 / 47.9 / 50.4), down 23.8 / 24.0 / 26.9
+# (24.7 / 25.0, and 43.0 / 40.9 / 38.8; down's x comes quantized from the SiLU-and-mul before it).
 X_AHEAD_GROUP = 128
+_A8X_QKV = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
+_A8X_GATE_UP = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
 X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, 1, kind): _A8_QKV for kind in ("channel", "block")},
     **{(24576, 4096, 1, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
                                     num_stages=4) for kind in ("channel", "block")},
+    **{(6144, 4096, rows, "channel"): dict(_A8X_QKV, BLOCK_M=rows) for rows in (32, 64)},
+    **{(24576, 4096, rows, "channel"): dict(_A8X_GATE_UP, BLOCK_M=rows) for rows in (32, 64)},
+    **{(4096, 12288, rows, "channel"): dict(_A8X_QKV, BLOCK_M=rows, SPLIT_K=4) for rows in (32, 64)},
 }
+
+
+def measured_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool,
+                    stream: bool = False) -> dict | None:
+    """The measured table's tile for m rows of this shape on a card like the one measured (fp8_dot: one with
+    FP8 tensor cores; stream: the caller can run kernels/stream_gemv.py), or None."""
+    if sms != TABLE_SMS or not fp8_dot or not 0 < m <= MAX_ROWS:
+        return None
+    cfg = DEFAULT_CONFIGS.get((n, k, rows_class(m), _scale_kind(block)))
+    return None if cfg is None or (cfg["KERNEL"] == "stream" and not stream) else dict(cfg)
 
 
 def x_ahead_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool) -> dict | None:
     """The measured tile for x quantized ahead per 1 x X_AHEAD_GROUP piece, on a card like the one measured;
     None where the table names none (the caller then hands x as it is)."""
-    if sms != TABLE_SMS or not fp8_dot:
+    if sms != TABLE_SMS or not fp8_dot or not 0 < m <= MAX_ROWS:
         return None
     cfg = X_AHEAD_CONFIGS.get((n, k, rows_class(m), _scale_kind(block)))
     return None if cfg is None else dict(cfg)
@@ -195,7 +228,7 @@ def _scale_kind(block: tuple[int, int] | None) -> str | None:
 
 
 def rows_class(m: int) -> int:
-    return 1 if m == 1 else 4 if m <= 4 else 16
+    return 1 if m == 1 else 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 @lru_cache(maxsize=None)
@@ -210,9 +243,9 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
     tensor cores; stream: the caller can run kernels/stream_gemv.py); otherwise gemv.py's tiles and K
     split, in the "a8" kernel where FP8 products run, else widening the weight ("dot"). A block-scaled
     weight caps BLOCK_K at the scale block's K side."""
-    measured = DEFAULT_CONFIGS.get((n, k, rows_class(m), _scale_kind(block))) if sms == TABLE_SMS and fp8_dot else None
-    if measured is not None and (stream or measured["KERNEL"] != "stream"):
-        return dict(measured)
+    measured = measured_config(m, n, k, block, sms, fp8_dot, stream)
+    if measured is not None:
+        return measured
     block_k = 128 if block is None else min(128, block[1])
     cfg = gemv_config(m, n, k, sms, block_n=64, block_k=block_k, num_warps=4, num_stages=3 if fp8_dot else 4)
     return dict(cfg, KERNEL="a8" if fp8_dot else "dot")

@@ -2,13 +2,14 @@
 
 `weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
-GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost): on Ada and Hopper its "a8" kernel
-quantizes each row per 1 x 128 piece as it reads it and multiplies FP8 by FP8, and one row of o_proj's
-shape takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it; more
-rows quantize the activations dynamically (per token, or per 1 x bk piece for block scales) in a launch
-of their own and run a W8A8 GEMM on the FP8 tensor cores. Where the table measured x quantized ahead to
-read faster (one row of qkv and gate_up on the H200), `input_group` asks the RMSNorm before the layer for
-QuantizedRows, and the GEMV skips its own quantization. Off the fast path (the CPU, or the torch attention
+GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost), and so do 17-64 rows of a shape its
+measured table names a tile for: on Ada and Hopper its "a8" kernel quantizes each row per 1 x 128 piece as
+it reads it and multiplies FP8 by FP8, and one row of o_proj's shape takes kernels/stream_gemv.py
+(weight-only), chained under PDL with the kernels around it; other rows quantize the activations
+dynamically (per token, or per 1 x bk piece for block scales) in a launch of their own and run a W8A8 GEMM
+on the FP8 tensor cores. Where the table measured x quantized ahead to read faster (qkv and gate_up at one
+row on the H200, and at 17-64 rows), `input_group` asks the RMSNorm before the layer for QuantizedRows, and
+the GEMV skips its own quantization. Off the fast path (the CPU, or the torch attention
 backend: see layers/fast_path.py) it computes the reference, the dequantized weight times the input in
 float32.
 """
@@ -21,12 +22,13 @@ from torch import nn
 
 from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 16          # rows that always take the GEMV
+TABLE_GEMV_MAX_ROWS = 64    # kernels/fp8_gemv.MAX_ROWS: up to here, rows take it where its table names a tile
 
 
 class QuantizedRows(NamedTuple):
-    """Rows quantized ahead for an Fp8Linear (by the RMSNorm before it): e4m3 data [M, K] with a float32 scale
-    per 1 x group piece [M, K / group]; the layer's output takes `dtype`, the model's."""
+    """Rows quantized ahead for an Fp8Linear (by the RMSNorm or the SiLU-and-mul before it): e4m3 data [M, K]
+    with a float32 scale per 1 x group piece [M, K / group]; the layer's output takes `dtype`, the model's."""
     data: torch.Tensor
     scale: torch.Tensor
     group: int
@@ -78,7 +80,7 @@ class Fp8Linear(nn.Module):
     def input_group(self, rows: int) -> int | None:
         """The piece size this layer wants `rows` rows of x quantized in ahead (QuantizedRows), where its
         measured table has a tile for that (kernels/fp8_gemv.X_AHEAD_CONFIGS); None: hand x as it is."""
-        if not self.fused or not 0 < rows <= GEMV_MAX_ROWS:
+        if not self.fused or not 0 < rows <= TABLE_GEMV_MAX_ROWS:
             return None
         from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP
         return None if self._x_ahead_tile(rows) is None else X_AHEAD_GROUP
@@ -97,11 +99,21 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
-        elif x2.shape[0] <= GEMV_MAX_ROWS:
+        elif x2.shape[0] <= GEMV_MAX_ROWS or self._table_tile(x2.shape[0]):
             out = self._gemv(x2.contiguous())
         else:
             out = self._w8a8(x2.contiguous())
         return out.view(*shape[:-1], self.out_features)
+
+    def _table_tile(self, rows: int) -> bool:
+        """Whether kernels/fp8_gemv.py's measured table names a tile for `rows` rows of this layer (17-64
+        rows take the GEMV only then: elsewhere cuBLAS's GEMM was not measured slower)."""
+        if rows > TABLE_GEMV_MAX_ROWS:
+            return False
+        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, measured_config, num_sms
+        device = self.weight.device
+        return measured_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
+                               fp8_dot_supported(device)) is not None
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         """1-16 rows: the kernel and tiles kernels/fp8_gemv.py's measured table names for this shape (on

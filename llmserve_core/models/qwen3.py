@@ -13,7 +13,7 @@ from torch import nn
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
-from llmserve_core.layers.fp8_linear import Fp8Linear
+from llmserve_core.layers.fp8_linear import Fp8Linear, QuantizedRows
 from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import VocabParallelEmbedding
 from llmserve_core.layers.norm import RMSNorm
@@ -84,7 +84,9 @@ class Qwen3MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
-            out = self.down_proj(silu_mul(gate_up, pdl=self.pdl))
+            group = _input_group(self.down_proj, gate_up.shape[0])
+            act = silu_mul(gate_up, pdl=self.pdl, quant_group=group)
+            out = self.down_proj(act if group is None else QuantizedRows(*act, group, gate_up.dtype))
         else:
             out = self.down_proj(silu_and_mul(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
