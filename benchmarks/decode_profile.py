@@ -6,8 +6,9 @@ bandwidth, FLOPs / bf16 peak), both ceilings measured in the same run. Bytes: ev
 embedding table (a step reads B of its rows), plus the KV of B * c tokens read and B written. FLOPs: 2 per
 weight per row, plus attention's 4 * c * heads * head_dim per row and layer.
 
-With `--quantization fp8` the weights are quantized at load and the floor counts the projections at one
-byte a weight (plus their row scales); with `--kv-cache-dtype fp8_e4m3` the K/V at one byte an element.
+With `--quantization fp8` the weights are quantized at load, and with `--block-scaled` the model directory is
+a Qwen FP8 checkpoint's (128 x 128 block scales, dummy weights quantized as it would be); either way the floor
+counts the projections at one byte a weight (plus their scales); with `--kv-cache-dtype fp8_e4m3` the K/V at one byte an element.
 
 Step times are wall-clock medians of Engine.step() in steady decoding (host work included); the kernel
 list comes from one profiled stretch of steps (CUDA graph replays included).
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from kernel_trace import profile_calls, summarize  # noqa: E402
-from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
+from qwen3_8b import QWEN3_8B_CONFIG, QWEN_FP8_BLOCK_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 C = QWEN3_8B_CONFIG
 
@@ -44,7 +45,7 @@ def step_floor_ms(batch: int, ctx: int, bw: float, peak: float, linear_bytes: in
 
 
 def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool,
-              quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
+              quantization: str | None = None, kv_cache_dtype: str = "auto", fp8_weights: bool = False) -> dict:
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
@@ -67,12 +68,12 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     prof_steps = 10
     kernels, _ = profile_calls(engine.step, prof_steps)
     summary = summarize(kernels, prof_steps)
-    floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak, 1 if quantization else 2,
+    floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak, 1 if quantization or fp8_weights else 2,
                           1 if kv_cache_dtype == "fp8_e4m3" else 2)
     del engine
     torch.cuda.empty_cache()
     return {
-        "batch": batch, "ctx": ctx, "eager": eager, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
+        "batch": batch, "ctx": ctx, "eager": eager, "quantization": quantization or ("fp8-block" if fp8_weights else None), "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
         "kernels_per_step": summary["kernels_per_step"], "gpu_ms_per_step": summary["gpu_ms_by_kind"],
         "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": summary["idle_fraction"],
@@ -89,14 +90,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the weights at load")
+    ap.add_argument("--block-scaled", action="store_true",
+                    help="a Qwen FP8 checkpoint's config (128 x 128 block scales) instead of a bf16 one")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     args = ap.parse_args()
+    if args.quantization and args.block_scaled:
+        ap.error("--quantization fp8 quantizes a bf16 checkpoint; --block-scaled is an FP8 one already")
     bw, peak = measure_copy_bandwidth(), measure_bf16_peak()
-    model_dir = write_qwen3_8b_dir(tempfile.mkdtemp())
+    model_dir = write_qwen3_8b_dir(tempfile.mkdtemp(),
+                                   **({"quantization_config": QWEN_FP8_BLOCK_CONFIG} if args.block_scaled else {}))
     res = {"label": args.label, "copy_bandwidth_tb_s": bw / 1e12, "bf16_peak_tflops": peak / 1e12, "runs": []}
     for b in map(int, args.batches.split(",")):
         r = run_batch(model_dir, b, args.ctx, bw, peak, args.steps, args.eager, args.quantization,
-                      args.kv_cache_dtype)
+                      args.kv_cache_dtype, fp8_weights=args.block_scaled)
         res["runs"].append(r)
         print(f"[{args.label}] batch {b}: step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({100 * r['fraction_of_floor']:.0f}%), {r['kernels_per_step']:.0f} kernels/step, GPU busy "

@@ -32,7 +32,7 @@ from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_block_line
                                              w8a8_gemm_reference, w8a8_gemm_triton)
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from fp8_narrow_tiles import time_configs  # noqa: E402
-from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
+from qwen3_8b import QWEN_FP8_BLOCK_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 BLOCK = (128, 128)
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -122,8 +122,7 @@ def geomean_ratio(kernels: dict) -> dict:
 
 
 def write_block_scaled_dir() -> str:
-    return write_qwen3_8b_dir(tempfile.mkdtemp(), quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)})
+    return write_qwen3_8b_dir(tempfile.mkdtemp(), quantization_config=QWEN_FP8_BLOCK_CONFIG)
 
 
 def prefill_ms(engine, prompts: int, tokens: int, rnd: random.Random, reps: int, ids) -> float:

@@ -1,14 +1,16 @@
-"""Per-channel FP8 projections at 17-256 rows (a decode batch past the GEMV's 16 rows): what the engine runs
-there (x quantized per token in a launch of its own, then torch._scaled_mm with row-wise scales), its two
-halves alone, the Triton W8A8 tile, and the "a8" GEMV kernel of kernels/fp8_gemv.py stretched to 32 and 64
-rows (x quantized per 1 x 128 piece inside it, no extra launch), against bf16's cuBLAS at the same rows.
+"""FP8 projections at 17-256 rows (a decode batch past the GEMV's always-on 16 rows), per-channel or 128 x 128
+block-scaled (`--scales`): what the engine ran there before kernels/fp8_gemv.py took 17-64 rows (x quantized
+in a launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm), its two halves alone, Triton W8A8
+tiles, and the "a8" GEMV kernel with 32- to 128-row x tiles, quantizing x per 1 x 128 piece inside it ("a8")
+or reading x quantized ahead ("a8x", the GEMM alone: the RMSNorm or SiLU-and-mul before it quantizes), against
+bf16's cuBLAS at the same rows.
 
 At these row counts a Qwen3-8B projection is still bound by its weight's bytes on Hopper (64 rows x 2 FLOPs
 per FP8 byte is under the FP8 ridge), so FP8 should take about half of bf16's time. Each arm is timed as a
 CUDA graph of back-to-back calls over weight copies larger than L2, and checked against its float32
 reference (the dequantized weight times x, quantized as that arm quantizes it) first.
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_skinny_gemm.py --out $OUT/fp8_skinny.json   # ~2 min
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_skinny_gemm.py --out $OUT/fp8_skinny.json   # ~1 min
 """
 from __future__ import annotations
 

@@ -12,6 +12,11 @@ QWEN3_8B_CONFIG = dict(
 )
 
 
+# config.json's quantization_config of Qwen's FP8 releases (e4m3 weights, a float32 scale per 128 x 128 block)
+QWEN_FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [128, 128]}
+
+
 def write_qwen3_8b_dir(path: str, **overrides) -> str:
     """The 8B config.json (with `overrides` on top: a smaller smoke shape, a quantization_config) at `path`."""
     os.makedirs(path, exist_ok=True)

@@ -383,12 +383,12 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
     has a tile for, on a card like the measured one (faked: FP8 products, 132 multiprocessors); other rows
     quantize x and run the W8A8 GEMM. Each path agrees with its reference, and input_group asks for rows
     quantized ahead only where the x-ahead table has the rows class."""
-    import llmserve_core.kernels.fp8_gemm as fp8_gemm_module
+    from llmserve_core.layers.fp8_linear import QuantizedRows
     monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
     monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(11)
     n, k = 64, 128
-    layer = Fp8Linear(k, n, block)
+    layer = Fp8Linear(k, n, block).to(DEVICE)
     layer.quantize_rows_(torch.randn(n, k, generator=gen))
     layer.fused = True
     kind = "channel" if block is None else None         # a 32 x 32 block is no kind the tables name
@@ -396,32 +396,31 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
     monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 32, kind), tile)
     monkeypatch.setitem(fp8_gemv_module.X_AHEAD_CONFIGS, (n, k, 64, kind), dict(tile, BLOCK_M=64))
     took = []
-    real_gemv, real_gemm = fp8_gemv_module.fp8_gemv, fp8_gemm_module.w8a8_gemm_triton
-    monkeypatch.setattr(fp8_gemv_module, "fp8_gemv", lambda *a, **kw: took.append("gemv") or real_gemv(*a, **kw))
-    monkeypatch.setattr(fp8_gemm_module, "w8a8_gemm_triton",
-                        lambda *a, **kw: took.append("gemm") or real_gemm(*a, **kw))
+    for path in ("_gemv", "_w8a8", "_gemv_quantized"):
+        real = getattr(Fp8Linear, path)
+        monkeypatch.setattr(Fp8Linear, path, lambda self, x, real=real, path=path: took.append(path) or real(self, x))
     w, ws = layer.weight, layer.weight_scale
-    for rows, path in ((16, "gemv"), (17, "gemv"), (32, "gemv"), (33, "gemm"), (64, "gemm"), (65, "gemm")):
-        x = torch.randn(rows, k, generator=gen)
+    for rows, path in ((16, "_gemv"), (17, "_gemv"), (32, "_gemv"), (33, "_w8a8"), (64, "_w8a8"), (65, "_w8a8")):
+        x = torch.randn(rows, k, generator=gen).to(DEVICE)
         took.clear()
         out = layer(x)
         assert took == [path], rows
-        if path == "gemv" and rows > 16:
-            ref = fp8_gemv_a8_reference(x, w, ws, block, group=32)
-        elif path == "gemv":        # the fallback tile's pieces (gemv_config: BLOCK_K 128, or the block's 32)
-            ref = fp8_gemv_a8_reference(x, w, ws, block, group=fp8_gemv_config(rows, n, k, block, 132, True)["BLOCK_K"])
+        if path == "_gemv":         # the table's tile past 16 rows, else the rule's (BLOCK_K 128, or the block's 32)
+            group = 32 if rows > 16 else fp8_gemv_config(rows, n, k, block, 132, True)["BLOCK_K"]
+            ref = fp8_gemv_a8_reference(x, w, ws, block, group=group)
         else:
             ref = w8a8_gemm_reference(*quantize_activation(x, None if block is None else block[1]), w, ws, block,
                                       torch.float32)
-        assert rel_err(out, ref) < 1e-5, rows
+        assert rel_err(out, ref) < A8_TOL, rows
         assert layer.input_group(rows) == (X_AHEAD_GROUP if 33 <= rows <= 64 else None), rows
     # 33-64 rows quantized ahead (as the RMSNorm before hands them) take the x-ahead tile
-    x = torch.randn(40, k, generator=gen)
-    from llmserve_core.layers.fp8_linear import QuantizedRows
+    x = torch.randn(40, k, generator=gen).to(DEVICE)
     xq, xs = quantize_activation(x, X_AHEAD_GROUP)
     took.clear()
     out = layer(QuantizedRows(xq, xs, X_AHEAD_GROUP, torch.float32))
-    assert took == ["gemv"] and rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP)) < 1e-5
+    assert took == ["_gemv_quantized"]
+    assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP)) < A8_TOL
+
 
 # ---------------------------------------------------------------- FP8 KV cache
 

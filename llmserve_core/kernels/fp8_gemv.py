@@ -161,13 +161,15 @@ _A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_w
 _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
                "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
 _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
-# 17-32 and 33-64 rows (rows classes 32 and 64), per-channel scales, from benchmarks/fp8_skinny_gemm.py on an
-# H100 (132 SMs as the H200; results/fp8_skinny_h100.md), each against what the engine ran before, x quantized
-# per token then torch._scaled_mm (cuBLAS's FP8 GEMM, whose 128 x 128 tiles leave most of the multiprocessors
-# idle at these rows: qkv 48 programs). us at 17 / 32 rows: qkv 15.7 / 16.0 against 21.5 / 20.0, o_proj
-# 11.8 / 11.8 against 16.3 / 16.2, gate_up 41.1 / 42.0 against 48.6 / 47.9, down 24.7 / 25.0 against
-# 43.0 / 40.9. At 64 rows the in-kernel quantization of a 64-row tile loses (down 37.9 against 38.8, qkv 29.5
-# against 18.3): that class only takes x quantized ahead (below).
+# 17-32 and 33-64 rows (rows classes 32 and 64), from benchmarks/fp8_skinny_gemm.py on an H100 (132 SMs, as
+# the H200; results/fp8_skinny_h100.md), each against what the engine ran there before: x quantized in a
+# launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm, whose 128 x 128 tiles leave most
+# multiprocessors idle at these rows (qkv: 48 programs on 132). us at 17 / 32 rows, per-channel (block) scales:
+# qkv 15.7 / 16.0 against 21.5 / 20.0 (16.9 / 16.1 against 16.8 / 17.2), o_proj 11.8 / 11.8 against
+# 16.3 / 16.2 (12.8 / 12.0 against 16.2 / 16.5), down 24.7 / 25.0 against 43.0 / 40.9 (27.0 / 26.1 against
+# 26.2 / 38.0); gate_up per channel 41.1 / 42.0 against 48.6 / 47.9 with the K unsplit. At 64 rows the
+# in-kernel quantization of a 64-row tile loses (down 37.9 against 38.8, qkv 29.5 against 18.3): that class
+# only takes x quantized ahead (X_AHEAD_CONFIGS), and o_proj's 33-64 rows stay with cuBLAS.
 _A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
 DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
@@ -175,10 +177,8 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
-    (6144, 4096, 32, "channel"): _A8_32,
-    (4096, 4096, 32, "channel"): _A8_32,
+    **{(n, k, 32, kind): _A8_32 for n, k in ((6144, 4096), (4096, 4096), (4096, 12288)) for kind in ("channel", "block")},
     (24576, 4096, 32, "channel"): dict(_A8_32, SPLIT_K=1),
-    (4096, 12288, 32, "channel"): _A8_32,
 }
 
 
@@ -187,10 +187,12 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 # TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
 # / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
 # o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
-# 17-64 rows (fp8_skinny_gemm.py on the H100, per-channel scales, us at 17 / 32 / 64 rows, the GEMM alone):
-# qkv 14.2 / 14.9 / 16.8 (the table's in-kernel tile 15.7 / 16.0, cuBLAS after its own quantization 21.5 /
-# 20.0 / 18.3), gate_up 37.6 / 38.5 / 41.0 (41.1 / 42.0, and 48.6 / 47.9 / 50.4), down 23.8 / 24.0 / 26.9
-# (24.7 / 25.0, and 43.0 / 40.9 / 38.8; down's x comes quantized from the SiLU-and-mul before it).
+# 17-64 rows (fp8_skinny_gemm.py on the H100, us at 17 / 32 / 64 rows, the GEMM alone, against the table's
+# in-kernel tile and cuBLAS after its own quantization), per channel: qkv 14.2 / 14.9 / 16.8 (15.7 / 16.0;
+# 21.5 / 20.0 / 18.3), gate_up 37.6 / 38.5 / 41.0 (41.1 / 42.0; 48.6 / 47.9 / 50.4), down 23.8 / 24.0 / 26.9
+# (24.7 / 25.0; 43.0 / 40.9 / 38.8); per block: qkv 14.1 / 14.7 / 17.1 (cuBLAS 16.8 / 17.2 / 18.1), gate_up
+# 38.1 / 38.3 / 40.5 (43.7 / 44.3 / 44.9), down 23.5 / 24.1 / 27.0 (26.2 / 38.0 / 40.7). down's x comes
+# quantized from the SiLU-and-mul before it.
 X_AHEAD_GROUP = 128
 _A8X_QKV = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
 _A8X_GATE_UP = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
@@ -198,9 +200,11 @@ X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, 1, kind): _A8_QKV for kind in ("channel", "block")},
     **{(24576, 4096, 1, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
                                     num_stages=4) for kind in ("channel", "block")},
-    **{(6144, 4096, rows, "channel"): dict(_A8X_QKV, BLOCK_M=rows) for rows in (32, 64)},
-    **{(24576, 4096, rows, "channel"): dict(_A8X_GATE_UP, BLOCK_M=rows) for rows in (32, 64)},
-    **{(4096, 12288, rows, "channel"): dict(_A8X_QKV, BLOCK_M=rows, SPLIT_K=4) for rows in (32, 64)},
+    **{(6144, 4096, rows, kind): dict(_A8X_QKV, BLOCK_M=rows) for rows in (32, 64) for kind in ("channel", "block")},
+    **{(24576, 4096, rows, kind): dict(_A8X_GATE_UP, BLOCK_M=rows) for rows in (32, 64)
+       for kind in ("channel", "block")},
+    **{(4096, 12288, rows, kind): dict(_A8X_QKV, BLOCK_M=rows, SPLIT_K=4) for rows in (32, 64)
+       for kind in ("channel", "block")},
 }
 
 
