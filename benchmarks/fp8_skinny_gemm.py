@@ -153,7 +153,8 @@ def time_shape(name: str, n: int, k: int, block: tuple[int, int] | None, rows: t
         best = min(timed, key=timed.get)
         bf16_us = row.get("bf16", {}).get("us", float("nan"))
         kind = "channel" if block is None else "block"
-        print(f"{name:8s} {kind:7s} m={m:4d} bf16 {bf16_us:7.1f} us | engine {row['engine'].get('us', float('nan')):7.1f} "
+        engine_us = row["engine"].get("us", float("nan"))
+        print(f"{name:8s} {kind:7s} m={m:4d} bf16 {bf16_us:7.1f} us | engine {engine_us:7.1f} "
               f"(quantize {row['quantize'].get('us', float('nan')):5.1f}, scaled_mm "
               f"{row.get('scaled_mm', {}).get('us', float('nan')):7.1f}) | best {best} {timed[best]:7.1f} us "
               f"= {bf16_us / timed[best]:.2f}x bf16", flush=True)

@@ -155,8 +155,10 @@ def gemv_variants():
 
 def fp8_variants():
     """The FP8 projections at one row as the decode chain runs them (the table's tiles, x quantized ahead
-    where the table says so), and the same a8 tiles with TMA weight loads."""
-    from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_gemv, fp8_gemv_config, x_ahead_config
+    where the table says so), and the same a8 tiles with TMA weight loads; then the tables' 17-64-row tiles,
+    per-channel and 128 x 128 block-scaled."""
+    from llmserve_core.kernels.fp8_gemv import (X_AHEAD_GROUP, fp8_gemv, fp8_gemv_config, measured_config,
+                                                x_ahead_config)
     from llmserve_core.kernels.stream_gemv import stream_gemv
 
     out = []
@@ -181,6 +183,24 @@ def fp8_variants():
             else:
                 call = lambda x=x, w=w, s=s, config=config: fp8_gemv(x, w, s, None, config=dict(config), pdl=True)
             out.append((label, call, None))
+        for block in (None, (128, 128)):
+            scale = s if block is None else torch.empty(n // 128, k // 128, dtype=torch.float32)
+            kind = "channel" if block is None else "block"
+            for rows in (32, 64):       # the rows classes 17-32 and 33-64
+                x = torch.empty(rows, k, dtype=torch.bfloat16)
+                xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+                xs = torch.empty(rows, k // X_AHEAD_GROUP, dtype=torch.float32)
+                ahead = x_ahead_config(rows, n, k, block, SMS, True)
+                plain = measured_config(rows, n, k, block, SMS, True)
+                if ahead:
+                    out.append((f"fp8 {name} a8x rows {rows} {kind}",
+                                lambda w=w, s=scale, xq=xq, xs=xs, b=block, c=ahead: fp8_gemv(
+                                    xq, w, s, b, config=dict(c), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
+                                    out_dtype=torch.bfloat16), None))
+                if plain:
+                    out.append((f"fp8 {name} a8 rows {rows} {kind}",
+                                lambda x=x, w=w, s=scale, b=block, c=plain: fp8_gemv(x, w, s, b, config=dict(c),
+                                                                                     pdl=True), None))
     return out
 
 
@@ -226,6 +246,8 @@ def chain_variants():
             ("gemv qkv 4 rows, pdl", lambda: gemv(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("gemv_argmax 4 rows, pdl", lambda: gemv_argmax(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("silu_mul, pdl", lambda: silu_mul(torch.empty(1, 24576, dtype=bf16), pdl=True), None),
+            ("silu_mul, fp8 out, pdl", lambda: silu_mul(torch.empty(64, 24576, dtype=bf16), pdl=True, quant_group=128),
+             None),
             ("race_argmax 64 rows", lambda: race_argmax(torch.empty(64, 151936, dtype=torch.float32),
                                                         torch.ones(64), torch.empty(64, 151936)), None),
             ("quantize_activation per 128", lambda: quantize_activation(torch.empty(512, 4096, dtype=bf16), 128),

@@ -383,7 +383,8 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
     has a tile for, on a card like the measured one (faked: FP8 products, 132 multiprocessors); other rows
     quantize x and run the W8A8 GEMM. Each path agrees with its reference, and input_group asks for rows
     quantized ahead only where the x-ahead table has the rows class."""
-    from llmserve_core.layers.fp8_linear import QuantizedRows
+    from llmserve_core.layers.fp8_linear import TABLE_GEMV_MAX_ROWS, QuantizedRows
+    assert TABLE_GEMV_MAX_ROWS == fp8_gemv_module.MAX_ROWS      # repeated so a CPU install needs no Triton
     monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
     monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(11)

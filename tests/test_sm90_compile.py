@@ -66,12 +66,19 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
     assert all(r["stack_bytes"] == 0 for (variant, _), r in rows.items() if variant.startswith("fp8 ")), \
         [r for (variant, _), r in rows.items() if variant.startswith("fp8 ") and r["stack_bytes"]]
     assert rows[("fp8 o stream", "_stream_gemv_kernel")]["registers"] > 0
+    # the 17-64-row tiles: x quantized ahead for qkv, gate_up and down; o_proj's 17-32 rows quantize in the kernel
+    for kind in ("channel", "block"):
+        for name in ("qkv", "gate_up", "down"):
+            for rows_class in (32, 64):
+                assert rows[(f"fp8 {name} a8x rows {rows_class} {kind}", "_fp8_gemv_kernel")]["registers"] > 0
+        assert rows[(f"fp8 o a8 rows 32 {kind}", "_fp8_gemv_kernel")]["registers"] > 0
     # the GPU-only arguments the interpreter never compiles: PDL, FP8 caches and activations, verify trees
     for variant, kernel in (("rmsnorm + residual, fp8 out, pdl", "_rmsnorm_kernel"),
                             ("qk norm + rope + store, fp8 cache, pdl", "_qk_norm_rope_store_kernel"),
                             ("decode batch 1, fp8 cache, pdl", "_decode_kernel"),
                             ("verify 4 x 4 rows, tree, fp8 cache", "_decode_kernel"),
                             ("stream gemv qkv, pdl", "_stream_gemv_kernel"), ("silu_mul, pdl", "_silu_mul_kernel"),
+                            ("silu_mul, fp8 out, pdl", "_silu_mul_kernel"),
                             ("w8a8 gemm 512 rows, 128x128 blocks", "_w8a8_kernel")):
         assert rows[(variant, kernel)]["registers"] > 0
     # the block-scaled W8A8 prefill tile: the 128-row 4-warp one spilled 296 bytes a thread and ran 2.7-7x slower

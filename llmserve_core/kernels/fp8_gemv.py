@@ -149,9 +149,10 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
-# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows), 16 (5-16 rows), 32 (17-32)
-# or 64 (33-64), scale kind "channel" or "block" (128x128). From benchmarks/results/fp8_gemv_sweep_h200_f3f7a22.json (`--a8`,
-# each tile timed under PDL, as the decode chain launches it), TB/s of FP8 weight at one row, copy 4.22:
+# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows), 16 (5-16 rows), 32
+# (17-32) or 64 (33-64), scale kind "channel" or "block" (128x128). From
+# benchmarks/results/fp8_gemv_sweep_h200_f3f7a22.json (`--a8`, each tile timed under PDL, as the decode
+# chain launches it), TB/s of FP8 weight at one row, copy 4.22:
 # qkv 2.31 / 2.41 (the stream kernel 1.80 / 1.77), o_proj's stream kernel 2.16 / 2.14 (a8 1.87 / 1.75),
 # gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
 # read 1.2-2.3. The 16-row class was not timed and takes the 4-row tiles (the tile holds 16 rows either way).
@@ -162,7 +163,7 @@ _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
 _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 # 17-32 and 33-64 rows (rows classes 32 and 64), from benchmarks/fp8_skinny_gemm.py on an H100 (132 SMs, as
-# the H200; results/fp8_skinny_h100.md), each against what the engine ran there before: x quantized in a
+# the H200; benchmarks/results/fp8_rows17_64_h100.md), each against what the engine ran there before: x quantized in a
 # launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm, whose 128 x 128 tiles leave most
 # multiprocessors idle at these rows (qkv: 48 programs on 132). us at 17 / 32 rows, per-channel (block) scales:
 # qkv 15.7 / 16.0 against 21.5 / 20.0 (16.9 / 16.1 against 16.8 / 17.2), o_proj 11.8 / 11.8 against
@@ -177,7 +178,8 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
-    **{(n, k, 32, kind): _A8_32 for n, k in ((6144, 4096), (4096, 4096), (4096, 12288)) for kind in ("channel", "block")},
+    **{(n, k, 32, kind): _A8_32 for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))
+       for kind in ("channel", "block")},
     (24576, 4096, 32, "channel"): dict(_A8_32, SPLIT_K=1),
 }
 
