@@ -25,8 +25,9 @@
 #            tiles with TMA weight loads against the engine's kernels, then the batch-1 FP8 step with any
 #            winner patched in), and fp8_block_gemm_tiles.py (the block-scaled W8A8 GEMM: cuBLAS's block
 #            scaling and the Triton tile against other tiles, then the prefill steps on the Triton tile and
-#            any winner)
-#            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json
+#            any winner), and fp8_skinny_gemm.py (17-128 rows: the tables' GEMV tiles against cuBLAS's FP8 GEMM,
+#            per channel and per block)
+#            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json, $OUT/fp8_skinny.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
 # README "GPU checks"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
@@ -95,7 +96,10 @@ for stage in $stages; do
       tail -30 "$out/fp8_tma.log"
       python3 benchmarks/fp8_block_gemm_tiles.py --commit "$commit" --out "$out/fp8_block_gemm.json" \
         > "$out/fp8_block_gemm.log" 2>&1 || status[$stage]=1
-      tail -20 "$out/fp8_block_gemm.log" ;;
+      tail -20 "$out/fp8_block_gemm.log"
+      python3 benchmarks/fp8_skinny_gemm.py --commit "$commit" --rows 17,32,64,128 --scales channel,block \
+        --out "$out/fp8_skinny.json" > "$out/fp8_skinny.log" 2>&1 || status[$stage]=1
+      grep -v "^    [a-z0-9_]*:" "$out/fp8_skinny.log" | tail -32 ;;
     *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
