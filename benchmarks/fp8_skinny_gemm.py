@@ -1,9 +1,10 @@
-"""FP8 projections at 17-256 rows (a decode batch past the GEMV's always-on 16 rows), per-channel or 128 x 128
-block-scaled (`--scales`): what the engine ran there before kernels/fp8_gemv.py took 17-64 rows (x quantized
-in a launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm), its two halves alone, Triton W8A8
-tiles, and the "a8" GEMV kernel with 32- to 128-row x tiles, quantizing x per 1 x 128 piece inside it ("a8")
-or reading x quantized ahead ("a8x", the GEMM alone: the RMSNorm or SiLU-and-mul before it quantizes), against
-bf16's cuBLAS at the same rows.
+"""FP8 projections at 17-256 rows (a decode batch past the GEMV's always-on 16 rows; any 1-1,024 with --rows),
+per-channel or 128 x 128 block-scaled (`--scales`): what the engine ran there before kernels/fp8_gemv.py took
+17-64 rows (x quantized in a launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm, "engine"),
+its two halves alone, Triton W8A8 tiles, and the "a8" GEMV kernel with 16- to 128-row x tiles, quantizing x
+per 1 x 128 piece inside it ("a8") or reading x quantized ahead ("a8x", the GEMM alone: the RMSNorm or
+SiLU-and-mul before it quantizes), against bf16's cuBLAS at the same rows. Where the tables name a GEMV tile for the rows (1-64), "gemv_table" times it
+too: what the engine runs there now.
 
 At these row counts a Qwen3-8B projection is still bound by its weight's bytes on Hopper (64 rows x 2 FLOPs
 per FP8 byte is under the FP8 ridge), so FP8 should take about half of bf16's time. Each arm is timed as a
@@ -30,7 +31,9 @@ from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_ch
 from llmserve_core.kernels.fp8_gemm import (CUBLAS_BLOCK_ROWS, scaled_mm_supported,  # noqa: E402
                                              w8a8_block_linear, w8a8_gemm_per_channel, w8a8_gemm_reference,
                                              w8a8_gemm_triton)
-from llmserve_core.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8_reference  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import (fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
+                                             fp8_gemv_reference, measured_config)
+from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from floor import measure_copy_bandwidth  # noqa: E402
 from gemv_bench import bench  # noqa: E402
@@ -45,9 +48,10 @@ TRITON_TILES = ((16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 5), (64, 64, 4, 4)
 A8_TILES = ((128, 128, 8, 4, 4), (64, 128, 4, 3, 2))
 # The same kernel on an x quantized ahead per 1 x 128 piece (as an RMSNorm before could emit it): (BLOCK_N,
 # warps, stages) x K splits, BLOCK_K 128; x tiles of 32, 64 or 128 rows.
-A8X_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6))
+A8X_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (32, 2, 4))
 A8X_SPLITS = (1, 2, 4, 8)
 MAX_ROWS = 1024
+SMS = 132           # the tables' card (kernels/fp8_gemv.py's TABLE_SMS): on it the table's tiles apply
 
 
 def parse_rows(text: str) -> tuple[int, ...]:
@@ -95,15 +99,20 @@ def arms(m: int, n: int, k: int, block: tuple[int, int] | None, xq: tuple, xq128
             return w8a8_gemm_triton(a, a_s if block else a_s.view(-1, 1), q, s, block, torch.bfloat16,
                                     block_m=t[0], block_n=t[1], num_warps=t[2], num_stages=t[3])
         out[f"triton_m{bm}_n{bn}_w{warps}_s{stages}"] = (triton_tile, "token")
+    table = measured_config(m, n, k, block, SMS, fp8_dot_supported(torch.device("cuda")), stream=m == 1)
+    if table is not None:       # the GEMV tile the engine runs at these rows (the stream kernel at one row)
+        out["gemv_table"] = ((lambda x, w, q, s: stream_gemv(x, q, s, block)) if table["KERNEL"] == "stream" else
+                             (lambda x, w, q, s: fp8_gemv(x, q, s, block, config=dict(table))),
+                             "stream" if table["KERNEL"] == "stream" else f"piece{table['BLOCK_K']}")
     if m <= 64:
-        bm = 32 if m <= 32 else 64
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
         for bn, bk, warps, stages, split in A8_TILES:
             cfg = dict(KERNEL="a8", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)
             out[f"a8_m{bm}_n{bn}_k{bk}_w{warps}_s{stages}_sk{split}"] = (
                 lambda x, w, q, s, cfg=cfg: fp8_gemv(x, q, s, block, config=cfg), f"piece{bk}")
     out["quantize128"] = (lambda x, w, q, s: quantize_activation(x, 128)[0], None)
-    bm = 32 if m <= 32 else 64 if m <= 64 else 128
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if bm <= 128:
         for (bn, warps, stages), split in itertools.product(A8X_TILES, A8X_SPLITS):
             if k % (split * 128) or (bm == 128 and (bn, warps) == (128, 4)):
@@ -133,6 +142,8 @@ def time_shape(name: str, n: int, k: int, block: tuple[int, int] | None, rows: t
         for label, (call, kind) in arms(m, n, k, block, xq, quantize_activation(x, 128)).items():
             try:
                 if kind is not None:
+                    if kind == "stream" and kind not in refs:     # weight-only: x as it is
+                        refs[kind] = fp8_gemv_reference(x, q0, s0, block).float()
                     if kind.startswith("piece") and kind not in refs:
                         refs[kind] = fp8_gemv_a8_reference(x, q0, s0, block, int(kind[5:])).float()
                     err = rel_err(call(x, weights[0], q0, s0), refs[kind])
@@ -154,7 +165,9 @@ def time_shape(name: str, n: int, k: int, block: tuple[int, int] | None, rows: t
         bf16_us = row.get("bf16", {}).get("us", float("nan"))
         kind = "channel" if block is None else "block"
         engine_us = row["engine"].get("us", float("nan"))
-        print(f"{name:8s} {kind:7s} m={m:4d} bf16 {bf16_us:7.1f} us | engine {engine_us:7.1f} "
+        table_us = row.get("gemv_table", {}).get("us", float("nan"))
+        print(f"{name:8s} {kind:7s} m={m:4d} bf16 {bf16_us:7.1f} us | table's GEMV {table_us:7.1f} | "
+              f"engine {engine_us:7.1f} "
               f"(quantize {row['quantize'].get('us', float('nan')):5.1f}, scaled_mm "
               f"{row.get('scaled_mm', {}).get('us', float('nan')):7.1f}) | best {best} {timed[best]:7.1f} us "
               f"= {bf16_us / timed[best]:.2f}x bf16", flush=True)

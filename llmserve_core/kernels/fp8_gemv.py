@@ -189,6 +189,9 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 # TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
 # / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
 # o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
+# 2-16 rows take the one-row tiles (16-row x tiles either way): on the H100 qkv 13.1 / 13.4 us against the
+# in-kernel tile's 13.6 / 14.0 at 4 / 16 rows, gate_up 35.8 / 37.0 against 37.7 / 38.9; whole FP8 steps at
+# batch 4 / 8 / 16 0.8% / 0.7% / 0% faster (benchmarks/results/fp8_rows17_64_h100.md).
 # 17-64 rows (fp8_skinny_gemm.py on the H100, us at 17 / 32 / 64 rows, the GEMM alone, against the table's
 # in-kernel tile and cuBLAS after its own quantization), per channel: qkv 14.2 / 14.9 / 16.8 (15.7 / 16.0;
 # 21.5 / 20.0 / 18.3), gate_up 37.6 / 38.5 / 41.0 (41.1 / 42.0; 48.6 / 47.9 / 50.4), down 23.8 / 24.0 / 26.9
@@ -199,9 +202,9 @@ X_AHEAD_GROUP = 128
 _A8X_QKV = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
 _A8X_GATE_UP = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
 X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
-    **{(6144, 4096, 1, kind): _A8_QKV for kind in ("channel", "block")},
-    **{(24576, 4096, 1, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
-                                    num_stages=4) for kind in ("channel", "block")},
+    **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
+    **{(24576, 4096, rows, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
+                                       num_stages=4) for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(6144, 4096, rows, kind): dict(_A8X_QKV, BLOCK_M=rows) for rows in (32, 64) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): dict(_A8X_GATE_UP, BLOCK_M=rows) for rows in (32, 64)
        for kind in ("channel", "block")},

@@ -7,8 +7,8 @@ measured table names a tile for: on Ada and Hopper its "a8" kernel quantizes eac
 it reads it and multiplies FP8 by FP8, and one row of o_proj's shape takes kernels/stream_gemv.py
 (weight-only), chained under PDL with the kernels around it; other rows quantize the activations
 dynamically (per token, or per 1 x bk piece for block scales) in a launch of their own and run a W8A8 GEMM
-on the FP8 tensor cores. Where the table measured x quantized ahead to read faster (qkv and gate_up at one
-row on the H200; qkv, gate_up and down at 17-64 rows), `input_group` asks the RMSNorm or the SiLU-and-mul
+on the FP8 tensor cores. Where the table measured x quantized ahead to read faster (qkv and gate_up at 1-64
+rows, down at 17-64), `input_group` asks the RMSNorm or the SiLU-and-mul
 before the layer for QuantizedRows, and the GEMV skips its own quantization. Off the fast path (the CPU, or
 the torch attention backend: see layers/fast_path.py) it computes the reference, the dequantized weight
 times the input in float32.
