@@ -399,7 +399,7 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
     took = []
     for path in ("_gemv", "_w8a8", "_gemv_quantized"):
         real = getattr(Fp8Linear, path)
-        monkeypatch.setattr(Fp8Linear, path, lambda self, x, real=real, path=path: took.append(path) or real(self, x))
+        monkeypatch.setattr(Fp8Linear, path, lambda self, *a, real=real, path=path: took.append(path) or real(self, *a))
     w, ws = layer.weight, layer.weight_scale
     for rows, path in ((16, "_gemv"), (17, "_gemv"), (32, "_gemv"), (33, "_w8a8"), (64, "_w8a8"), (65, "_w8a8")):
         x = torch.randn(rows, k, generator=gen).to(DEVICE)

@@ -163,12 +163,12 @@ _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
 _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 # 17-32 and 33-64 rows (rows classes 32 and 64), from benchmarks/fp8_skinny_gemm.py on an H100 (132 SMs, as
-# the H200; benchmarks/results/fp8_rows17_64_h100.md), each against what the engine ran there before: x quantized in a
-# launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm, whose 128 x 128 tiles leave most
-# multiprocessors idle at these rows (qkv: 48 programs on 132). us at 17 / 32 rows, per-channel (block) scales:
-# qkv 15.7 / 16.0 against 21.5 / 20.0 (16.9 / 16.1 against 16.8 / 17.2), o_proj 11.8 / 11.8 against
-# 16.3 / 16.2 (12.8 / 12.0 against 16.2 / 16.5), down 24.7 / 25.0 against 43.0 / 40.9 (27.0 / 26.1 against
-# 26.2 / 38.0); gate_up per channel 41.1 / 42.0 against 48.6 / 47.9 with the K unsplit. At 64 rows the
+# the H200; benchmarks/results/fp8_rows17_64_h100.md), each against what the engine ran there before: x
+# quantized in a launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm, whose 128 x 128 tiles
+# leave most multiprocessors idle at these rows (qkv: 48 programs on 132). us at 17 / 32 rows, per-channel
+# (block) scales: qkv 15.7 / 16.0 against 21.5 / 20.0 (16.9 / 16.1 against 16.8 / 17.2), o_proj 11.8 / 11.8
+# against 16.3 / 16.2 (12.8 / 12.0 against 16.2 / 16.5), down 24.7 / 25.0 against 43.0 / 40.9 (27.0 / 26.1
+# against 26.2 / 38.0); gate_up per channel 41.1 / 42.0 against 48.6 / 47.9 with the K unsplit. At 64 rows the
 # in-kernel quantization of a 64-row tile loses (down 37.9 against 38.8, qkv 29.5 against 18.3): that class
 # only takes x quantized ahead (X_AHEAD_CONFIGS), and o_proj's 33-64 rows stay with cuBLAS.
 _A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
@@ -199,17 +199,14 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 # 38.1 / 38.3 / 40.5 (43.7 / 44.3 / 44.9), down 23.5 / 24.1 / 27.0 (26.2 / 38.0 / 40.7). down's x comes
 # quantized from the SiLU-and-mul before it.
 X_AHEAD_GROUP = 128
-_A8X_QKV = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
-_A8X_GATE_UP = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
+_A8X = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)     # 17-64 rows; K split per shape
 X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
                                        num_stages=4) for rows in (1, 4, 16) for kind in ("channel", "block")},
-    **{(6144, 4096, rows, kind): dict(_A8X_QKV, BLOCK_M=rows) for rows in (32, 64) for kind in ("channel", "block")},
-    **{(24576, 4096, rows, kind): dict(_A8X_GATE_UP, BLOCK_M=rows) for rows in (32, 64)
-       for kind in ("channel", "block")},
-    **{(4096, 12288, rows, kind): dict(_A8X_QKV, BLOCK_M=rows, SPLIT_K=4) for rows in (32, 64)
-       for kind in ("channel", "block")},
+    **{(n, k, rows, kind): dict(_A8X, BLOCK_M=rows, SPLIT_K=split)
+       for (n, k), split in (((6144, 4096), 2), ((24576, 4096), 1), ((4096, 12288), 4))
+       for rows in (32, 64) for kind in ("channel", "block")},
 }
 
 

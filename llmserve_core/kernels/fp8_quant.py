@@ -33,6 +33,18 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, group, stride_xm, stride_qm
         tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < hi)
 
 
+@triton.jit
+def quantize_pieces(y, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A [BLOCK] row tile (already in the model dtype) quantized per 1 x GROUP piece with this module's
+    arithmetic: (float32 codes in e4m3 range [BLOCK], scales [BLOCK // GROUP]). For the kernels that hand an
+    FP8 GEMV its rows quantized ahead (kernels/rmsnorm.py, kernels/silu_mul.py); elements past the row must
+    be zeros."""
+    pieces = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(pieces), 1) / FP8_MAX, MIN_SCALE)
+    q = tl.minimum(tl.maximum(pieces / scale[:, None], -FP8_MAX), FP8_MAX)
+    return tl.reshape(q, (BLOCK,)), scale
+
+
 def quantize_activation(x: torch.Tensor, group: int | None = None, m_major: bool = False,
                         pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K/group)]).

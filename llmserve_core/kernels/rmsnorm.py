@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE
+from llmserve_core.kernels.fp8_quant import quantize_pieces
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
@@ -43,11 +44,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, stri
     if GROUP == 0:
         tl.store(out_ptr + row * stride_o + c, y, mask=mask)
     else:
-        # fp8_quant's arithmetic on the model-dtype row: scale = max(amax / FP8_MAX, MIN_SCALE) per piece
-        pieces = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
-        scale = tl.maximum(tl.max(tl.abs(pieces), 1) / FP8_MAX, MIN_SCALE)
-        q = tl.reshape((pieces / scale[:, None]).to(out_ptr.dtype.element_ty), (BLOCK,))
-        tl.store(out_ptr + row * stride_o + c, q, mask=mask)
+        q, scale = quantize_pieces(y, BLOCK, GROUP, FP8_MAX, MIN_SCALE)    # columns past n_cols are zeros
+        tl.store(out_ptr + row * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=mask)
         g = tl.arange(0, BLOCK // GROUP)
         tl.store(scale_ptr + row * stride_s + g, scale, mask=g * GROUP < n_cols)
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE
+from llmserve_core.kernels.fp8_quant import quantize_pieces
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
@@ -28,12 +29,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, stride_s, d,
     if GROUP == 0:
         tl.store(out_ptr + row * stride_o + c, y, mask=mask)
     else:
-        # fp8_quant's arithmetic on the model-dtype row: scale = max(amax / FP8_MAX, MIN_SCALE) per piece
-        # (BLOCK is a multiple of GROUP, and columns past d are zeros)
-        pieces = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
-        scale = tl.maximum(tl.max(tl.abs(pieces), 1) / FP8_MAX, MIN_SCALE)
-        q = tl.minimum(tl.maximum(pieces / scale[:, None], -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + c, tl.reshape(q.to(out_ptr.dtype.element_ty), (BLOCK,)), mask=mask)
+        # BLOCK is a multiple of GROUP, and columns past d are zeros
+        q, scale = quantize_pieces(y, BLOCK, GROUP, FP8_MAX, MIN_SCALE)
+        tl.store(out_ptr + row * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=mask)
         g = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
         tl.store(scale_ptr + row * stride_s + g, scale, mask=g * GROUP < d)
 

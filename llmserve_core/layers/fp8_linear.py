@@ -99,35 +99,34 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
-        elif x2.shape[0] <= GEMV_MAX_ROWS or self._table_tile(x2.shape[0]):
-            out = self._gemv(x2.contiguous())
+        elif (tile := self._gemv_tile(x2.shape[0])) is not None:
+            out = self._gemv(x2.contiguous(), tile)
         else:
             out = self._w8a8(x2.contiguous())
         return out.view(*shape[:-1], self.out_features)
 
-    def _table_tile(self, rows: int) -> bool:
-        """Whether kernels/fp8_gemv.py's measured table names a tile for `rows` rows of this layer (17-64
-        rows take the GEMV only then: elsewhere cuBLAS's GEMM was not measured slower)."""
+    def _gemv_tile(self, rows: int) -> dict | None:
+        """The GEMV's tile for `rows` rows of this layer: for 1-16 rows kernels/fp8_gemv.py's measured table's
+        (on Hopper the W8A8 "a8" kernel, or for one row the stream kernel where it was faster), else its
+        rule's; for 17-64 rows the table's only (elsewhere cuBLAS's GEMM was not measured slower). None: the
+        W8A8 GEMM."""
         if rows > TABLE_GEMV_MAX_ROWS:
-            return False
-        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, measured_config, num_sms
+            return None
+        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv_config, measured_config, num_sms
         device = self.weight.device
-        return measured_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
-                               fp8_dot_supported(device)) is not None
+        shape = (rows, self.out_features, self.in_features, self.block, num_sms(device), fp8_dot_supported(device))
+        if rows > GEMV_MAX_ROWS:
+            return measured_config(*shape)
+        return fp8_gemv_config(*shape, stream=self.fast_kernel == "stream" and rows == 1 and self._streams())
 
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """1-16 rows: the kernel and tiles kernels/fp8_gemv.py's measured table names for this shape (on
-        Hopper the W8A8 "a8" kernel, or for one row the stream kernel where it was faster), launched
-        under PDL on the decode chain."""
-        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv, fp8_gemv_config, num_sms
-        stream = self.fast_kernel == "stream" and x.shape[0] == 1 and self._streams()
-        cfg = fp8_gemv_config(x.shape[0], self.out_features, self.in_features, self.block, num_sms(x.device),
-                              fp8_dot_supported(x.device), stream=stream)
-        if cfg["KERNEL"] == "stream":
+    def _gemv(self, x: torch.Tensor, tile: dict) -> torch.Tensor:
+        """The GEMV at `tile` (_gemv_tile's), launched under PDL on the decode chain."""
+        if tile["KERNEL"] == "stream":
             from llmserve_core.kernels.stream_gemv import stream_gemv
             return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl)
-        return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=cfg,
-                        pdl=self.pdl and not cfg["KERNEL"].startswith("fma"))
+        from llmserve_core.kernels.fp8_gemv import fp8_gemv
+        return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=tile,
+                        pdl=self.pdl and not tile["KERNEL"].startswith("fma"))
 
     def _gemv_quantized(self, x: QuantizedRows) -> torch.Tensor:
         """Rows quantized ahead (input_group said so): the a8 kernel at the tile measured for them."""
