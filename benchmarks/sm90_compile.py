@@ -210,6 +210,7 @@ def chain_variants():
     norm + rotary + KV store, split decodes, the one-row stream GEMV and the few-row GEMVs under PDL,
     SiLU-and-mul, the sampler's race, activation quantization and the W8A8 prefill GEMM."""
     from llmserve_core.kernels.fp8_gemm import w8a8_gemm_triton
+    from llmserve_core.kernels.fp8_format import RowQuant
     from llmserve_core.kernels.fp8_quant import quantize_activation
     from llmserve_core.kernels.gemv import gemv, gemv_argmax
     from llmserve_core.kernels.paged_decode import paged_decode
@@ -224,10 +225,13 @@ def chain_variants():
     qkv, cos = torch.empty(1, 6144, dtype=bf16), torch.empty(4096, 64, dtype=torch.float32)
     pos, slot = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     head_w = torch.empty(128, dtype=bf16)
+    rows = torch.empty(256, 4096, dtype=bf16)
 
     out = [("rmsnorm + residual, pdl", lambda: rmsnorm(h, w_norm, 1e-6, residual=h, pdl=True), None),
            ("rmsnorm + residual, fp8 out, pdl", lambda: rmsnorm(h, w_norm, 1e-6, residual=h, pdl=True,
-                                                               quant_group=128), None)]
+                                                               quant=RowQuant(128)), None),
+           ("rmsnorm + residual, fp8 out per token", lambda: rmsnorm(rows, w_norm, 1e-6, residual=rows,
+                                                                    quant=RowQuant(4096)), None)]
     for dtype in (bf16, fp8):
         kc, vc, bt, lens = paged_cache(dtype, 8, 128, 1, 512)
         name = "fp8 cache" if dtype == fp8 else "bf16 cache"
@@ -246,8 +250,10 @@ def chain_variants():
             ("gemv qkv 4 rows, pdl", lambda: gemv(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("gemv_argmax 4 rows, pdl", lambda: gemv_argmax(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("silu_mul, pdl", lambda: silu_mul(torch.empty(1, 24576, dtype=bf16), pdl=True), None),
-            ("silu_mul, fp8 out, pdl", lambda: silu_mul(torch.empty(64, 24576, dtype=bf16), pdl=True, quant_group=128),
+            ("silu_mul, fp8 out, pdl", lambda: silu_mul(torch.empty(64, 24576, dtype=bf16), pdl=True, quant=RowQuant(128)),
              None),
+            ("silu_mul, fp8 out per token", lambda: silu_mul(torch.empty(256, 24576, dtype=bf16),
+                                                             quant=RowQuant(12288)), None),
             ("race_argmax 64 rows", lambda: race_argmax(torch.empty(64, 151936, dtype=torch.float32),
                                                         torch.ones(64), torch.empty(64, 151936)), None),
             ("quantize_activation per 128", lambda: quantize_activation(torch.empty(512, 4096, dtype=bf16), 128),

@@ -15,7 +15,7 @@ from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activa
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
 from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
-from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, dequantize_weight, multiplies_fp8_cache_in_f16, \
+from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, RowQuant, dequantize_weight, multiplies_fp8_cache_in_f16, \
     quantize_per_block, quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from test_kernels import paged_cache, prefill_case, rel_err
@@ -377,12 +377,48 @@ def test_fp8_linear_matches_its_dequantized_twin():
 
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("producer,rows", [("rmsnorm", 65), ("rmsnorm", 68), ("silu_mul", 66)])
+def test_fp8_linear_past_the_gemv_reads_the_rows_its_producer_quantized(producer, rows, block):
+    """Past the GEMV's rows the W8A8 GEMM takes its rows as the RMSNorm or the SiLU-and-mul before it
+    quantized them (one scale a token per channel; per 1 x 128 piece for blocks, M-major and padded to a
+    multiple of 4 rows where cuBLAS runs them): the same output as the layer quantizing the plain rows
+    itself (bit-equal in the interpreter; on a GPU the two kernels' float32 divisions may differ by an ulp)."""
+    from llmserve_core.kernels.fp8_gemm import w8a8_block_input
+    from llmserve_core.kernels.rmsnorm import rmsnorm
+    from llmserve_core.kernels.silu_mul import silu_mul
+    from llmserve_core.layers.fp8_linear import QuantizedRows
+    gen = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    n, k = 128, 512             # the smallest shape cuBLAS's block scaling takes
+    layer = Fp8Linear(k, n, block).to(DEVICE)
+    layer.quantize_rows_(torch.randn(n, k, generator=gen))
+    layer.fused = True
+    quant = layer.input_quant(rows, dtype)
+    assert quant == (RowQuant(k) if block is None else w8a8_block_input(layer.weight, layer.weight_scale, block, dtype))
+    assert quant.m_major == (block is not None and CUDA and torch.cuda.get_device_capability() == (9, 0))
+    if producer == "rmsnorm":
+        x, w = (torch.randn(rows, k, generator=gen) * 2).to(DEVICE, dtype), torch.randn(k, generator=gen).to(DEVICE, dtype)
+        plain, ahead = rmsnorm(x, w, 1e-6), rmsnorm(x, w, 1e-6, quant=quant)
+    else:
+        x = (torch.randn(rows, 2 * k, generator=gen) * 2).to(DEVICE, dtype)
+        plain, ahead = silu_mul(x), silu_mul(x, quant=quant)
+    out = layer(QuantizedRows(*ahead, quant, rows, dtype))
+    want = layer(plain)
+    assert out.shape == want.shape == (rows, n)
+    if CUDA:
+        assert rel_err(out, want) < 1e-2
+    else:
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("block", [None, (32, 32)])
 def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_tile(block, monkeypatch):
     """1-16 rows always take the GEMV; 17-64 take it only for a rows class (32: 17-32, 64: 33-64) the table
     has a tile for, on a card like the measured one (faked: FP8 products, 132 multiprocessors); other rows
-    quantize x and run the W8A8 GEMM. Each path agrees with its reference, and input_group asks for rows
-    quantized ahead only where the x-ahead table has the rows class."""
+    quantize x and run the W8A8 GEMM. Each path agrees with its reference, and input_quant asks for rows
+    quantized ahead where the x-ahead table has the rows class (the GEMV's layout) and wherever the W8A8 GEMM
+    runs (the GEMM's)."""
     from llmserve_core.layers.fp8_linear import TABLE_GEMV_MAX_ROWS, QuantizedRows
     assert TABLE_GEMV_MAX_ROWS == fp8_gemv_module.MAX_ROWS      # repeated so a CPU install needs no Triton
     monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
@@ -413,14 +449,20 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
             ref = w8a8_gemm_reference(*quantize_activation(x, None if block is None else block[1]), w, ws, block,
                                       torch.float32)
         assert rel_err(out, ref) < A8_TOL, rows
-        assert layer.input_group(rows) == (X_AHEAD_GROUP if 33 <= rows <= 64 else None), rows
-    # 33-64 rows quantized ahead (as the RMSNorm before hands them) take the x-ahead tile
-    x = torch.randn(40, k, generator=gen).to(DEVICE)
-    xq, xs = quantize_activation(x, X_AHEAD_GROUP)
-    took.clear()
-    out = layer(QuantizedRows(xq, xs, X_AHEAD_GROUP, torch.float32))
-    assert took == ["_gemv_quantized"]
-    assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP)) < A8_TOL
+        gemm_input = RowQuant(k if block is None else block[1])     # on the CPU the Triton GEMM's layout
+        want = {16: None, 17: None, 32: None, 65: gemm_input}.get(rows, RowQuant(X_AHEAD_GROUP))
+        assert layer.input_quant(rows, torch.float32) == want, rows
+    # Rows quantized ahead as input_quant asks (as the RMSNorm before hands them): 33-64 take the x-ahead
+    # tile, 65 the W8A8 GEMM without a quantization of its own
+    for rows, path in ((40, "_gemv_quantized"), (65, "_w8a8")):
+        x = torch.randn(rows, k, generator=gen).to(DEVICE)
+        quant = layer.input_quant(rows, torch.float32)
+        took.clear()
+        out = layer(QuantizedRows(*quantize_activation(x, quant.group), quant, rows, torch.float32))
+        assert took == [path] and out.shape == (rows, n)
+        ref = (fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP) if path == "_gemv_quantized" else
+               w8a8_gemm_reference(*quantize_activation(x, quant.group), w, ws, block, torch.float32))
+        assert rel_err(out, ref) < A8_TOL, rows
 
 
 # ---------------------------------------------------------------- FP8 KV cache

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
+from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_proto import SamplingParams
 from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
 from test_gpu_engine import MID, prompts
@@ -113,9 +114,11 @@ def test_fp8_rows_17_to_64_at_the_8b_projection_shapes(make_random_qwen3_dir):
                                      max_model_len=512, num_kv_blocks=1024))
         layer = engine.runner.model.model.layers[0]
         if torch.cuda.get_device_properties(0).multi_processor_count == 132 and not eager:   # the tables' card
-            assert layer.self_attn.qkv_proj.input_group(40) == X_AHEAD_GROUP
-            assert layer.mlp.down_proj.input_group(64) == X_AHEAD_GROUP
-            assert layer.self_attn.o_proj.input_group(40) is None
+            assert layer.self_attn.qkv_proj.input_quant(40, torch.bfloat16) == RowQuant(X_AHEAD_GROUP)
+            assert layer.mlp.down_proj.input_quant(64, torch.bfloat16) == RowQuant(X_AHEAD_GROUP)
+        # past the GEMV's rows the norms and the SiLU-and-mul hand the W8A8 GEMM its rows, one scale a token
+        assert layer.self_attn.qkv_proj.input_quant(65, torch.bfloat16) == RowQuant(4096)
+        assert layer.mlp.down_proj.input_quant(65, torch.bfloat16) == RowQuant(12288)
         before = engine.stats()["jit_compilations"]
         outs.append([c.token_ids for batch in work for c in engine.generate(batch, GREEDY)])
         assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"

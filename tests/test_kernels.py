@@ -10,7 +10,7 @@ import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.attention_reference import paged_attention_reference
-from llmserve_core.kernels.fp8_format import FP8, to_cache_dtype
+from llmserve_core.kernels.fp8_format import FP8, MIN_SCALE, RowQuant, to_cache_dtype
 from llmserve_core.kernels.fp8_quant import quantize_activation_reference
 from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
@@ -207,32 +207,53 @@ def test_rmsnorm(rows, cols, with_residual):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,cols,group,with_residual,dtype", [
-    (3, 256, 128, True, torch.float32), (2, 384, 128, False, torch.float16), (1, 96, 32, True, torch.float32)])
-def test_rmsnorm_quantized_output_is_fp8_quant_of_the_norm(rows, cols, group, with_residual, dtype):
-    """The e4m3 rows and per-piece scales equal fp8_quant's arithmetic on the norm's output (what the a8
-    GEMV would compute from it), and the residual stream is unchanged; a zero row keeps zeros."""
-    gen = torch.Generator().manual_seed(rows * cols + group)
+def check_quantized_rows(q, scale, quant, rows, width, q_ref, scale_ref, scale_rtol, code_mismatch):
+    """e4m3 rows and scales in quant's layout (padding rows: zero codes at the floor scale) against the
+    unpadded, row-major (q_ref, scale_ref)."""
+    padded = -(-rows // quant.pad_rows) * quant.pad_rows
+    groups = -(-width // quant.group)
+    assert q.dtype == FP8 and q.shape == (padded, width) and scale.shape == (padded, groups)
+    if quant.m_major:
+        assert scale.stride() == (1, padded)
+    torch.testing.assert_close(scale[:rows], scale_ref, rtol=scale_rtol, atol=0)
+    mismatched = (q[:rows].view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item()
+    assert mismatched <= code_mismatch
+    assert not q[rows:].float().any() and torch.all(scale[rows:] == MIN_SCALE)
+
+
+ROW_QUANTS = [  # (rows, width, quant): per 1 x group piece, one scale per row (a width no power of 2 too),
+    (3, 256, RowQuant(128)), (1, 96, RowQuant(32)), (3, 256, RowQuant(256)), (2, 96, RowQuant(96)),
+    (5, 256, RowQuant(128, m_major=True, pad_rows=4)), (4, 256, RowQuant(128, m_major=True, pad_rows=4))]
+# ... and M-major scales over rows padded to a multiple of 4 (cuBLAS's block scaling), with and without padding
+
+
+@pytest.mark.parametrize("rows,cols,quant", ROW_QUANTS)
+@pytest.mark.parametrize("with_residual,dtype", [(True, torch.float32), (False, torch.float16)])
+def test_rmsnorm_quantized_output_is_fp8_quant_of_the_norm(rows, cols, quant, with_residual, dtype):
+    """The e4m3 rows and per-piece (or per-row) scales equal fp8_quant's arithmetic on the norm's output
+    (what the FP8 GEMV or GEMM after it would compute from it) in the layout the quant names, and the
+    residual stream is unchanged; a piece of zeros keeps zeros."""
+    gen = torch.Generator().manual_seed(rows * cols + quant.group)
     x = (torch.randn(rows, cols, generator=gen) * 3).to(DEVICE, dtype)
-    x[0, :group] = 0.0                                  # a piece of zeros: the floor scale, zero codes
+    if quant.group < cols:
+        x[0, :quant.group] = 0.0                        # a piece of zeros: the floor scale, zero codes
     w = torch.randn(cols, generator=gen).to(DEVICE, dtype)
     res = torch.zeros(rows, cols, dtype=dtype).to(DEVICE) if with_residual else None
-    got = rmsnorm(x, w, 1e-6, res, quant_group=group)
-    ref = rmsnorm_quant_reference(x, w, 1e-6, res, group)
+    got = rmsnorm(x, w, 1e-6, res, quant=quant)
+    ref = rmsnorm_quant_reference(x, w, 1e-6, res, quant.group)
     (q, scale), (q_ref, scale_ref) = (got[0], ref[0]) if with_residual else (got, ref)
-    assert q.dtype == FP8 and q.shape == (rows, cols) and scale.shape == (rows, cols // group)
     # The quantization of the kernel's own normed row: on a GPU that row may differ from the reference norm's
     # by an ulp of float16 (its square root and division), which the quantization must not add to.
     own = rmsnorm(x, w, 1e-6, res)
-    q_own, scale_own = quantize_activation_reference(own[0] if with_residual else own, group)
-    torch.testing.assert_close(scale, scale_own, rtol=1e-6, atol=0)
-    assert (q.float() != q_own.float()).float().mean() < (1e-3 if DEVICE == "cpu" else 2e-2)   # a division's ulp
-    torch.testing.assert_close(scale, scale_ref, rtol=1e-6 if DEVICE == "cpu" else 2e-3, atol=0)
-    assert torch.equal(q[0, :group].float(), torch.zeros(group, device=q.device))
+    q_own, scale_own = quantize_activation_reference(own[0] if with_residual else own, quant.group)
+    check_quantized_rows(q, scale, quant, rows, cols, q_own, scale_own, 1e-6, 1e-3 if DEVICE == "cpu" else 2e-2)
+    torch.testing.assert_close(scale[:rows], scale_ref, rtol=1e-6 if DEVICE == "cpu" else 2e-3, atol=0)
+    if quant.group < cols:
+        assert torch.equal(q[0, :quant.group].float(), torch.zeros(quant.group, device=q.device))
     if with_residual:
         assert torch.equal(got[1], ref[1])
     with pytest.raises(AssertionError, match="power of 2 dividing"):
-        rmsnorm(x, w, 1e-6, quant_group=48)
+        rmsnorm(x, w, 1e-6, quant=RowQuant(48))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (3, 3, 8)])
@@ -261,25 +282,32 @@ def test_silu_mul(rows, d):
     torch.testing.assert_close(out, silu_and_mul(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,d,group,dtype", [(3, 256, 128, torch.float32), (2, 2048 + 1024, 128, torch.float16),
-                                              (1, 96, 32, torch.float32)] + ([(5, 12288, 128, torch.bfloat16)] if CUDA else []))
-def test_silu_mul_quantized_output_is_fp8_quant_of_its_row(rows, d, group, dtype):
-    """The e4m3 rows and per-piece scales equal fp8_quant's arithmetic on the kernel's own output row in the
-    model dtype (what the a8 GEMV would compute from it), across program boundaries (d past one 1024-wide
-    program); a piece of zeros keeps zero codes at the floor scale."""
-    gen = torch.Generator().manual_seed(rows * d + group)
+@pytest.mark.parametrize("rows,d,quant,dtype", [
+    (3, 256, RowQuant(128), torch.float32), (2, 2048 + 1024, RowQuant(128), torch.float16),
+    (1, 96, RowQuant(32), torch.float32), (5, 256, RowQuant(128, m_major=True, pad_rows=4), torch.float32),
+    (3, 2048 + 1024, RowQuant(2048 + 1024), torch.float16), (2, 96, RowQuant(96), torch.float32),
+    (2, 17000, RowQuant(17000), torch.float32)]       # one scale per row, wider than the row kernel's tile
+    + ([(5, 12288, RowQuant(128), torch.bfloat16), (65, 12288, RowQuant(12288), torch.bfloat16),
+        (65, 12288, RowQuant(128, m_major=True, pad_rows=4), torch.bfloat16)] if CUDA else []))
+def test_silu_mul_quantized_output_is_fp8_quant_of_its_row(rows, d, quant, dtype):
+    """The e4m3 rows and per-piece (or per-row) scales equal fp8_quant's arithmetic on the kernel's own
+    output row in the model dtype (what the FP8 GEMV or GEMM would compute from it), in the quant's layout,
+    across program boundaries (d past one 1024-wide program) and, for one scale per row, across the
+    row-long loop's tiles; a piece of zeros keeps zero codes at the floor scale."""
+    gen = torch.Generator().manual_seed(rows * d + quant.group)
     x = (torch.randn(rows, 2 * d, generator=gen) * 3).to(DEVICE, dtype)
-    x[0, :group] = 0.0                                  # gate zero: a piece of zeros
-    q, scale = silu_mul(x, quant_group=group)
-    assert q.dtype == FP8 and q.shape == (rows, d) and scale.shape == (rows, d // group)
-    q_ref, scale_ref = quantize_activation_reference(silu_mul(x), group)
+    if quant.group < d:
+        x[0, :quant.group] = 0.0                        # gate zero: a piece of zeros
+    x[1 % rows, d - 1] = 40.0        # one large product in the last tile: the row's scale comes from there
+    q, scale = silu_mul(x, quant=quant)
+    q_ref, scale_ref = quantize_activation_reference(silu_mul(x), quant.group)
     # exact in the interpreter; a GPU's float32 division may land an ulp away, moving a rare code by one step
-    torch.testing.assert_close(scale, scale_ref, rtol=0 if DEVICE == "cpu" else 1e-6, atol=0)
-    mismatched = (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item()
-    assert mismatched == 0 if DEVICE == "cpu" else mismatched < 1e-3
-    assert torch.equal(q[0, :group].float(), torch.zeros(group, device=q.device))
+    check_quantized_rows(q, scale, quant, rows, d, q_ref, scale_ref, 0 if DEVICE == "cpu" else 1e-6,
+                         0 if DEVICE == "cpu" else 1e-3)
+    if quant.group < d:
+        assert torch.equal(q[0, :quant.group].float(), torch.zeros(quant.group, device=q.device))
     with pytest.raises(AssertionError, match="quantization groups"):
-        silu_mul(x, quant_group=48)
+        silu_mul(x, quant=RowQuant(48))
 
 
 # ---------------------------------------------------------------- backend end to end
@@ -396,7 +424,7 @@ def test_gpu_small_ops_bf16():
     w = torch.randn(4096, generator=gen).to(dtype=torch.bfloat16, device="cuda")
     for a, b in zip(rmsnorm(x, w, 1e-6, r), rmsnorm_reference(x, w, 1e-6, r)):
         assert rel_err(a, b) < 1e-2
-    (q, scale), stream = rmsnorm(x[:1], w, 1e-6, r[:1], quant_group=128)
+    (q, scale), stream = rmsnorm(x[:1], w, 1e-6, r[:1], quant=RowQuant(128))
     (q_ref, scale_ref), stream_ref = rmsnorm_quant_reference(x[:1], w, 1e-6, r[:1], 128)
     assert torch.equal(stream, stream_ref) and rel_err(scale, scale_ref) < 1e-2
     assert rel_err(q.float() * scale.repeat_interleave(128, 1), q_ref.float() * scale_ref.repeat_interleave(128, 1)) < 2e-2

@@ -11,6 +11,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from batch_helpers import allocate_tables, make_batch, make_kv_caches
+from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.norm import RMSNorm
@@ -114,7 +115,7 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
     """On a card whose table has tiles for x quantized ahead (faked here: FP8 products, 132 multiprocessors),
     a decode row's input and post-attention norms leave in e4m3 for qkv_proj and gate_up_proj, and its
     SiLU-and-mul for down_proj, and the logits equal those of the GEMVs quantizing x themselves (the same
-    tile, group and arithmetic); prefill rows (more than the table's one) stay unquantized."""
+    tile, group and arithmetic); the prefill rows (9: the GEMV quantizes them as it reads) stay unquantized."""
     import llmserve_core.kernels.fp8_gemv as fp8_gemv_module
     import llmserve_core.kernels.rmsnorm as rmsnorm_module
     import llmserve_core.kernels.silu_mul as silu_mul_module
@@ -135,10 +136,10 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
         monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 1, kind), tile)
     calls, silu_calls = [], []
     real = rmsnorm_module.rmsnorm
-    monkeypatch.setattr(rmsnorm_module, "rmsnorm", lambda *a, **kw: calls.append(kw.get("quant_group")) or real(*a, **kw))
+    monkeypatch.setattr(rmsnorm_module, "rmsnorm", lambda *a, **kw: calls.append(kw.get("quant")) or real(*a, **kw))
     real_silu = silu_mul_module.silu_mul
     monkeypatch.setattr(silu_mul_module, "silu_mul",
-                        lambda *a, **kw: silu_calls.append(kw.get("quant_group")) or real_silu(*a, **kw))
+                        lambda *a, **kw: silu_calls.append(kw.get("quant")) or real_silu(*a, **kw))
     prompt = random_prompts(cfg.vocab_size, [9], seed=5)[0]
     tables, num_blocks = allocate_tables([len(prompt) + 2], BLOCK_SIZE)
     logits = {}
@@ -156,13 +157,46 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
         logits[ahead] = [model.compute_logits(model(ids, make_batch(seqs, tables, BLOCK_SIZE), kv)) for seqs, ids in steps]
         per_step = 2 * cfg.num_hidden_layers + 1      # two norms a layer, then the final norm
         quantized = [g for g in calls if g is not None]
-        assert len(calls) == 3 * per_step and quantized == ([group] * 2 * cfg.num_hidden_layers * 2 if ahead else [])
+        assert len(calls) == 3 * per_step and quantized == ([RowQuant(group)] * 2 * cfg.num_hidden_layers * 2 if ahead else [])
         assert calls[:per_step] == [None] * per_step      # the prefill's rows are not one row
         # down_proj's input leaves the SiLU-and-mul quantized for the decode rows
         layers = cfg.num_hidden_layers
-        assert silu_calls == [None] * layers + [group if ahead else None] * 2 * layers
+        assert silu_calls == [None] * layers + [RowQuant(group) if ahead else None] * 2 * layers
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quantization", ["channel", "block"])
+@torch.no_grad()
+def test_fp8_prefill_rows_reach_the_gemm_quantized_by_the_norms(quantization, make_random_qwen3_dir, tmp_path,
+                                                                monkeypatch):
+    """Past the GEMV's rows (a 70-token prompt) the norms and the SiLU-and-mul hand qkv_proj, gate_up_proj
+    and down_proj their rows quantized as the W8A8 GEMM reads them, so only o_proj quantizes on its own,
+    and the logits equal those of every projection quantizing for itself."""
+    import llmserve_core.kernels.fp8_quant as fp8_quant_module
+    from llmserve_core.layers.fp8_linear import Fp8Linear
+    from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
+    path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa4-yarn"])
+    if quantization == "block":
+        path, _ = write_fp8_checkpoint(path, tmp_path / "ckpt", qwen_fp8_config((32, 32)))
+    cfg = ModelConfig.from_hf_dir(path)
+    own = []
+    real = fp8_quant_module.quantize_activation
+    monkeypatch.setattr(fp8_quant_module, "quantize_activation", lambda *a, **kw: own.append(1) or real(*a, **kw))
+    prompt = random_prompts(cfg.vocab_size, [70], seed=6)[0]
+    tables, num_blocks = allocate_tables([len(prompt)], BLOCK_SIZE)
+    logits = []
+    for ahead in (True, False):
+        if not ahead:
+            monkeypatch.setattr(Fp8Linear, "input_quant", lambda self, rows, dtype: None)
+        model = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"),
+                           quantization="fp8" if quantization == "channel" else None)
+        model.set_fused(True, chain=True, pdl=False)
+        own.clear()
+        hidden = model(prompt, make_batch([(0, len(prompt))], tables, BLOCK_SIZE), make_kv_caches(cfg, num_blocks, BLOCK_SIZE))
+        logits.append(model.compute_logits(hidden))
+        assert len(own) == cfg.num_hidden_layers * (1 if ahead else 4)
+    assert torch.equal(*logits)
 
 
 @torch.no_grad()

@@ -79,7 +79,13 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
                             ("verify 4 x 4 rows, tree, fp8 cache", "_decode_kernel"),
                             ("stream gemv qkv, pdl", "_stream_gemv_kernel"), ("silu_mul, pdl", "_silu_mul_kernel"),
                             ("silu_mul, fp8 out, pdl", "_silu_mul_kernel"),
+                            ("rmsnorm + residual, fp8 out per token", "_rmsnorm_kernel"),
+                            ("silu_mul, fp8 out per token", "_silu_mul_row_scale_kernel"),
                             ("w8a8 gemm 512 rows, 128x128 blocks", "_w8a8_kernel")):
         assert rows[(variant, kernel)]["registers"] > 0
     # the block-scaled W8A8 prefill tile: the 128-row 4-warp one spilled 296 bytes a thread and ran 2.7-7x slower
     assert rows[("w8a8 gemm 512 rows, 128x128 blocks", "_w8a8_kernel")]["stack_bytes"] == 0
+    # the quantizing norm and SiLU-and-mul hold their rows in registers
+    for variant in ("rmsnorm + residual, fp8 out, pdl", "rmsnorm + residual, fp8 out per token",
+                    "silu_mul, fp8 out, pdl", "silu_mul, fp8 out per token"):
+        assert all(r["stack_bytes"] == 0 for (v, _), r in rows.items() if v == variant), variant

@@ -7,6 +7,8 @@ CPU reference paths (and a machine without Triton) use it; the FP8 kernels' refe
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -66,3 +68,26 @@ def multiplies_fp8_cache_in_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype) 
     (benchmarks/results/fp8_kv_decode_h200.md). A bfloat16 query past float16's range is scaled by a power
     of two first (`kernels.f16_query`); float32 queries keep float32."""
     return cache_dtype == FP8 and q_dtype in (torch.bfloat16, torch.float16)
+
+
+class RowQuant(NamedTuple):
+    """How an FP8 GEMM wants its activation rows quantized: a float32 scale per 1 x group piece of a row
+    (group = the row's width: one scale per token). m_major: the scales laid out row index fastest and the
+    rows padded (zeros, with the smallest scale) to a multiple of pad_rows, as cuBLAS's 1 x 128 block
+    scaling reads them. The kernels that quantize a row they produce (kernels/rmsnorm.py,
+    kernels/silu_mul.py) take one, as quantize_activation does."""
+    group: int
+    m_major: bool = False
+    pad_rows: int = 1
+
+
+def empty_quantized(rows: int, k: int, quant: RowQuant, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (e4m3 [padded rows, k], float32 scales [padded rows, ceil(k / group)]) in quant's
+    layout; padded rows = rows rounded up to a multiple of quant.pad_rows."""
+    assert quant.group >= 1 and quant.pad_rows >= 1, f"{quant}: a positive group and row multiple"
+    padded = -(-rows // quant.pad_rows) * quant.pad_rows
+    groups = -(-k // quant.group)
+    q = torch.empty(padded, k, dtype=FP8, device=device)
+    if quant.m_major:
+        return q, torch.empty(groups, padded, dtype=torch.float32, device=device).t()
+    return q, torch.empty(padded, groups, dtype=torch.float32, device=device)

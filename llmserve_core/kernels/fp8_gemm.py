@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.fp8_format import FP8, dequantize_weight
+from llmserve_core.kernels.fp8_format import FP8, RowQuant, dequantize_weight
 from llmserve_core.kernels.fp8_quant import quantize_activation
 
 
@@ -150,17 +150,30 @@ def w8a8_gemm_per_channel(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
 CUBLAS_BLOCK_ROWS = 4
 
 
+def w8a8_block_input(w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> RowQuant:
+    """How x is quantized for a block-scaled weight: per 1 x bk piece, with the scales M-major and the rows
+    padded as cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm) reads them where scaled_mm_supported says
+    it runs this layer, else row-major for the Triton kernel."""
+    if w_scale.is_contiguous() and scaled_mm_supported(w.device, w.shape[0], w.shape[1], out_dtype, block):
+        return RowQuant(block[1], m_major=True, pad_rows=CUBLAS_BLOCK_ROWS)
+    return RowQuant(block[1])
+
+
+def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, quant: RowQuant, w: torch.Tensor,
+                    w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M', K] e4m3 with a_scale as w8a8_block_input(...) == quant laid them out (M' the padded rows)
+    @ dequant(w [N, K], per bn x bk tile)^T -> [M', N]: cuBLASLt on M-major scales, else Triton."""
+    if quant.m_major and scaled_mm_supported(w.device, w.shape[0], w.shape[1], out_dtype, block):
+        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+    return w8a8_gemm_triton(a, a_scale, w, w_scale, block, out_dtype)
+
+
 def w8a8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
                       out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] (16-bit) @ dequant(w [N, K], per bn x bk tile)^T, x quantized here per 1 x bk piece: through
-    cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm) where scaled_mm_supported says so, with the scales
-    M-major and the rows padded as it needs; else the Triton kernel."""
-    m, k = x.shape
-    if w_scale.is_contiguous() and scaled_mm_supported(x.device, w.shape[0], k, out_dtype, block):
-        a, a_scale = quantize_activation(x, block[1], m_major=True, pad_rows_to=CUBLAS_BLOCK_ROWS)
-        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
-    a, a_scale = quantize_activation(x, block[1])
-    return w8a8_gemm_triton(a, a_scale, w, w_scale, block, out_dtype)
+    """x [M, K] (16-bit) @ dequant(w [N, K], per bn x bk tile)^T, x quantized here as w8a8_block_input says."""
+    quant = w8a8_block_input(w, w_scale, block, out_dtype)
+    a, a_scale = quantize_activation(x, quant.group, quant.m_major, quant.pad_rows)
+    return w8a8_block_gemm(a, a_scale, quant, w, w_scale, block, out_dtype)[:x.shape[0]]
 
 
 def w8a8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

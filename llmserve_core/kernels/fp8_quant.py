@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, to_fp8
+from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, RowQuant, empty_quantized, to_fp8
 
 
 # stride_sg is the row count where the scales are M-major: not specialized, so no row count compiles anew.
@@ -45,6 +45,14 @@ def quantize_pieces(y, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.con
     return tl.reshape(q, (BLOCK,)), scale
 
 
+def piece_width(group: int, width: int, who: str) -> int:
+    """A quantization group a row-producing kernel can take as a constexpr piece of its row tile: a power of
+    2 dividing the row's width."""
+    assert group >= 1 and width % group == 0 and group & (group - 1) == 0, \
+        f"{who}: quantization groups of {group} must be a power of 2 dividing {width}"
+    return group
+
+
 def quantize_activation(x: torch.Tensor, group: int | None = None, m_major: bool = False,
                         pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K/group)]).
@@ -56,15 +64,9 @@ def quantize_activation(x: torch.Tensor, group: int | None = None, m_major: bool
     """
     m, k = x.shape
     assert x.stride(1) == 1, "x: last dim must be contiguous"
-    assert pad_rows_to >= 1, "pad_rows_to: a positive row multiple"
     group = group or k
-    num_groups = triton.cdiv(k, group)
-    rows = triton.cdiv(m, pad_rows_to) * pad_rows_to
-    q = torch.empty(rows, k, dtype=FP8, device=x.device)
-    if m_major:
-        scale = torch.empty(num_groups, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(m, k, RowQuant(group, m_major, pad_rows_to), x.device)
+    rows, num_groups = scale.shape
     if rows == 0:
         return q, scale
     _quantize_rows_kernel[(rows, num_groups)](

@@ -5,13 +5,14 @@
 GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost), and so do 17-64 rows of a shape its
 measured table names a tile for: on Ada and Hopper its "a8" kernel quantizes each row per 1 x 128 piece as
 it reads it and multiplies FP8 by FP8, and one row of o_proj's shape takes kernels/stream_gemv.py
-(weight-only), chained under PDL with the kernels around it; other rows quantize the activations
-dynamically (per token, or per 1 x bk piece for block scales) in a launch of their own and run a W8A8 GEMM
-on the FP8 tensor cores. Where the table measured x quantized ahead to read faster (qkv and gate_up at 1-64
-rows, down at 17-64), `input_group` asks the RMSNorm or the SiLU-and-mul
-before the layer for QuantizedRows, and the GEMV skips its own quantization. Off the fast path (the CPU, or
-the torch attention backend: see layers/fast_path.py) it computes the reference, the dequantized weight
-times the input in float32.
+(weight-only), chained under PDL with the kernels around it; other rows run a W8A8 GEMM on the FP8 tensor
+cores, the activations quantized dynamically (per token, or per 1 x bk piece for block scales).
+`input_quant` says how the layer wants its rows quantized ahead (fp8_format.RowQuant), and the RMSNorm or
+the SiLU-and-mul before qkv, gate_up and down hands it QuantizedRows: for the W8A8 GEMM always (no
+quantization launch of its own), for the GEMV where its table measured x quantized ahead to read faster
+(qkv and gate_up at 1-64 rows, down at 17-64); the layer quantizes whatever else it is handed. Off the fast
+path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference, the
+dequantized weight times the input in float32.
 """
 from __future__ import annotations
 
@@ -20,18 +21,20 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
+from llmserve_core.kernels.fp8_format import FP8, RowQuant, dequantize_weight, quantize_per_block, quantize_per_channel
 
 GEMV_MAX_ROWS = 16          # rows that always take the GEMV
 TABLE_GEMV_MAX_ROWS = 64    # kernels/fp8_gemv.MAX_ROWS: up to here, rows take it where its table names a tile
 
 
 class QuantizedRows(NamedTuple):
-    """Rows quantized ahead for an Fp8Linear (by the RMSNorm or the SiLU-and-mul before it): e4m3 data [M, K]
-    with a float32 scale per 1 x group piece [M, K / group]; the layer's output takes `dtype`, the model's."""
+    """`rows` rows quantized ahead for an Fp8Linear (by the RMSNorm or the SiLU-and-mul before it) as its
+    input_quant asked: e4m3 data and float32 scales in `quant`'s layout (fp8_format.empty_quantized: padded
+    rows past `rows`); the layer's output takes `dtype`, the model's."""
     data: torch.Tensor
     scale: torch.Tensor
-    group: int
+    quant: RowQuant
+    rows: int
     dtype: torch.dtype
 
 
@@ -77,13 +80,27 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale, self.block)
 
-    def input_group(self, rows: int) -> int | None:
-        """The piece size this layer wants `rows` rows of x quantized in ahead (QuantizedRows), where its
-        measured table has a tile for that (kernels/fp8_gemv.X_AHEAD_CONFIGS); None: hand x as it is."""
-        if not self.fused or not 0 < rows <= TABLE_GEMV_MAX_ROWS:
+    def input_quant(self, rows: int, dtype: torch.dtype) -> RowQuant | None:
+        """How this layer wants `rows` rows of x (in `dtype`) quantized ahead (QuantizedRows): as its W8A8
+        GEMM reads them, or as the GEMV's measured x-ahead tile does (kernels/fp8_gemv.X_AHEAD_CONFIGS);
+        None: hand x as it is (the GEMV quantizes as it reads, or the reference path)."""
+        if not self.fused or rows <= 0:
             return None
-        from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP
-        return None if self._x_ahead_tile(rows) is None else X_AHEAD_GROUP
+        if rows <= TABLE_GEMV_MAX_ROWS:
+            if self._x_ahead_tile(rows) is not None:
+                from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP
+                return RowQuant(X_AHEAD_GROUP)
+            if self._gemv_tile(rows) is not None:
+                return None
+        return self._w8a8_input(dtype)
+
+    def _w8a8_input(self, dtype: torch.dtype) -> RowQuant:
+        """The W8A8 GEMM's activation layout: one scale per token for per-channel weights, else
+        kernels/fp8_gemm.w8a8_block_input's."""
+        if self.block is None:
+            return RowQuant(self.in_features)
+        from llmserve_core.kernels.fp8_gemm import w8a8_block_input
+        return w8a8_block_input(self.weight, self.weight_scale, self.block, dtype)
 
     def _x_ahead_tile(self, rows: int) -> dict | None:
         """kernels/fp8_gemv.x_ahead_config for this layer's shape and scales, on its device."""
@@ -93,8 +110,11 @@ class Fp8Linear(nn.Module):
                               fp8_dot_supported(device))
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):
-            return self._gemv_quantized(x)
+        if isinstance(x, QuantizedRows):       # input_quant's answer: the x-ahead tile's rows, else the GEMM's
+            assert self.fused, "Fp8Linear: rows quantized ahead go to the fast path only"
+            if x.rows <= TABLE_GEMV_MAX_ROWS and (tile := self._x_ahead_tile(x.rows)) is not None:
+                return self._gemv_quantized(x, tile)
+            return self._w8a8(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
@@ -102,7 +122,10 @@ class Fp8Linear(nn.Module):
         elif (tile := self._gemv_tile(x2.shape[0])) is not None:
             out = self._gemv(x2.contiguous(), tile)
         else:
-            out = self._w8a8(x2.contiguous())
+            from llmserve_core.kernels.fp8_quant import quantize_activation
+            quant = self._w8a8_input(x.dtype)
+            data, scale = quantize_activation(x2.contiguous(), quant.group, quant.m_major, quant.pad_rows)
+            out = self._w8a8(QuantizedRows(data, scale, quant, x2.shape[0], x.dtype))
         return out.view(*shape[:-1], self.out_features)
 
     def _gemv_tile(self, rows: int) -> dict | None:
@@ -128,14 +151,11 @@ class Fp8Linear(nn.Module):
         return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=tile,
                         pdl=self.pdl and not tile["KERNEL"].startswith("fma"))
 
-    def _gemv_quantized(self, x: QuantizedRows) -> torch.Tensor:
-        """Rows quantized ahead (input_group said so): the a8 kernel at the tile measured for them."""
+    def _gemv_quantized(self, x: QuantizedRows, tile: dict) -> torch.Tensor:
+        """Rows quantized ahead for the GEMV: the a8 kernel at the x-ahead tile measured for them."""
         from llmserve_core.kernels.fp8_gemv import fp8_gemv
-        m = x.data.shape[0]
-        cfg = self._x_ahead_tile(m)
-        assert cfg is not None and self.fused, f"Fp8Linear: no tile for {m} rows quantized ahead"
-        return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=cfg, pdl=self.pdl,
-                        x_scale=x.scale, x_group=x.group, out_dtype=x.dtype)
+        return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=tile, pdl=self.pdl,
+                        x_scale=x.scale, x_group=x.quant.group, out_dtype=x.dtype)
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block
@@ -143,10 +163,10 @@ class Fp8Linear(nn.Module):
         from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, ROWS_PER_PROGRAM
         return self.in_features % MIN_BLOCK_K == 0 and (self.block is None or self.block[0] % ROWS_PER_PROGRAM == 0)
 
-    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        from llmserve_core.kernels.fp8_gemm import w8a8_block_linear, w8a8_gemm_per_channel
-        from llmserve_core.kernels.fp8_quant import quantize_activation
-        if self.block is not None:
-            return w8a8_block_linear(x, self.weight, self.weight_scale, self.block, x.dtype)
-        a, a_scale = quantize_activation(x)
-        return w8a8_gemm_per_channel(a, a_scale, self.weight, self.weight_scale, x.dtype)
+    def _w8a8(self, x: QuantizedRows) -> torch.Tensor:
+        """The W8A8 GEMM on rows quantized as _w8a8_input says; [rows, out_features]."""
+        from llmserve_core.kernels.fp8_gemm import w8a8_block_gemm, w8a8_gemm_per_channel
+        if self.block is None:
+            return w8a8_gemm_per_channel(x.data, x.scale, self.weight, self.weight_scale, x.dtype)
+        return w8a8_block_gemm(x.data, x.scale, x.quant, self.weight, self.weight_scale, self.block,
+                               x.dtype)[:x.rows]

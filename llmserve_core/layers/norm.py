@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve_core.kernels.fp8_format import RowQuant
+
 
 class RMSNorm(nn.Module):
     # Set by the model on CUDA: one Triton kernel (kernels/rmsnorm.py) instead of about seven eager ones.
@@ -26,19 +28,19 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_group: int | None = None):
-        """quant_group (the fused kernel only): the normalized rows leave quantized for the Fp8Linear after
-        the norm, as its input_group asked (layers/fp8_linear.QuantizedRows)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: RowQuant | None = None):
+        """quant (the fused kernel only): the normalized rows leave quantized for the Fp8Linear after the
+        norm, as its input_quant asked (layers/fp8_linear.QuantizedRows)."""
         if self.fused:
             from llmserve_core.kernels.rmsnorm import rmsnorm
-            out = rmsnorm(x, self.weight, self.eps, residual, pdl=self.pdl, quant_group=quant_group)
-            if quant_group is None:
+            out = rmsnorm(x, self.weight, self.eps, residual, pdl=self.pdl, quant=quant)
+            if quant is None:
                 return out
             from llmserve_core.layers.fp8_linear import QuantizedRows
             (data, scale), stream = (out, None) if residual is None else out
-            rows = QuantizedRows(data, scale, quant_group, x.dtype)
+            rows = QuantizedRows(data, scale, quant, x.shape[0], x.dtype)
             return rows if residual is None else (rows, stream)
-        assert quant_group is None, "RMSNorm: quantized rows come from the fused kernel only"
+        assert quant is None, "RMSNorm: quantized rows come from the fused kernel only"
         if residual is None:
             return self._norm(x)
         x = x + residual

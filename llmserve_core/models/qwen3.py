@@ -13,6 +13,7 @@ from torch import nn
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
+from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.fp8_linear import Fp8Linear, QuantizedRows
 from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import VocabParallelEmbedding
@@ -84,9 +85,10 @@ class Qwen3MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
-            group = _input_group(self.down_proj, gate_up.shape[0])
-            act = silu_mul(gate_up, pdl=self.pdl, quant_group=group)
-            out = self.down_proj(act if group is None else QuantizedRows(*act, group, gate_up.dtype))
+            rows = gate_up.shape[0]
+            quant = _input_quant(self.down_proj, rows, gate_up.dtype)
+            act = silu_mul(gate_up, pdl=self.pdl, quant=quant)
+            out = self.down_proj(act if quant is None else QuantizedRows(*act, quant, rows, gate_up.dtype))
         else:
             out = self.down_proj(silu_and_mul(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -104,18 +106,18 @@ class Qwen3DecoderLayer(nn.Module):
         """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0).
         A norm hands its FP8 projection the rows quantized where that projection asks for them so."""
         rows = h.shape[0]
-        group = _input_group(self.self_attn.qkv_proj, rows)
+        quant = _input_quant(self.self_attn.qkv_proj, rows, h.dtype)
         if residual is None:
-            residual, h = h, self.input_layernorm(h, quant_group=group)
+            residual, h = h, self.input_layernorm(h, quant=quant)
         else:
-            h, residual = self.input_layernorm(h, residual, quant_group=group)
+            h, residual = self.input_layernorm(h, residual, quant=quant)
         h = self.self_attn(h, cos, sin, kv_cache, batch, attn_backend)
-        h, residual = self.post_attention_layernorm(h, residual, quant_group=_input_group(self.mlp.gate_up_proj, rows))
+        h, residual = self.post_attention_layernorm(h, residual, quant=_input_quant(self.mlp.gate_up_proj, rows, h.dtype))
         return self.mlp(h), residual
 
 
-def _input_group(proj, rows: int) -> int | None:
-    return proj.input_group(rows) if isinstance(proj, Fp8Linear) else None
+def _input_quant(proj, rows: int, dtype: torch.dtype) -> RowQuant | None:
+    return proj.input_quant(rows, dtype) if isinstance(proj, Fp8Linear) else None
 
 
 class Qwen3Model(nn.Module):
