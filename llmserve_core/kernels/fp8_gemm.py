@@ -162,8 +162,9 @@ def w8a8_block_input(w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, i
 def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, quant: RowQuant, w: torch.Tensor,
                     w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
     """a [M', K] e4m3 with a_scale as w8a8_block_input(...) == quant laid them out (M' the padded rows)
-    @ dequant(w [N, K], per bn x bk tile)^T -> [M', N]: cuBLASLt on M-major scales, else Triton."""
-    if quant.m_major and scaled_mm_supported(w.device, w.shape[0], w.shape[1], out_dtype, block):
+    @ dequant(w [N, K], per bn x bk tile)^T -> [M', N]: cuBLASLt on M-major scales (which
+    w8a8_block_input asks for only where cuBLASLt runs the layer), else Triton."""
+    if quant.m_major:
         return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
     return w8a8_gemm_triton(a, a_scale, w, w_scale, block, out_dtype)
 

@@ -56,6 +56,7 @@ class Fp8Linear(nn.Module):
             bn, bk = self.block
             scale_shape = (-(-out_features // bn), -(-in_features // bk))
         self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
+        self._w8a8_inputs: dict[tuple[torch.device, torch.dtype], RowQuant] = {}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
@@ -96,11 +97,17 @@ class Fp8Linear(nn.Module):
 
     def _w8a8_input(self, dtype: torch.dtype) -> RowQuant:
         """The W8A8 GEMM's activation layout: one scale per token for per-channel weights, else
-        kernels/fp8_gemm.w8a8_block_input's."""
-        if self.block is None:
-            return RowQuant(self.in_features)
-        from llmserve_core.kernels.fp8_gemm import w8a8_block_input
-        return w8a8_block_input(self.weight, self.weight_scale, self.block, dtype)
+        kernels/fp8_gemm.w8a8_block_input's. Fixed for a device and dtype, so asked once: an eager prefill
+        step asks for every projection of every layer, and the host time is the step's."""
+        key = (self.weight.device, dtype)
+        if (quant := self._w8a8_inputs.get(key)) is None:
+            if self.block is None:
+                quant = RowQuant(self.in_features)
+            else:
+                from llmserve_core.kernels.fp8_gemm import w8a8_block_input
+                quant = w8a8_block_input(self.weight, self.weight_scale, self.block, dtype)
+            self._w8a8_inputs[key] = quant
+        return quant
 
     def _x_ahead_tile(self, rows: int) -> dict | None:
         """kernels/fp8_gemv.x_ahead_config for this layer's shape and scales, on its device."""
