@@ -4,7 +4,8 @@ per-channel or 128 x 128 block-scaled (`--scales`): what the engine ran there be
 its two halves alone, Triton W8A8 tiles, and the "a8" GEMV kernel with 16- to 128-row x tiles, quantizing x
 per 1 x 128 piece inside it ("a8") or reading x quantized ahead ("a8x", the GEMM alone: the RMSNorm or
 SiLU-and-mul before it quantizes), against bf16's cuBLAS at the same rows. Where the tables name a GEMV tile for the rows (1-64), "gemv_table" times it
-too: what the engine runs there now.
+too: what the engine runs there now. Past the tables' rows the engine runs "scaled_mm" for qkv, gate_up and
+down (the RMSNorm or the SiLU-and-mul before them quantizes x) and "engine" for o_proj.
 
 At these row counts a Qwen3-8B projection is still bound by its weight's bytes on Hopper (64 rows x 2 FLOPs
 per FP8 byte is under the FP8 ridge), so FP8 should take about half of bf16's time. Each arm is timed as a
