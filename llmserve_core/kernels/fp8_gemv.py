@@ -210,23 +210,28 @@ X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 }
 
 
+def _table_tile(table: dict, m: int, n: int, k: int, block: tuple[int, int] | None, sms: int,
+                fp8_dot: bool) -> dict | None:
+    """`table`'s tile for m rows of this shape, on a card like the one measured (TABLE_SMS multiprocessors,
+    FP8 tensor cores), or None."""
+    if sms != TABLE_SMS or not fp8_dot or not 0 < m <= MAX_ROWS:
+        return None
+    cfg = table.get((n, k, rows_class(m), _scale_kind(block)))
+    return None if cfg is None else dict(cfg)
+
+
 def measured_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool,
                     stream: bool = False) -> dict | None:
     """The measured table's tile for m rows of this shape on a card like the one measured (fp8_dot: one with
     FP8 tensor cores; stream: the caller can run kernels/stream_gemv.py), or None."""
-    if sms != TABLE_SMS or not fp8_dot or not 0 < m <= MAX_ROWS:
-        return None
-    cfg = DEFAULT_CONFIGS.get((n, k, rows_class(m), _scale_kind(block)))
-    return None if cfg is None or (cfg["KERNEL"] == "stream" and not stream) else dict(cfg)
+    cfg = _table_tile(DEFAULT_CONFIGS, m, n, k, block, sms, fp8_dot)
+    return None if cfg is None or (cfg["KERNEL"] == "stream" and not stream) else cfg
 
 
 def x_ahead_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool) -> dict | None:
     """The measured tile for x quantized ahead per 1 x X_AHEAD_GROUP piece, on a card like the one measured;
     None where the table names none (the caller then hands x as it is)."""
-    if sms != TABLE_SMS or not fp8_dot or not 0 < m <= MAX_ROWS:
-        return None
-    cfg = X_AHEAD_CONFIGS.get((n, k, rows_class(m), _scale_kind(block)))
-    return None if cfg is None else dict(cfg)
+    return _table_tile(X_AHEAD_CONFIGS, m, n, k, block, sms, fp8_dot)
 
 
 def _scale_kind(block: tuple[int, int] | None) -> str | None:
