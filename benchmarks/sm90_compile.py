@@ -206,7 +206,7 @@ def fp8_variants():
 
 def chain_variants():
     """The rest of what a step launches, with the GPU-only arguments the interpreter never compiles (PDL,
-    FP8 caches and activations, verify rows and trees, L2 prefetches), at Qwen3-8B's sizes in bf16: the norms, the q/k
+    FP8 caches and activations, verify rows and trees), at Qwen3-8B's sizes in bf16: the norms, the q/k
     norm + rotary + KV store, split decodes, the one-row stream GEMV and the few-row GEMVs under PDL,
     SiLU-and-mul, the sampler's race, activation quantization and the W8A8 prefill GEMM."""
     from llmserve_core.kernels.fp8_gemm import w8a8_gemm_triton
@@ -240,9 +240,6 @@ def chain_variants():
                                                             kc, vc, pdl=True), None))
         out.append((f"decode batch 1, {name}, pdl", lambda kc=kc, vc=vc, bt=bt, lens=lens:
                     paged_decode(torch.empty(1, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True), None))
-        out.append((f"decode batch 1, {name}, pdl, o_proj prefetch", lambda kc=kc, vc=vc, bt=bt, lens=lens:
-                    paged_decode(torch.empty(1, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True,
-                                 prefetch=torch.empty(4096, 4096, dtype=fp8)), None))
         kc, vc, bt, lens = paged_cache(dtype, 8, 128, 4, 512)
         tree = torch.ones(16, 4, dtype=torch.bool)
         out.append((f"verify 4 x 4 rows, tree, {name}", lambda kc=kc, vc=vc, bt=bt, lens=lens, tree=tree:

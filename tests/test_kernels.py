@@ -394,33 +394,6 @@ def test_gpu_paged_decode(batch, ctx, block_size, num_heads, num_kv_heads):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_gpu_paged_decode_l2_prefetch_changes_nothing(weight_dtype):
-    """Asking L2 for o_proj's weight (kernels/l2_prefetch.py) while attending leaves every output bit as
-    it was: split and one-piece decodes, a verify's rows, under PDL and in a replayed CUDA graph."""
-    gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(4096, 4096, generator=gen).to(device="cuda", dtype=weight_dtype)
-    for batch, rows in ((1, 1), (4, 1), (16, 1), (64, 1), (4, 4)):
-        seq_lens = torch.randint(rows, 700, (batch,), generator=gen).tolist()
-        kc, vc, bt = paged_cache(seq_lens, 16, 8, 128, torch.bfloat16, "cuda", gen)
-        q = torch.randn(batch * rows, 32, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        plain = paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, rows_per_seq=rows)
-        for pdl in (False, True):
-            got = paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, rows_per_seq=rows, pdl=pdl and rows == 1,
-                               prefetch=weight)
-            assert torch.equal(got, plain), (batch, rows, pdl)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, rows_per_seq=rows, prefetch=weight)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, plain)
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("query_lens,ctx_lens", [([512] * 8, [0] * 8), ([1024] * 4, [2048] * 4),
                                                  ([300, 1, 77, 1000], [0, 900, 4000, 37])])
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -108,46 +108,6 @@ def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
 
 
-@torch.no_grad()
-def test_attention_asks_l2_for_o_proj_only_in_the_pdl_chain_at_few_rows(make_random_qwen3_dir, monkeypatch):
-    """Under PDL (faked: the kernels run without it here) attention over up to PREFETCH_O_PROJ_ROWS rows
-    hands the backend its layer's o_proj weight to ask L2 for; more rows, or no PDL, hand nothing, and the
-    logits are the same either way."""
-    import llmserve_core.kernels.qk_norm_rope as qk_norm_rope_module
-    import llmserve_core.models.qwen3 as qwen3_module
-    from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
-    seen = []
-
-    class Recording(TritonAttentionBackend):
-        def attend(self, *args, pdl=False, prefetch=None, **kw):
-            seen.append(prefetch)
-            return super().attend(*args, prefetch=prefetch, **kw)
-
-    real = qk_norm_rope_module.qk_norm_rope_store
-    monkeypatch.setattr(qk_norm_rope_module, "qk_norm_rope_store", lambda *a, pdl=False, **kw: real(*a, **kw))
-    path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa4-yarn"])
-    cfg = ModelConfig.from_hf_dir(path)
-    model = load_model(cfg, path, "auto", torch.float32, "cpu", Recording())
-    model.set_fused(True, chain=True, pdl=False)
-    o_proj = [layer.self_attn.o_proj.weight for layer in model.model.layers]
-    lens = [3] * 5
-    tables, num_blocks = allocate_tables([n + 1 for n in lens], BLOCK_SIZE)
-    kv = make_kv_caches(cfg, num_blocks, BLOCK_SIZE)
-    model(torch.cat(random_prompts(cfg.vocab_size, lens, seed=5)), make_batch([(0, n) for n in lens], tables, BLOCK_SIZE), kv)
-    decode = make_batch([(n, 1) for n in lens], tables, BLOCK_SIZE)
-    ids = torch.tensor([7, 8, 9, 10, 11])
-    logits = {}
-    for pdl, limit in ((False, 16), (True, 16), (True, 4)):
-        for layer in model.model.layers:
-            layer.self_attn.pdl = pdl
-        monkeypatch.setattr(qwen3_module, "PREFETCH_O_PROJ_ROWS", limit)
-        seen.clear()
-        logits[pdl, limit] = model.compute_logits(model(ids, decode, kv))
-        want = o_proj if pdl and len(ids) <= limit else [None] * len(o_proj)
-        assert len(seen) == len(want) and all(a is b for a, b in zip(seen, want)), (pdl, limit)
-    assert torch.equal(logits[False, 16], logits[True, 16]) and torch.equal(logits[False, 16], logits[True, 4])
-
-
 @pytest.mark.parametrize("quantization", ["channel", "block"])
 @torch.no_grad()
 def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make_random_qwen3_dir, tmp_path,

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from llmserve_core.kernels.fp8_format import multiplies_fp8_cache_in_f16
 from llmserve_core.kernels.f16_query import f16_query
-from llmserve_core.kernels.l2_prefetch import LINES_PER_ROUND, prefetch_lines, prefetch_share
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
@@ -51,15 +50,15 @@ FP8_DECODE_BLOCK_N = 128
 
 # The split count, piece length, block-table width and tree width vary with the batch; none is worth a
 # compiled variant per value class (Triton specializes ints that are 1 or divisible by 16).
-@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits", "min_split", "pf_lines"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits", "min_split"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                   count_ptr, pf_ptr, pf_lines, sm_scale_log2, v_scale,
+                   count_ptr, sm_scale_log2, v_scale,
                    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
                    stride_ob, stride_oh, num_splits, min_split,
                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,12 +91,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         early = (first_mask & (n_first < prefix))[:, None] & d_mask[None, :]
         k_first = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=early, other=0.0)
         v_first = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=early, other=0.0)
-    if PREFETCH > 0:      # lines a program asks for at a time
-        # After this program's own first loads, so they queue ahead of it: the weight the kernel after this
-        # one reads (kernels/l2_prefetch.py), which no kernel writes.
-        splits = tl.num_programs(2)
-        prefetch_share(pf_ptr, pf_lines, (b * num_kv_heads + kvh) * splits + split,
-                       tl.num_programs(0) * num_kv_heads * splits, PREFETCH)
     pdl_wait_and_release(PDL)
     if split < active:
         # Tile row i is query row j = i // GROUP of this sequence (its last ROWS positions), head i % GROUP
@@ -295,7 +288,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
-                 pdl: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                 pdl: bool = False) -> torch.Tensor:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
@@ -308,10 +301,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     pdl: launch under PDL. A split decode then reads the lengths, the block tables and its first tile's
     prefix K/V (positions before this call's rows) before the wait on the kernel just before, so those
-    must come from kernels further back; q and the rows' own K/V may come from the kernel just before.
-
-    prefetch: a contiguous tensor (the weight of the GEMV after this call) that the programs ask L2 for while
-    they attend (kernels/l2_prefetch.py); on CUDA only, and it changes no value."""
+    must come from kernels further back; q and the rows' own K/V may come from the kernel just before."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -354,11 +344,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     mid_o, mid_lse, counts = scratch.get(tokens * num_heads * num_splits, head_dim, batch * num_kv_heads, q.device)
     if k_cache.dtype != torch.float8_e4m3fn:
         k_scale = v_scale = 1.0
-    pf_bytes, pf_lines = prefetch_lines(prefetch) if prefetch is not None and q.is_cuda else (counts, 0)
     block_d = triton.next_power_of_2(head_dim)
     block_r = triton.next_power_of_2(rows_per_seq * group)      # the merge's rows: no padding to 16
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts, pf_bytes, pf_lines,
+        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts,
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
@@ -368,7 +357,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages, PDL=pdl,
-        PREFETCH=LINES_PER_ROUND if pf_lines else 0, **pdl_launch(pdl),
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, **pdl_launch(pdl),
     )
     return out

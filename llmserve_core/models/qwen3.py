@@ -24,10 +24,6 @@ from llmserve_core.models.quantization import Fp8Scheme, apply_fp8
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
-# Up to this many rows a decode's attention waits on latency while DRAM idles, and asks L2 for o_proj's
-# weight meanwhile (kernels/l2_prefetch.py): the PDL chain's decodes only (Hopper), where it was measured.
-PREFETCH_O_PROJ_ROWS = 16
-
 
 class Qwen3Attention(nn.Module):
     fused = False   # set by Qwen3ForCausalLM on CUDA: q/k norm, rotary and the K/V store in one Triton kernel
@@ -61,9 +57,8 @@ class Qwen3Attention(nn.Module):
             q = qk_norm_rope_store(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
                                    cos, sin, self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
                                    k_cache, v_cache, self.k_scale, self.v_scale, pdl=self.pdl)
-            prefetch = self.o_proj.weight if self.pdl and T <= PREFETCH_O_PROJ_ROWS else None
             out = attn_backend.attend(q, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
-                                      v_scale=self.v_scale, pdl=self.pdl, prefetch=prefetch)
+                                      v_scale=self.v_scale, pdl=self.pdl)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)

@@ -29,7 +29,6 @@ class AttentionBackend:
         k_scale: float = 1.0,   # an FP8 cache holds k / k_scale and v / v_scale; other caches ignore both
         v_scale: float = 1.0,
         pdl: bool = False,      # a Triton decode may launch under PDL (kernels/pdl.py); others ignore it
-        prefetch: torch.Tensor | None = None,   # the next GEMV's weight, which a Triton decode asks L2 for
     ) -> torch.Tensor:          # [T, num_heads, head_dim]
         raise NotImplementedError
 

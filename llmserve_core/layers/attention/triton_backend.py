@@ -20,18 +20,17 @@ class TritonAttentionBackend(AttentionBackend):
         self.scratch = DecodeScratch()
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
         if batch.is_decode:
             # One query row per sequence, in sequence order, so row b of q belongs to sequence b.
             return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
-                                scratch=self.scratch, k_scale=k_scale, v_scale=v_scale, pdl=pdl, prefetch=prefetch)
+                                scratch=self.scratch, k_scale=k_scale, v_scale=v_scale, pdl=pdl)
         rows = batch.uniform_query_len
         if rows and rows * (q.shape[1] // k_cache.shape[2]) <= MAX_TILE_ROWS:
             # A verify (or padded catch-up): a few rows per sequence read the KV once, like a decode.
             return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
                                 scratch=self.scratch, rows_per_seq=rows, tree_mask=batch.tree_mask,
-                                k_scale=k_scale, v_scale=v_scale, prefetch=prefetch)
+                                k_scale=k_scale, v_scale=v_scale)
         return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                              batch.max_query_len, scale, tree_mask=batch.tree_mask, k_scale=k_scale,
                              v_scale=v_scale)

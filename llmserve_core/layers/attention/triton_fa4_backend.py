@@ -51,10 +51,9 @@ class TritonFA4Backend(AttentionBackend):
         self.triton = TritonAttentionBackend()
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         # FA4 reads caches of the model's dtype; an FP8 cache stays on the Triton kernels.
         if k_cache.dtype != q.dtype or not use_fa4(q.dtype, q.shape[-1], batch, capturing):
-            return self.triton.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl, prefetch)
+            return self.triton.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl)
         return fa4_paged(self.fa4, q, k_cache, v_cache, batch, scale)
