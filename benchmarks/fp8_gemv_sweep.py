@@ -8,6 +8,7 @@ kernels/fp8_gemv.py's default table.
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --out $OUT/fp8_gemv_sweep.json   # H200, ~90 s
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --a8x --out $OUT/fp8_a8x_sweep.json
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --stream --out $OUT/stream_depth_sweep.json
     python3 benchmarks/fp8_gemv_sweep.py --smoke --out /tmp/fp8_gemv_sweep.json          # CPU interpreter
 """
 from __future__ import annotations
@@ -30,9 +31,9 @@ if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a m
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fp8_gemv import (fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
-                                             fp8_gemv_config, fp8_gemv_reference)
+                                             fp8_gemv_config, fp8_gemv_reference, x_ahead_config)
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
-from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
+from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference  # noqa: E402
 from gemv_bench import launches_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -61,6 +62,10 @@ A8X_CANDIDATES = (("a8x", 64, 128, 4, 3, 4), ("a8x", 64, 128, 4, 4, 1), ("a8x", 
                   ("a8x", 32, 128, 2, 4, 1), ("a8x", 32, 64, 4, 6, 1), ("a8x", 128, 128, 8, 4, 2),
                   ("a8", 64, 128, 4, 4, 1), ("a8", 32, 128, 4, 4, 2), ("a8", 32, 128, 4, 4, 1))
 X_GROUP = 128
+# --stream: one row, the CUDA-core stream kernel (kernels/stream_gemv.py) with 1 or 2 weight tiles in flight
+# (BLOCK_N, BLOCK_K, num_warps, DEPTH), under PDL, for FP8 and bf16 weights, beside what the engine runs
+STREAM_CANDIDATES = ((8, 512, 4, 1), (8, 512, 4, 2), (8, 256, 4, 1), (8, 256, 4, 2), (8, 1024, 4, 1),
+                     (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 512, 8, 2), (4, 512, 4, 2), (4, 1024, 4, 2))
 
 
 def split_for(n, k, block_n, block_k, sms, per_sm):
@@ -80,6 +85,9 @@ def kernel_call(label, cfg, x_ahead=None):
         return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl)
     cfg = dict(cfg)
     pdl = cfg.pop("PDL", False)
+    if cfg.get("KERNEL") == "stream":
+        cfg.pop("KERNEL")
+        return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl, config=cfg or None)
     if cfg.pop("X_AHEAD", False):
         xq, xs = x_ahead
         return lambda x, q, s, b: fp8_gemv(xq, q, s, b, config=cfg, pdl=pdl, x_scale=xs, x_group=X_GROUP,
@@ -110,6 +118,8 @@ def main():
     p.add_argument("--a8", action="store_true", help="the W8A8 tiles against the defaults and the stream kernel")
     p.add_argument("--a8x", action="store_true",
                    help="one row: W8A8 tiles reading an x quantized ahead against the same tiles quantizing it")
+    p.add_argument("--stream", action="store_true",
+                   help="one row: the stream kernel with 1 or 2 weight tiles in flight, FP8 and bf16 weights")
     args = p.parse_args()
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -126,30 +136,49 @@ def main():
         candidates = A8_CANDIDATES[:1] if args.smoke else A8_CANDIDATES
     if args.a8x:
         candidates = (A8X_CANDIDATES[3], A8X_CANDIDATES[-1]) if args.smoke else A8X_CANDIDATES
-    rows = (1,) if args.a8x else ROWS
+    if args.stream:
+        candidates = ((8, 64, 1, 1), (8, 64, 1, 2)) if args.smoke else STREAM_CANDIDATES
+    rows = (1,) if args.a8x or args.stream else ROWS
     for name, (n, k) in shapes.items():
         copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
         w = [torch.randn(n, k, device=dev, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
         weights = {"channel": [quantize_per_channel(t) + (None,) for t in w],
                    "block": [quantize_per_block(t, BLOCK) + (BLOCK,) for t in w]}
+        if args.stream:
+            weights["bf16"] = [(t, None, None) for t in w]
         del w
         for scale, ws in weights.items():
             for m in rows:
                 x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
                 x_ahead = quantize_activation(x, X_GROUP)
-                refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
-                        "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
+                if scale == "bf16":
+                    refs = {"weight_only": stream_gemv_reference(x, ws[0][0])}
+                else:
+                    refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
+                            "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
                 case = {}
                 # what the engine runs here (under PDL on the GPU, as the decode chain launches it)
                 current = fp8_gemv_config(m, n, k, ws[0][2], sms, fp8_dot=cuda and fp8_dot_supported(x.device),
                                           stream=cuda)
-                if current["KERNEL"] == "stream":
-                    configs = {"stream_pdl": None}
+                if current["KERNEL"] == "stream" or scale == "bf16":
+                    configs = {"stream_pdl" if cuda else "stream": None}
                 else:
                     configs = {"current": dict(current, PDL=cuda and current["KERNEL"] == "a8")}
+                ahead = x_ahead_config(m, n, k, ws[0][2], sms, cuda and fp8_dot_supported(x.device))
+                if args.stream and ahead is not None and scale != "bf16":
+                    configs["current_x_ahead"] = dict(ahead, PDL=True, X_AHEAD=True)   # what the engine runs
+                if args.stream:
+                    for bn, bk, warps, depth in candidates:
+                        if k % bk == 0:
+                            configs[f"stream_bn{bn}_bk{bk}_w{warps}_d{depth}"] = dict(
+                                KERNEL="stream", BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEPTH=depth,
+                                PDL=cuda)
+                    candidates_here = ()
+                else:
+                    candidates_here = candidates
                 if args.a8 and m == 1 and cuda:     # (PDL launches need the GPU)
                     configs["stream"] = configs["stream_pdl"] = None
-                for kernel, bn, bk, warps, stages, per_sm in candidates:
+                for kernel, bn, bk, warps, stages, per_sm in candidates_here:
                     if kernel in ("dot", "a8", "a8x") and scale == "block" and BLOCK[1] % bk:
                         continue    # the tensor-core kernel's K tile must not straddle a scale block
                     if kernel.startswith("fma") and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
@@ -172,6 +201,8 @@ def main():
                     try:
                         call = kernel_call(label, cfg, x_ahead)
                         ref = refs["a8" if cfg and cfg.get("KERNEL") == "a8" else "weight_only"]
+                        if scale == "bf16":
+                            call = (lambda c: lambda x, q, s, b: c(x, q, None, None))(call)
                         err = rel_err(call(x, *ws[0]), ref)
                         row = {"config": cfg, "rel_err": err}
                         if err > 2e-2:
@@ -210,6 +241,8 @@ def main():
         timed = {lbl: r for lbl, r in case.items() if "us" in r}
         # (the stream kernel has no entry, and no layer hands the GEMV an x quantized ahead)
         timed = {lbl: r for lbl, r in timed.items() if r["config"] is not None and not r["config"].get("X_AHEAD")}
+        if key.endswith("_bf16"):
+            continue        # (the table is the FP8 weights')
         if timed:
             best = min(timed, key=lambda c: timed[c]["us"])
             name, rows, scale = key.split("_m")[0], int(key.split("_m")[1].split("_")[0]), key.rsplit("_", 1)[1]

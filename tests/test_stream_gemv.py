@@ -44,6 +44,20 @@ def test_stream_gemv_fp8_weight_with_row_scales():
         stream_gemv(x, q, config=SMALL_TILE)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("n,k", [(40, 256), (40, 128), (8, 64)])
+def test_stream_gemv_tiles_in_flight_change_no_value(depth, n, k):
+    """Two weight tiles in flight, K as long as the prefetch or shorter: the same output as one ahead."""
+    x, w = inputs(n, k, torch.bfloat16, seed=n + depth)
+    scale = w.float().abs().amax(1) / 448.0
+    q = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    for weight, s in ((w, None), (q, scale)):
+        want = stream_gemv(x, weight, s, config=SMALL_TILE)
+        assert torch.equal(stream_gemv(x, weight, s, config=dict(SMALL_TILE, DEPTH=depth)), want)
+    with pytest.raises(AssertionError, match="in flight"):
+        stream_gemv(x, w, config=dict(SMALL_TILE, DEPTH=3))
+
+
 @pytest.mark.parametrize("n,k", [(40, 256), (130, 192)])
 def test_stream_gemv_fp8_weight_with_block_scales(n, k):
     """128 x 128 scale blocks (Qwen's FP8 checkpoints), with a last block row and column cut short."""
@@ -57,10 +71,15 @@ def test_stream_gemv_fp8_weight_with_block_scales(n, k):
 
 
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
-    assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1)
-    assert stream_gemv_config(6144, 4096)["BLOCK_K"] == 256        # 768 programs: more than 4 per SM
-    assert stream_gemv_config(6144, 4096, sms=192)["BLOCK_K"] == 512
-    assert stream_gemv_config(4096, 12288)["num_warps"] == 8
+    assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, DEPTH=2)
+    for n, k in ((6144, 4096), (24576, 4096), (4096, 12288)):     # 16-bit weights: one tile for every shape
+        assert stream_gemv_config(n, k) == stream_gemv_config(4096, 4096)
+    # FP8 (and float32) weights: one tile ahead
+    assert stream_gemv_config(4096, 4096, weight_bytes=1) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1,
+                                                                  DEPTH=1)
+    assert stream_gemv_config(6144, 4096, weight_bytes=1)["BLOCK_K"] == 256     # 768 programs: more than 4 per SM
+    assert stream_gemv_config(6144, 4096, sms=192, weight_bytes=1)["BLOCK_K"] == 512
+    assert stream_gemv_config(4096, 12288, weight_bytes=4)["num_warps"] == 8
     assert stream_gemv_config(64, 192)["BLOCK_K"] == 64
     assert stream_gemv_config(64, 96) is None and stream_gemv_config(64, 100) is None
 

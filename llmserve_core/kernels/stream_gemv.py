@@ -31,47 +31,63 @@ ROWS_PER_PROGRAM = 8
 @triton.jit
 def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr):
+    """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
-    # The first tile is read before the grid dependency resolves: no kernel before this one writes W.
+    # The first tiles are read before the grid dependency resolves: no kernel before this one writes W.
+    # K is a multiple of BLOCK_K (stream_gemv_config): only prefetches past the last tile are masked off.
     w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+    if DEPTH == 2:
+        w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & (BLOCK_K < K), other=0.0)
     pdl_wait_and_release(PDL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x.
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        # K is a multiple of BLOCK_K (stream_gemv_config): only the last prefetch would run past the end.
-        nxt = k0 + BLOCK_K
+        nxt = k0 + DEPTH * BLOCK_K
         w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
         xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
         if BLOCK_SCALED:
             xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
         acc += w.to(tl.float32) * xk[None, :]
-        w = w_next
+        if DEPTH == 2:
+            w, w1 = w1, w_next
+        else:
+            w = w_next
     y = tl.sum(acc, 1)
     if ROW_SCALED:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132) -> dict | None:
-    """Tiles for an [n, k] weight, or None where no tile width divides K. Measured on the H200
-    (benchmarks/pdl_chain_bench.py, bf16 and FP8): 8 rows x 512 columns a program, except where the
-    programs would overfill one wave of about four per multiprocessor (qkv's 768 on 132): there half-width
-    tiles hold fewer registers, so the whole grid stays resident at once. Long rows (down_proj's 12,288)
-    stream faster under PDL with 8 warps a program (25.1 against 27.3 us)."""
-    block_k = 512 if -(-n // block_n) <= 4 * sms else 256
-    num_warps = 8 if k >= 8192 else 4
+def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132,
+                       weight_bytes: int = 2) -> dict | None:
+    """Tiles for an [n, k] weight of weight_bytes-byte elements, or None where no tile width divides K.
+
+    16-bit weights: 8 rows x 512 columns a program over 4 warps, with two tiles in flight ahead of the one
+    being multiplied. One row under PDL on an H100 at the Qwen3-8B shapes (`fp8_gemv_sweep.py --stream`,
+    benchmarks/results/stream_depth_h100.md), us against the rule below: qkv 18.7 (19.2), o_proj 11.8
+    (12.5), gate_up 66.4 (68.2), down 35.6 (36.1); three tiles ahead read no faster. The whole batch-1 bf16
+    step: 5.640 -> 5.610 ms.
+
+    Other weights (FP8 read slower with two or three tiles ahead: o_proj 10.1 against 8.3 us), measured on the H200
+    (benchmarks/pdl_chain_bench.py): 8 rows x 512 columns, except where the programs would overfill one
+    wave of about four per multiprocessor (qkv's 768 on 132): there half-width tiles hold fewer registers,
+    so the whole grid stays resident at once. Long rows (down_proj's 12,288) stream faster under PDL with 8
+    warps a program (25.1 against 27.3 us)."""
+    sixteen_bit = weight_bytes == 2
+    block_k = 512 if sixteen_bit or -(-n // block_n) <= 4 * sms else 256
+    num_warps = 8 if k >= 8192 and not sixteen_bit else 4
     while block_k > MIN_BLOCK_K and k % block_k:
         block_k //= 2
     if k % block_k:
         return None
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1, DEPTH=2 if sixteen_bit else 1)
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -82,7 +98,9 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
-    cfg = config or stream_gemv_config(n, k, sms=num_sms(x.device))
+    cfg = dict(config or stream_gemv_config(n, k, sms=num_sms(x.device), weight_bytes=weight.element_size()))
+    cfg.setdefault("DEPTH", 1)
+    assert cfg["DEPTH"] in (1, 2), "stream_gemv: 1 or 2 weight tiles in flight"
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
     if block is not None:
         assert block[0] % cfg["BLOCK_N"] == 0, f"stream_gemv: {cfg['BLOCK_N']} rows a program split a {block} scale block"
