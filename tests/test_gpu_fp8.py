@@ -46,6 +46,34 @@ def test_fp8_graphs_equal_eager(mid_model, block_fp8, case):
     assert same >= len(outs[0]) - 1      # a bf16 near-tie may flip one row
 
 
+def test_block_fp8_decode_attention_quantizes_o_proj_rows_as_o_proj_would(mid_model, tmp_path, monkeypatch):
+    """40 sequences decoding at once (past the GEMV's rows): with 64 x 64 blocks (a scale group per head) the
+    decode attention hands o_proj its rows quantized; the greedy tokens equal those of o_proj quantizing them
+    itself (eager), with and without CUDA graphs."""
+    from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
+    path, _ = write_fp8_checkpoint(mid_model, tmp_path / "ckpt", qwen_fp8_config((64, 64)))
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in torch.randint(2, 90, (40,), generator=g)]
+    handed = []
+    attend = TritonAttentionBackend.attend
+
+    def recording(self, *args, quant=None, **kw):
+        out = attend(self, *args, quant=quant if self.quantizes else None, **kw)
+        handed.append(isinstance(out, tuple))
+        return out
+
+    monkeypatch.setattr(TritonAttentionBackend, "attend", recording)
+    outs = {}
+    for quantizes, eager in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(TritonAttentionBackend, "quantizes", quantizes, raising=False)
+        handed.clear()
+        engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", attention_backend="triton",
+                                     enforce_eager=eager, num_kv_blocks=512, max_model_len=256, max_num_seqs=48))
+        outs[quantizes, eager] = [c.token_ids for c in engine.generate(ps, GREEDY)]
+        assert any(handed) == quantizes
+    assert outs[True, True] == outs[False, True] and outs[True, False] == outs[False, True]
+
+
 def test_fp8_checkpoint_tracks_its_bf16_twin(block_fp8):
     """FP8 quantizes the activations too (per 1 x 128 piece at 1-16 rows, per token group beyond): tokens
     agree with the dequantized bf16 twin up to the first near-tie, where the FP8 token is one the twin

@@ -11,7 +11,7 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.attention_reference import paged_attention_reference
 from llmserve_core.kernels.fp8_format import FP8, MIN_SCALE, RowQuant, to_cache_dtype
-from llmserve_core.kernels.fp8_quant import quantize_activation_reference
+from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.paged_decode import DecodeScratch, choose_num_splits, paged_decode
 from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_quant_reference, rmsnorm_reference
@@ -105,6 +105,34 @@ def test_paged_decode_verify_rows_merge_pieces(dtype, tree):
     ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3, query_start_loc=qsl, tree_mask=mask)
     assert rel_err(out, ref) < DTYPE_TOL[dtype]
     assert not scratch.counts.any()
+
+
+@pytest.mark.parametrize("quant", [RowQuant(16), RowQuant(16, m_major=True, pad_rows=4)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_hands_o_proj_its_rows_quantized_per_head(quant, num_splits, dtype):
+    """A decode asked for quantized rows (a scale per head, as a block-scaled o_proj's GEMM reads them)
+    returns exactly what quantize_activation makes of its plain output, in quant's layout (the padding rows
+    zeros at the floor scale), whether one piece or the merge of several writes each row; an empty
+    sequence (graph padding) gives zero codes."""
+    gen = torch.Generator().manual_seed(num_splits)
+    seq_lens = [70, 9, 0, 33, 1]
+    kc, vc, bt = paged_cache(seq_lens, 8, 2, 16, torch.float32, DEVICE, gen)
+    vc[:, :, 1] *= 40                           # KV head 1's heads (2, 3) far louder than the others'
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    q = torch.randn(len(seq_lens), 4, 16, generator=gen).to(device=DEVICE, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    plain = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=num_splits)
+    codes, scales = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=num_splits, quant=quant)
+    want_codes, want_scales = quantize_activation(plain.reshape(len(seq_lens), 64), quant.group, quant.m_major,
+                                                  quant.pad_rows)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales) and scales.stride() == want_scales.stride()
+    assert scales[1, 2] > 10 * scales[1, 1] and not codes[2].float().any()
+    if quant.pad_rows > 1:
+        assert codes.shape[0] == 8 and not codes[5:].float().any() and torch.all(scales[5:] == MIN_SCALE)
+    with pytest.raises(AssertionError, match="one scale a head"):
+        paged_decode(q, kc, vc, bt, lens, 0.3, quant=RowQuant(32))
 
 
 def test_paged_decode_piece_length_only_changes_the_schedule():
@@ -390,6 +418,26 @@ def test_gpu_paged_decode(batch, ctx, block_size, num_heads, num_kv_heads):
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, out=out)
     assert rel_err(out, paged_attention_reference(q, kc, vc, lens, bt, 128 ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch", [37, 128])
+def test_gpu_paged_decode_quantized_rows_at_qwen3_8b_shapes(batch):
+    """The decode's rows quantized a scale per head, in the layouts o_proj's GEMMs read (cuBLAS's M-major
+    scales over rows padded to 4, the Triton GEMM's row-major ones), are bit for bit quantize_activation's
+    of its plain output."""
+    gen = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(1, 700, (batch,), generator=gen).tolist()
+    kc, vc, bt = paged_cache(seq_lens, 16, 8, 128, torch.bfloat16, "cuda", gen)
+    q = torch.randn(batch, 32, 128, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    plain = paged_decode(q, kc, vc, bt, lens, 128 ** -0.5).reshape(batch, 4096)
+    for quant in (RowQuant(128, m_major=True, pad_rows=4), RowQuant(128)):
+        codes, scales = paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, quant=quant, pdl=True)
+        want_codes, want_scales = quantize_activation(plain, 128, quant.m_major, quant.pad_rows)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), quant
+        assert torch.equal(scales, want_scales) and scales.stride() == want_scales.stride(), quant
 
 
 @pytest.mark.gpu

@@ -108,6 +108,50 @@ def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_block_fp8_decode_attention_hands_o_proj_its_rows_quantized(make_random_qwen3_dir, tmp_path, monkeypatch):
+    """Past the GEMV's rows (20 decode rows) a block-scaled o_proj whose scale group is a head takes its rows
+    quantized by the decode attention, so no projection quantizes on its own; the logits equal those of
+    o_proj quantizing the attention's plain output. A prefill's rows (the prefill kernel) stay plain."""
+    import llmserve_core.kernels.fp8_quant as fp8_quant_module
+    from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
+    from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
+    path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa2-untied-linear"])   # head_dim 32
+    path, _ = write_fp8_checkpoint(path, tmp_path / "ckpt", qwen_fp8_config((32, 32)))
+    cfg = ModelConfig.from_hf_dir(path)
+    own, handed = [], []
+    real = fp8_quant_module.quantize_activation
+    monkeypatch.setattr(fp8_quant_module, "quantize_activation", lambda *a, **kw: own.append(1) or real(*a, **kw))
+
+    class Recording(TritonAttentionBackend):
+        quantizes = True
+
+        def attend(self, *args, quant=None, **kw):
+            out = super().attend(*args, quant=quant if self.quantizes else None, **kw)
+            handed.append(isinstance(out, tuple))
+            return out
+
+    backend = Recording()
+    model = load_model(cfg, path, "auto", torch.float32, "cpu", backend)
+    model.set_fused(True, chain=True, pdl=False)
+    lens = [2 + i % 5 for i in range(20)]
+    tables, num_blocks = allocate_tables([n + 1 for n in lens], BLOCK_SIZE)
+    kv = make_kv_caches(cfg, num_blocks, BLOCK_SIZE)
+    model(torch.cat(random_prompts(cfg.vocab_size, lens, seed=7)), make_batch([(0, n) for n in lens], tables, BLOCK_SIZE), kv)
+    assert handed == [False] * cfg.num_hidden_layers
+    decode = make_batch([(n, 1) for n in lens], tables, BLOCK_SIZE)
+    ids = torch.arange(20) + 3
+    logits = []
+    for quantizes in (True, False):
+        backend.quantizes = quantizes
+        own.clear()
+        handed.clear()
+        logits.append(model.compute_logits(model(ids, decode, kv)))
+        assert handed == [quantizes] * cfg.num_hidden_layers
+        assert len(own) == (0 if quantizes else cfg.num_hidden_layers)
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("quantization", ["channel", "block"])
 @torch.no_grad()
 def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make_random_qwen3_dir, tmp_path,

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.fp8_format import multiplies_fp8_cache_in_f16
+from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, RowQuant, empty_quantized, multiplies_fp8_cache_in_f16
+from llmserve_core.kernels.fp8_quant import quantize_pieces
 from llmserve_core.kernels.f16_query import f16_query
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
@@ -50,15 +51,20 @@ FP8_DECODE_BLOCK_N = 128
 
 # The split count, piece length, block-table width and tree width vary with the batch; none is worth a
 # compiled variant per value class (Triton specializes ints that are 1 or divisible by 16).
-@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits", "min_split"])
+# (A quantized output's row strides and padded row count vary with the batch too.)
+@triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits", "min_split", "stride_qo", "stride_qsr",
+                               "stride_qsp", "padded_rows"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                   count_ptr, sm_scale_log2, v_scale,
+                   count_ptr, qo_ptr, qs_ptr, sm_scale_log2, v_scale,
                    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
-                   stride_ob, stride_oh, num_splits, min_split,
+                   stride_ob, stride_oh, stride_qo, stride_qsr, stride_qsp, padded_rows, num_splits, min_split,
                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
+                   FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """QUANT: the output rows leave as e4m3 codes at qo_ptr and one float32 scale per (row, head) at qs_ptr
+    (_store_rows), instead of out_ptr's dtype at out_ptr."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,10 +141,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         # A piece with nothing visible to a row (past the end of its view) leaves l_i == 0 there: zeros,
         # and a -inf weight in the merge.
         o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
-        out_ptrs = out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :]
         if SPLIT:
             if active == 1:
-                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+                _store_rows(o, rows, heads, g_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr,
+                            stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
+                            FP8_MAX, MIN_SCALE)
             else:
                 mid = (rows * num_heads + heads) * num_splits + split        # mid_o [T, H, S, D], mid_lse [T, H, S]
                 tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
@@ -148,11 +155,48 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                 tl.debug_barrier()
                 counter = count_ptr + b * num_kv_heads + kvh
                 if tl.atomic_add(counter, 1) == active - 1:
-                    _merge_pieces(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_heads, num_splits, active,
-                                  stride_ob, stride_oh, GROUP, ROWS, HEAD_DIM, BLOCK_D, BLOCK_R, CHUNK_S)
+                    # (the merge's tile holds the rows unpadded: BLOCK_R of them, not BLOCK_G)
+                    merged, m_rows, m_heads, m_mask = _merge_pieces(mid_o_ptr, mid_lse_ptr, b, kvh, num_heads,
+                                                                    num_splits, active, GROUP, ROWS, HEAD_DIM,
+                                                                    BLOCK_D, BLOCK_R, CHUNK_S)
+                    _store_rows(merged, m_rows, m_heads, m_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr,
+                                qs_ptr, stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_R, BLOCK_D,
+                                QUANT, FP8_MAX, MIN_SCALE)
                     tl.atomic_xchg(counter, 0)
         else:
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_rows(o, rows, heads, g_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr,
+                        stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
+                        FP8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def _store_rows(o, rows, heads, r_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr, stride_qo,
+                stride_qsr, stride_qsp, padded_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Output rows o [R, D] (tile row r: query row rows[r], head heads[r]) in out_ptr's dtype, or with QUANT
+    as o_proj's W8A8 GEMM reads them: each (row, head) one piece of fp8_quant's arithmetic on its
+    model-dtype values (a head is the GEMM's 1 x head_dim scale group), so the codes and scales are those
+    quantize_activation makes of the unquantized output. The last sequence's programs also write the rows
+    that pad the quantized output (zeros at the smallest scale)."""
+    mask = r_mask[:, None] & d_mask[None, :]
+    y = o.to(out_ptr.dtype.element_ty)
+    if QUANT:
+        y = tl.where(mask, y, 0.0)
+        codes, scale = quantize_pieces(tl.reshape(y, (BLOCK_R * BLOCK_D,)), BLOCK_R * BLOCK_D, BLOCK_D, FP8_MAX,
+                                       MIN_SCALE)
+        codes = tl.reshape(codes, (BLOCK_R, BLOCK_D)).to(qo_ptr.dtype.element_ty)
+        tl.store(qo_ptr + rows[:, None].to(tl.int64) * stride_qo + heads[:, None] * HEAD_DIM + d[None, :], codes,
+                 mask=mask)
+        tl.store(qs_ptr + rows.to(tl.int64) * stride_qsr + heads * stride_qsp, scale, mask=r_mask)
+        if b == tl.num_programs(0) - 1:
+            zeros = tl.zeros([BLOCK_R, BLOCK_D], tl.float32).to(qo_ptr.dtype.element_ty)
+            floor = tl.full([BLOCK_R], MIN_SCALE, tl.float32)
+            n_rows = tl.max(tl.where(r_mask, rows, 0), 0) + 1      # the last sequence's last row, plus one
+            for row in range(n_rows, padded_rows):        # (a few rows: the offsets fit 32 bits)
+                tl.store(qo_ptr + row * stride_qo + heads[:, None] * HEAD_DIM + d[None, :], zeros, mask=mask)
+                tl.store(qs_ptr + row * stride_qsr + heads * stride_qsp, floor, mask=r_mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -181,12 +225,12 @@ def _attend_tile(q, k, v, n, n_mask, rows, g_mask, prefix, limit, tree_ptr, stri
 
 
 @triton.jit
-def _merge_pieces(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_heads, num_splits, active, stride_ob, stride_oh,
-                  GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr):
+def _merge_pieces(mid_o_ptr, mid_lse_ptr, b, kvh, num_heads, num_splits, active, GROUP: tl.constexpr,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  CHUNK_S: tl.constexpr):
     """The last piece of (sequence b, KV head kvh): merge every piece's partial rows by their log-sum-exp
-    (online, CHUNK_S pieces at a time) and write the output rows. Partials are read from L2 (.cg): other
-    programs wrote them."""
+    (online, CHUNK_S pieces at a time): (output rows [BLOCK_R, BLOCK_D], their query rows, heads, mask).
+    Partials are read from L2 (.cg): other programs wrote them."""
     r = tl.arange(0, BLOCK_R)
     r_mask = r < ROWS * GROUP
     rows = b * ROWS + r // GROUP
@@ -211,9 +255,7 @@ def _merge_pieces(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_heads, num_splits
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
         total = total * alpha + tl.sum(w, 1)
         m = m_new
-    o = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+    return acc / tl.maximum(total, 1e-30)[:, None], rows, heads, r_mask
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS) -> int:
@@ -288,7 +330,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, quant: RowQuant | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
@@ -301,7 +343,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     pdl: launch under PDL. A split decode then reads the lengths, the block tables and its first tile's
     prefix K/V (positions before this call's rows) before the wait on the kernel just before, so those
-    must come from kernels further back; q and the rows' own K/V may come from the kernel just before."""
+    must come from kernels further back; q and the rows' own K/V may come from the kernel just before.
+
+    quant (one row per sequence, quant.group == head_dim): return the output [B, num_heads * head_dim] as an
+    FP8 GEMM asks for it (fp8_format.empty_quantized's (e4m3 codes, scales), a head a scale group), the
+    codes and scales quantize_activation would make of the plain output, instead of the plain output."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -315,10 +361,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         tree = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     else:
         tree = seq_lens   # never read
-    if out is None:
-        out = torch.empty_like(q)
+    if quant is not None:
+        assert rows_per_seq == 1 and quant.group == head_dim and out is None, \
+            f"paged_decode: quantized rows are a decode's, one scale a head ({head_dim}), not {quant}"
+        codes, scales = empty_quantized(tokens, num_heads * head_dim, quant, q.device)
+        out = q.new_empty(1)          # (its dtype is what the codes quantize: the model's)
+    else:
+        out = torch.empty_like(q) if out is None else out
+        codes = scales = q            # never written
     if batch == 0:
-        return out
+        return out if quant is None else (codes, scales)
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
     splits, tile_n, warps = choose_num_splits(batch, num_kv_heads), None, 4
     if rows_per_seq > 1:
@@ -347,16 +399,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_d = triton.next_power_of_2(head_dim)
     block_r = triton.next_power_of_2(rows_per_seq * group)      # the merge's rows: no padding to 16
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts,
+        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts, codes, scales,
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0, out.stride(0), out.stride(1),
+        block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0,
+        out.stride(0) if quant is None else 0, out.stride(1) if quant is None else 0,
+        codes.stride(0), scales.stride(0), scales.stride(1) if quant is not None else 0, codes.shape[0],
         num_splits, max(block_n, min_split or 0), GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
         CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages, PDL=pdl, **pdl_launch(pdl),
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, QUANT=quant is not None, FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE, **pdl_launch(pdl),
     )
-    return out
+    return out if quant is None else (codes, scales)

@@ -57,15 +57,22 @@ class Qwen3Attention(nn.Module):
             q = qk_norm_rope_store(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
                                    cos, sin, self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
                                    k_cache, v_cache, self.k_scale, self.v_scale, pdl=self.pdl)
+            # Where o_proj's W8A8 GEMM wants its rows quantized a scale per head, a decode hands them so.
+            quant = _input_quant(self.o_proj, T, qkv.dtype)
             out = attn_backend.attend(q, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
-                                      v_scale=self.v_scale, pdl=self.pdl)
+                                      v_scale=self.v_scale, pdl=self.pdl, quant=quant)
+            if isinstance(out, tuple):
+                return self._o_proj(QuantizedRows(*out, quant, T, qkv.dtype))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = RotaryEmbedding.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
             k = RotaryEmbedding.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
             out = attn_backend.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), k_cache, v_cache, batch,
                                        self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
-        out = self.o_proj(out.reshape(T, self.q_size))
+        return self._o_proj(out.reshape(T, self.q_size))
+
+    def _o_proj(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        out = self.o_proj(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from llmserve_core.kernels.attention_reference import store_kv_reference
+from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.batch import ForwardBatch
 
 
@@ -29,7 +30,11 @@ class AttentionBackend:
         k_scale: float = 1.0,   # an FP8 cache holds k / k_scale and v / v_scale; other caches ignore both
         v_scale: float = 1.0,
         pdl: bool = False,      # a Triton decode may launch under PDL (kernels/pdl.py); others ignore it
-    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+        quant: RowQuant | None = None,  # a Triton decode may hand its rows to o_proj quantized so (see below)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[T, num_heads, head_dim]; or, where quant is given and the backend's kernel writes it (a Triton
+        decode, quant.group == head_dim), (e4m3 codes, scales) of the rows [T, num_heads * head_dim] in
+        quant's layout (fp8_format.empty_quantized), as an FP8 o_proj's W8A8 GEMM reads them."""
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -50,7 +50,8 @@ class FlashAttentionBackend(AttentionBackend):
         self.flavor, self._fn = _load_flash_attn()
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
+               quant=None) -> torch.Tensor:
         if k_cache.dtype == torch.float8_e4m3fn:
             raise ValueError("kv_cache_dtype: fp8_e4m3 is read by the triton and torch attention backends, "
                              "not flash-attn")

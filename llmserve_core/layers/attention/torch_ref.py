@@ -10,7 +10,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False):
+               k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False, quant=None):
         # Host copies of the lengths, when the runner made them, spare a device sync per layer.
         seq_lens = batch.seq_lens_cpu or batch.seq_lens
         qsl = batch.query_start_loc

@@ -27,6 +27,7 @@ from llmserve_core.layers.attention.base import AttentionBackend
 from llmserve_core.layers.attention.flash_attn_backend import fa4_paged, load_fa4
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
+from llmserve_core.kernels.fp8_format import RowQuant
 
 FA4_MIN_QUERY_LEN = 16
 FA4_DTYPES = (torch.bfloat16, torch.float16)
@@ -51,9 +52,10 @@ class TritonFA4Backend(AttentionBackend):
         self.triton = TritonAttentionBackend()
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
+               quant: RowQuant | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         # FA4 reads caches of the model's dtype; an FP8 cache stays on the Triton kernels.
         if k_cache.dtype != q.dtype or not use_fa4(q.dtype, q.shape[-1], batch, capturing):
-            return self.triton.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl)
+            return self.triton.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl, quant)
         return fa4_paged(self.fa4, q, k_cache, v_cache, batch, scale)
