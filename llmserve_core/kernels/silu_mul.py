@@ -56,9 +56,9 @@ def _silu_mul_row_scale_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, st
     live = row < n_rows
     if d <= BLOCK:      # the row in one tile: one read of gate and up, all of it in flight at once
         c = tl.arange(0, BLOCK)
-        y = _silu_mul_tile(x_ptr, row, c, d, stride_x, (c < d) & live).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
-        q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+        y = _silu_mul_tile(x_ptr, row, c, d, stride_x, (c < d) & live)     # zeros past d
+        q, piece = quantize_pieces(y, BLOCK, BLOCK, FP8_MAX, MIN_SCALE)       # the row is one piece
+        scale = tl.max(piece, 0)
         tl.store(out_ptr + row * stride_o + c, q.to(out_ptr.dtype.element_ty), mask=c < d)
     else:               # wider rows: the amax over the row's tiles, then the tiles again (from L2), quantized
         amax = tl.zeros([BLOCK], tl.float32)
