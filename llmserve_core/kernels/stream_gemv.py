@@ -4,11 +4,12 @@ At batch 1 a projection is a pure weight stream (qkv 50 MB, o_proj 34 MB, down 1
 Qwen3-8B shape), and what it loses against the copy bandwidth is its start and its end: cuBLAS's skinny
 kernels launch one wave of 96-128 programs, so a third of the multiprocessors idle on qkv. Here every
 program owns BLOCK_N whole rows of W (no split-K, so no second pass), there are enough programs to fill
-every multiprocessor several times over, and each keeps the next [BLOCK_N, BLOCK_K] tile in flight while
-it multiplies the current one in float32 on the CUDA cores (a GEMV has no use for tensor cores).
+every multiprocessor several times over, and each keeps the next [BLOCK_N, BLOCK_K] tile (16-bit weights:
+the next two) in flight while it multiplies the current one in float32 on the CUDA cores (a GEMV has no
+use for tensor cores).
 
 With PDL (programmatic dependent launch, Hopper and later) the kernel starts before the one it follows
-has finished: it loads its first weight tile, which no earlier kernel writes, then waits on the grid
+has finished: it loads its first weight tiles, which no earlier kernel writes, then waits on the grid
 dependency before it reads x, and lets the kernel after it launch at once. So a decode layer's chain of
 launches overlaps each kernel's ramp with its predecessor's tail. Weights may be float8_e4m3fn with one
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
