@@ -19,6 +19,7 @@ list comes from one profiled stretch of steps (CUDA graph replays included).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -59,6 +60,7 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         engine.step()
     for _ in range(10):
         engine.step()
+    all_running(engine, batch)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -68,9 +70,13 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     prof_steps = 10
     kernels, _ = profile_calls(engine.step, prof_steps)
     summary = summarize(kernels, prof_steps)
+    all_running(engine, batch)
     floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak, 1 if quantization or fp8_weights else 2,
                           1 if kv_cache_dtype == "fp8_e4m3" else 2)
+    # The engine holds reference cycles (and its graphs' memory pools): collect them now, or the next batch's
+    # engine sizes its KV pool around this one's leftovers (batch 256 after 64 and 128 once found no room).
     del engine
+    gc.collect()
     torch.cuda.empty_cache()
     return {
         "batch": batch, "ctx": ctx, "eager": eager, "quantization": quantization or ("fp8-block" if fp8_weights else None), "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
@@ -79,6 +85,15 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": summary["idle_fraction"],
         "kernel_table": summary["kernels"],
     }
+
+
+def all_running(engine, batch: int) -> None:
+    """A step over `batch` rows only if every request is decoding: a KV pool too small for them all leaves
+    some waiting (or preempted), and the steps then run fewer rows than the floor is computed for."""
+    running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+    if running != batch or waiting:
+        raise RuntimeError(f"batch {batch}: {running} requests running and {waiting} waiting; the KV pool "
+                           f"({engine.stats()['total_kv_blocks']} blocks) does not hold the batch")
 
 
 def main() -> None:
@@ -111,8 +126,8 @@ def main() -> None:
         for row in r["kernel_table"][:14]:
             print(f"    {row['calls']:7.1f} x {row['us'] / max(row['calls'], 1):8.2f} us = {row['us']:9.1f} us "
                   f"(frontier {row['frontier_us']:8.1f} us)  {row['name']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))      # after each batch: a later failure keeps these
 
 
 if __name__ == "__main__":
