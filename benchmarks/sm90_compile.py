@@ -240,12 +240,11 @@ def chain_variants():
                                                             kc, vc, pdl=True), None))
         out.append((f"decode batch 1, {name}, pdl", lambda kc=kc, vc=vc, bt=bt, lens=lens:
                     paged_decode(torch.empty(1, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True), None))
-        if dtype == bf16:
-            kc, vc, bt, lens = paged_cache(dtype, 8, 128, 128, 512)
-            out.append(("decode batch 128, bf16 cache, pdl, rows quantized for o_proj",
-                        lambda kc=kc, vc=vc, bt=bt, lens=lens:
-                        paged_decode(torch.empty(128, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True,
-                                     quant=RowQuant(128, m_major=True, pad_rows=4)), None))
+        kc, vc, bt, lens = paged_cache(dtype, 8, 128, 128, 512)
+        out.append((f"decode batch 128, {name}, pdl, rows quantized for o_proj",
+                    lambda kc=kc, vc=vc, bt=bt, lens=lens:
+                    paged_decode(torch.empty(128, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True,
+                                 quant=RowQuant(128, m_major=True, pad_rows=4)), None))
         kc, vc, bt, lens = paged_cache(dtype, 8, 128, 4, 512)
         tree = torch.ones(16, 4, dtype=torch.bool)
         out.append((f"verify 4 x 4 rows, tree, {name}", lambda kc=kc, vc=vc, bt=bt, lens=lens, tree=tree:

@@ -109,8 +109,8 @@ def test_paged_decode_verify_rows_merge_pieces(dtype, tree):
 
 @pytest.mark.parametrize("quant", [RowQuant(16), RowQuant(16, m_major=True, pad_rows=4)])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_hands_o_proj_its_rows_quantized_per_head(quant, num_splits, dtype):
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, "model"), (torch.bfloat16, "model"), (torch.bfloat16, "fp8")])
+def test_paged_decode_hands_o_proj_its_rows_quantized_per_head(quant, num_splits, dtype, kv):
     """A decode asked for quantized rows (a scale per head, as a block-scaled o_proj's GEMM reads them)
     returns exactly what quantize_activation makes of its plain output, in quant's layout (the padding rows
     zeros at the floor scale), whether one piece or the merge of several writes each row; an empty
@@ -119,11 +119,15 @@ def test_paged_decode_hands_o_proj_its_rows_quantized_per_head(quant, num_splits
     seq_lens = [70, 9, 0, 33, 1]
     kc, vc, bt = paged_cache(seq_lens, 8, 2, 16, torch.float32, DEVICE, gen)
     vc[:, :, 1] *= 40                           # KV head 1's heads (2, 3) far louder than the others'
-    kc, vc = kc.to(dtype), vc.to(dtype)
+    scales_kv = dict(k_scale=0.02, v_scale=0.3) if kv == "fp8" else {}
+    if kv == "fp8":
+        kc, vc = to_cache_dtype(kc, FP8, 0.02), to_cache_dtype(vc, FP8, 0.3)
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
     q = torch.randn(len(seq_lens), 4, 16, generator=gen).to(device=DEVICE, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    plain = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=num_splits)
-    codes, scales = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=num_splits, quant=quant)
+    plain = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=num_splits, **scales_kv)
+    codes, scales = paged_decode(q, kc, vc, bt, lens, 0.3, num_splits=num_splits, quant=quant, **scales_kv)
     want_codes, want_scales = quantize_activation(plain.reshape(len(seq_lens), 64), quant.group, quant.m_major,
                                                   quant.pad_rows)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
