@@ -365,7 +365,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert rows_per_seq == 1 and quant.group == head_dim and out is None, \
             f"paged_decode: quantized rows are a decode's, one scale a head ({head_dim}), not {quant}"
         codes, scales = empty_quantized(tokens, num_heads * head_dim, quant, q.device)
-        out = q.new_empty(1)          # (its dtype is what the codes quantize: the model's)
+        out = q                       # never written: its dtype is what the codes quantize, the model's
     else:
         out = torch.empty_like(q) if out is None else out
         codes = scales = q            # never written
@@ -403,8 +403,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0,
-        out.stride(0) if quant is None else 0, out.stride(1) if quant is None else 0,
-        codes.stride(0), scales.stride(0), scales.stride(1) if quant is not None else 0, codes.shape[0],
+        out.stride(0), out.stride(1), codes.stride(0), scales.stride(0), scales.stride(1), codes.shape[0],
         num_splits, max(block_n, min_split or 0), GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
