@@ -62,10 +62,11 @@ A8X_CANDIDATES = (("a8x", 64, 128, 4, 3, 4), ("a8x", 64, 128, 4, 4, 1), ("a8x", 
                   ("a8x", 32, 128, 2, 4, 1), ("a8x", 32, 64, 4, 6, 1), ("a8x", 128, 128, 8, 4, 2),
                   ("a8", 64, 128, 4, 4, 1), ("a8", 32, 128, 4, 4, 2), ("a8", 32, 128, 4, 4, 1))
 X_GROUP = 128
-# --stream: one row, the CUDA-core stream kernel (kernels/stream_gemv.py) with 1 or 2 weight tiles in flight
+# --stream: one row, the CUDA-core stream kernel (kernels/stream_gemv.py) with 1 or 2 weight tiles in flight,
+# or (DEPTH 0, BLOCK_K 0 here: all of K) a program's whole rows as one tile read before the wait
 # (BLOCK_N, BLOCK_K, num_warps, DEPTH), under PDL, for FP8 and bf16 weights, beside what the engine runs
-STREAM_CANDIDATES = ((8, 512, 4, 1), (8, 512, 4, 2), (8, 256, 4, 1), (8, 256, 4, 2), (8, 1024, 4, 1),
-                     (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 512, 8, 2), (4, 512, 4, 2), (4, 1024, 4, 2))
+STREAM_CANDIDATES = ((8, 512, 4, 1), (8, 512, 4, 2), (8, 0, 8, 0), (8, 0, 16, 0), (4, 0, 4, 0), (4, 0, 8, 0),
+                     (2, 0, 4, 0), (16, 0, 16, 0))
 
 
 def split_for(n, k, block_n, block_k, sms, per_sm):
@@ -119,7 +120,7 @@ def main():
     p.add_argument("--a8x", action="store_true",
                    help="one row: W8A8 tiles reading an x quantized ahead against the same tiles quantizing it")
     p.add_argument("--stream", action="store_true",
-                   help="one row: the stream kernel with 1 or 2 weight tiles in flight, FP8 and bf16 weights")
+                   help="one row: the stream kernel with 0 (whole rows), 1 or 2 weight tiles in flight, FP8 and bf16 weights")
     args = p.parse_args()
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -137,7 +138,7 @@ def main():
     if args.a8x:
         candidates = (A8X_CANDIDATES[3], A8X_CANDIDATES[-1]) if args.smoke else A8X_CANDIDATES
     if args.stream:
-        candidates = ((8, 64, 1, 1), (8, 64, 1, 2)) if args.smoke else STREAM_CANDIDATES
+        candidates = ((8, 64, 1, 1), (8, 64, 1, 2), (8, 0, 1, 0)) if args.smoke else STREAM_CANDIDATES
     rows = (1,) if args.a8x or args.stream else ROWS
     for name, (n, k) in shapes.items():
         copies = 1 if not cuda else max(2, -(-ROTATE_BYTES // (n * k)))
@@ -169,6 +170,7 @@ def main():
                     configs["current_x_ahead"] = dict(ahead, PDL=True, X_AHEAD=True)   # what the engine runs
                 if args.stream:
                     for bn, bk, warps, depth in candidates:
+                        bk = bk or (k if k & (k - 1) == 0 else k + 1)     # (all of K: a power of two only)
                         if k % bk == 0:
                             configs[f"stream_bn{bn}_bk{bk}_w{warps}_d{depth}"] = dict(
                                 KERNEL="stream", BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEPTH=depth,

@@ -58,6 +58,26 @@ def test_stream_gemv_tiles_in_flight_change_no_value(depth, n, k):
         stream_gemv(x, w, config=dict(SMALL_TILE, DEPTH=3))
 
 
+@pytest.mark.parametrize("block", [None, (16, 64)])
+@pytest.mark.parametrize("n,k", [(40, 256), (8, 64)])
+def test_stream_gemv_whole_row_tile(block, n, k):
+    """DEPTH 0: a program's rows read whole, as one tile, before the wait: the reference's values (the sum
+    runs in another order than the streamed tiles', so within rounding of them); a tile short of K is refused."""
+    from llmserve_core.kernels.fp8_format import quantize_per_block
+    x, w = inputs(n, k, torch.bfloat16, seed=n + 3)
+    if block is None:
+        scale = w.float().abs().amax(1) / 448.0
+        q = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    else:
+        q, scale = quantize_per_block(w, block)
+    whole = dict(SMALL_TILE, BLOCK_K=k, DEPTH=0)
+    y = stream_gemv(x, q, scale, block, config=whole)
+    assert rel_err(y, stream_gemv_reference(x, q, scale, block)) < TOL[torch.bfloat16]
+    assert rel_err(y, stream_gemv(x, q, scale, block, config=SMALL_TILE)) < TOL[torch.bfloat16]
+    with pytest.raises(AssertionError, match="one tile of all K"):
+        stream_gemv(x, q, scale, block, config=dict(whole, BLOCK_K=k // 2))
+
+
 @pytest.mark.parametrize("n,k", [(40, 256), (130, 192)])
 def test_stream_gemv_fp8_weight_with_block_scales(n, k):
     """128 x 128 scale blocks (Qwen's FP8 checkpoints), with a last block row and column cut short."""
@@ -74,11 +94,17 @@ def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, DEPTH=2)
     for n, k in ((6144, 4096), (24576, 4096), (4096, 12288)):     # 16-bit weights: one tile for every shape
         assert stream_gemv_config(n, k) == stream_gemv_config(4096, 4096)
-    # FP8 (and float32) weights: one tile ahead
-    assert stream_gemv_config(4096, 4096, weight_bytes=1) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1,
+    # FP8 rows of up to 4096 columns (a power of two): each program's rows whole, one tile
+    whole = dict(BLOCK_N=8, BLOCK_K=4096, num_warps=8, num_stages=1, DEPTH=0)
+    for n in (4096, 6144, 24576):
+        assert stream_gemv_config(n, 4096, weight_bytes=1) == whole
+    assert stream_gemv_config(4096, 1024, weight_bytes=1)["BLOCK_K"] == 1024
+    # longer or awkward FP8 rows (and float32 weights): one tile ahead, narrower where programs overfill a wave
+    assert stream_gemv_config(4096, 8192, weight_bytes=1) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=1,
                                                                   DEPTH=1)
-    assert stream_gemv_config(6144, 4096, weight_bytes=1)["BLOCK_K"] == 256     # 768 programs: more than 4 per SM
-    assert stream_gemv_config(6144, 4096, sms=192, weight_bytes=1)["BLOCK_K"] == 512
+    assert stream_gemv_config(4096, 3072, weight_bytes=1)["DEPTH"] == 1
+    assert stream_gemv_config(6144, 4096, weight_bytes=4)["BLOCK_K"] == 256     # 768 programs: more than 4 per SM
+    assert stream_gemv_config(6144, 4096, sms=192, weight_bytes=4)["BLOCK_K"] == 512
     assert stream_gemv_config(4096, 12288, weight_bytes=4)["num_warps"] == 8
     assert stream_gemv_config(64, 192)["BLOCK_K"] == 64
     assert stream_gemv_config(64, 96) is None and stream_gemv_config(64, 100) is None

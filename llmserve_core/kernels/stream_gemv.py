@@ -11,7 +11,10 @@ use for tensor cores).
 With PDL (programmatic dependent launch, Hopper and later) the kernel starts before the one it follows
 has finished: it loads its first weight tiles, which no earlier kernel writes, then waits on the grid
 dependency before it reads x, and lets the kernel after it launch at once. So a decode layer's chain of
-launches overlaps each kernel's ramp with its predecessor's tail. Weights may be float8_e4m3fn with one
+launches overlaps each kernel's ramp with its predecessor's tail. FP8 rows of up to 4,096 columns go
+further: a program's 8 whole rows are one tile (32 KB, 56 registers a thread over 8 warps), all of it
+asked for before the wait, so o_proj streams its weight while the decode attention before it runs, and
+each program keeps 8x the bytes in flight that a 512-column tile did. Weights may be float8_e4m3fn with one
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
 checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x).
 """
@@ -27,13 +30,15 @@ from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
+WHOLE_ROW_K = 4096   # FP8 rows up to this long are read whole before the wait (8 x 4096 bytes: 64 registers a thread)
 
 
 @triton.jit
 def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr):
-    """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2)."""
+    """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2), or 0 where the one tile is
+    all of K (BLOCK_K == K): a program's whole slice of W is read before the wait."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -48,19 +53,25 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x.
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + DEPTH * BLOCK_K
-        w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
-        xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
+    if DEPTH == 0:
+        xk = tl.load(x_ptr + rk).to(tl.float32)
         if BLOCK_SCALED:
-            xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
-        acc += w.to(tl.float32) * xk[None, :]
-        if DEPTH == 2:
-            w, w1 = w1, w_next
-        else:
-            w = w_next
-    y = tl.sum(acc, 1)
+            xk = xk * tl.load(s_row + rk // SCALE_K)
+        y = tl.sum(w.to(tl.float32) * xk[None, :], 1)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            nxt = k0 + DEPTH * BLOCK_K
+            w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
+            xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
+            if BLOCK_SCALED:
+                xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
+            acc += w.to(tl.float32) * xk[None, :]
+            if DEPTH == 2:
+                w, w1 = w1, w_next
+            else:
+                w = w_next
+        y = tl.sum(acc, 1)
     if ROW_SCALED:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -76,12 +87,21 @@ def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int
     (12.5), gate_up 66.4 (68.2), down 35.6 (36.1); three tiles ahead read no faster. The whole batch-1 bf16
     step: 5.640 -> 5.610 ms.
 
+    FP8 rows of up to WHOLE_ROW_K columns (a power of two): each program's 8 rows whole, one tile read
+    before the wait, over 8 warps. One row under PDL on an H100 (`fp8_gemv_sweep.py --stream`,
+    benchmarks/results/fp8_whole_rows_h100.md), us per channel / block scales: qkv 10.5 / 10.9 (the W8A8
+    kernel on x quantized ahead 12.1 / 12.2), o_proj 7.5 / 7.4 (8 x 512 tiles the same, but in the step its
+    frontier fell 287 -> 129 us: the attention before it hides most of its stream). The whole batch-1 FP8
+    step: 3.722 -> 3.662 ms per channel with o_proj so, 3.598 with qkv too (blocks 3.737 -> 3.651 -> 3.563).
+
     Other weights (FP8 read slower with two or three tiles ahead: o_proj 10.1 against 8.3 us), measured on the H200
     (benchmarks/pdl_chain_bench.py): 8 rows x 512 columns, except where the programs would overfill one
     wave of about four per multiprocessor (qkv's 768 on 132): there half-width tiles hold fewer registers,
     so the whole grid stays resident at once. Long rows (down_proj's 12,288) stream faster under PDL with 8
     warps a program (25.1 against 27.3 us)."""
     sixteen_bit = weight_bytes == 2
+    if weight_bytes == 1 and k <= WHOLE_ROW_K and k & (k - 1) == 0:
+        return dict(BLOCK_N=block_n, BLOCK_K=k, num_warps=8, num_stages=1, DEPTH=0)
     block_k = 512 if sixteen_bit or -(-n // block_n) <= 4 * sms else 256
     num_warps = 8 if k >= 8192 and not sixteen_bit else 4
     while block_k > MIN_BLOCK_K and k % block_k:
@@ -101,7 +121,8 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
     cfg = dict(config or stream_gemv_config(n, k, sms=num_sms(x.device), weight_bytes=weight.element_size()))
     cfg.setdefault("DEPTH", 1)
-    assert cfg["DEPTH"] in (1, 2), "stream_gemv: 1 or 2 weight tiles in flight"
+    assert cfg["DEPTH"] in (1, 2) or (cfg["DEPTH"] == 0 and cfg["BLOCK_K"] == k), \
+        "stream_gemv: 1 or 2 weight tiles in flight, or one tile of all K"
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
     if block is not None:
         assert block[0] % cfg["BLOCK_N"] == 0, f"stream_gemv: {cfg['BLOCK_N']} rows a program split a {block} scale block"
