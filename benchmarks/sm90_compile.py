@@ -154,9 +154,9 @@ def gemv_variants():
 
 
 def fp8_variants():
-    """The FP8 projections at one row as the decode chain runs them (the table's tiles, x quantized ahead
-    where the table says so), and the same a8 tiles with TMA weight loads; then the tables' 17-64-row tiles,
-    per-channel and 128 x 128 block-scaled."""
+    """The FP8 projections at one row as the decode chain runs them (the stream kernel where the table names
+    it), the a8 tiles 2-16 rows run (x quantized ahead where the table says so) and the same tiles with TMA
+    weight loads; then the tables' 17-64-row tiles, per-channel and 128 x 128 block-scaled."""
     from llmserve_core.kernels.fp8_gemv import (X_AHEAD_GROUP, fp8_gemv, fp8_gemv_config, measured_config,
                                                 x_ahead_config)
     from llmserve_core.kernels.stream_gemv import stream_gemv
@@ -166,11 +166,11 @@ def fp8_variants():
                          "down": (4096, 12288)}.items():
         w, s = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, dtype=torch.float32)
         x = torch.empty(1, k, dtype=torch.bfloat16)
-        ahead = x_ahead_config(1, n, k, None, SMS, True)
-        cfg = ahead or fp8_gemv_config(1, n, k, None, SMS, True, stream=True)
-        if cfg["KERNEL"] == "stream":
+        if fp8_gemv_config(1, n, k, None, SMS, True, stream=True)["KERNEL"] == "stream":
             out.append((f"fp8 {name} stream", lambda x=x, w=w, s=s: stream_gemv(x, w, s, None, pdl=True), None))
-            cfg = fp8_gemv_config(1, n, k, None, SMS, True)
+        # the a8 tile (on x quantized ahead where the table has one) that 2-16 rows run, one row of it
+        ahead = x_ahead_config(4, n, k, None, SMS, True)
+        cfg = ahead or fp8_gemv_config(4, n, k, None, SMS, True)
         xq = torch.empty(1, k, dtype=torch.float8_e4m3fn)
         xs = torch.empty(1, k // X_AHEAD_GROUP, dtype=torch.float32)
         for tma in (False, True):
@@ -306,7 +306,7 @@ def compile_set(variants, sass: bool) -> list[dict]:
         for kernel_name, kwargs, kernel in record:
             row = {"variant": label, "kernel": kernel_name, "compile_s": round(time.perf_counter() - start, 2),
                    "tile": {k: v for k, v in kwargs.items() if k.startswith("BLOCK_") or k.startswith("num_")
-                            or k in ("SPLIT_K", "W_TMA")}}
+                            or k in ("SPLIT_K", "W_TMA", "DEPTH")}}
             if isinstance(kernel, Exception):
                 row["error"] = f"{type(kernel).__name__}: {kernel}"[:400]
             else:

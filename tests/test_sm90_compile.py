@@ -65,7 +65,8 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
         assert 0 <= tma["shared_bytes"] - plain["shared_bytes"] <= 64
     assert all(r["stack_bytes"] == 0 for (variant, _), r in rows.items() if variant.startswith("fp8 ")), \
         [r for (variant, _), r in rows.items() if variant.startswith("fp8 ") and r["stack_bytes"]]
-    assert rows[("fp8 o stream", "_stream_gemv_kernel")]["registers"] > 0
+    for name in ("qkv", "o"):     # one row of these reads whole rows in the stream kernel
+        assert rows[(f"fp8 {name} stream", "_stream_gemv_kernel")]["tile"]["DEPTH"] == 0
     # the 17-64-row tiles: x quantized ahead for qkv, gate_up and down; o_proj's 17-32 rows quantize in the kernel
     for kind in ("channel", "block"):
         for name in ("qkv", "gate_up", "down"):

@@ -156,7 +156,12 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 # qkv 2.31 / 2.41 (the stream kernel 1.80 / 1.77), o_proj's stream kernel 2.16 / 2.14 (a8 1.87 / 1.75),
 # gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
 # read 1.2-2.3. The 16-row class was not timed and takes the 4-row tiles (the tile holds 16 rows either way).
-# {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it.
+# {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it: qkv and o_proj,
+# whose 4,096-column rows it reads whole, one tile a program, before its PDL wait (on an H100, us per channel /
+# block scales: qkv 10.5 / 10.9 against the a8 tile on x quantized ahead 12.1 / 12.2; the whole batch-1 FP8
+# step 3.5-4.7% faster with both; benchmarks/results/fp8_whole_rows_h100.md). gate_up read faster so alone
+# (35.3 / 35.6 against 37.4 / 37.2 us) but left the step 0.2-0.4% slower, and keeps the x-ahead tile. 2-16
+# rows of qkv keep the a8 tiles.
 _A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
 _A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
@@ -173,8 +178,8 @@ _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, nu
 # only takes x quantized ahead (X_AHEAD_CONFIGS), and o_proj's 33-64 rows stay with cuBLAS.
 _A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
 DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
-    **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
-    **{(4096, 4096, 1, kind): dict(KERNEL="stream") for kind in ("channel", "block")},
+    **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
+    **{(n, 4096, 1, kind): dict(KERNEL="stream") for n in (6144, 4096) for kind in ("channel", "block")},
     **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
@@ -189,7 +194,8 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 # TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
 # / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
 # o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
-# 2-16 rows take the one-row tiles (16-row x tiles either way): on the H100 qkv 13.1 / 13.4 us against the
+# One row of qkv now streams through kernels/stream_gemv.py instead (DEFAULT_CONFIGS' note).
+# 2-16 rows take these tiles (16-row x tiles either way): on the H100 qkv 13.1 / 13.4 us against the
 # in-kernel tile's 13.6 / 14.0 at 4 / 16 rows, gate_up 35.8 / 37.0 against 37.7 / 38.9; whole FP8 steps at
 # batch 4 / 8 / 16 0.8% / 0.7% / 0% faster (benchmarks/results/fp8_rows17_64_h100.md).
 # 17-64 rows (fp8_skinny_gemm.py on the H100, us at 17 / 32 / 64 rows, the GEMM alone, against the table's
@@ -201,7 +207,7 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 X_AHEAD_GROUP = 128
 _A8X = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)     # 17-64 rows; K split per shape
 X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
-    **{(6144, 4096, rows, kind): _A8_QKV for rows in (1, 4, 16) for kind in ("channel", "block")},
+    **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
                                        num_stages=4) for rows in (1, 4, 16) for kind in ("channel", "block")},
     **{(n, k, rows, kind): dict(_A8X, BLOCK_M=rows, SPLIT_K=split)
