@@ -1,8 +1,9 @@
 """One-row FP8 "a8" GEMVs whose weight tiles come by TMA (a tensor descriptor: one copy-engine request a
 tile into shared memory, no per-thread addresses or registers on the way), against the table's kernels,
 timed under PDL as the decode chain runs them (per-channel scales, CUDA graphs over weight copies larger
-than L2). qkv and gate_up read x quantized ahead, as the engine hands it; o_proj and down quantize x in the
-kernel. Every candidate compiles for sm_90 (benchmarks/sm90_compile.py's compiler, checked without a GPU). A TMA tile that beats the engine's kernel for its shape by 3% is patched into kernels/fp8_gemv.py's
+than L2). gate_up reads x quantized ahead, as the engine hands it, and so do qkv's candidates (the engine
+streams qkv's and o_proj's whole rows through the stream kernel, their "current"; a qkv winner would be
+patched in as its x-ahead tile); down quantizes x in the kernel. Every candidate compiles for sm_90 (benchmarks/sm90_compile.py's compiler, checked without a GPU). A TMA tile that beats the engine's kernel for its shape by 3% is patched into kernels/fp8_gemv.py's
 tables, and the FP8 batch-1 decode step then runs with the tables as committed and as patched, alternating,
 twice each, in the same process: the step is the verdict, not the kernel alone. Needs a Hopper GPU.
 
@@ -33,7 +34,7 @@ from fp8_narrow_tiles import time_configs  # noqa: E402
 from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
 
 SMS = 132   # the table's card (kernels/fp8_gemv.py's TABLE_SMS)
-X_AHEAD = ("qkv", "gate_up")       # the shapes whose x the RMSNorm before quantizes
+X_AHEAD = ("qkv", "gate_up")       # the shapes whose candidates read x quantized by the RMSNorm before
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM the K split aims at)
 CANDIDATES = ((64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 6, 4), (64, 128, 4, 6, 2), (128, 128, 4, 4, 2),
               (128, 128, 8, 4, 2), (128, 128, 4, 6, 2), (64, 256, 4, 4, 4), (128, 256, 4, 3, 2), (32, 128, 4, 8, 2))
