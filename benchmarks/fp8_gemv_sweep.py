@@ -170,7 +170,9 @@ def main():
                     configs["current_x_ahead"] = dict(ahead, PDL=True, X_AHEAD=True)   # what the engine runs
                 if args.stream:
                     for bn, bk, warps, depth in candidates:
-                        bk = bk or (k if k & (k - 1) == 0 else k + 1)     # (all of K: a power of two only)
+                        if bk == 0 and k & (k - 1):
+                            continue        # whole rows are one tile: a power-of-two K only
+                        bk = bk or k
                         if k % bk == 0:
                             configs[f"stream_bn{bn}_bk{bk}_w{warps}_d{depth}"] = dict(
                                 KERNEL="stream", BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEPTH=depth,

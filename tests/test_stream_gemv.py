@@ -108,6 +108,9 @@ def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     assert stream_gemv_config(4096, 12288, weight_bytes=4)["num_warps"] == 8
     assert stream_gemv_config(64, 192)["BLOCK_K"] == 64
     assert stream_gemv_config(64, 96) is None and stream_gemv_config(64, 100) is None
+    x, w = inputs(64, 96, torch.bfloat16, seed=0)
+    with pytest.raises(AssertionError, match=r"no tile for a \[64, 96\] weight"):
+        stream_gemv(x, w)
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
-WHOLE_ROW_K = 4096   # FP8 rows up to this long are read whole before the wait (8 x 4096 bytes: 64 registers a thread)
+WHOLE_ROW_K = 4096   # FP8 rows up to this long are read whole before the wait (8 x 4096 bytes over 8 warps: 56 registers)
 
 
 @triton.jit
@@ -119,11 +119,12 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
-    cfg = dict(config or stream_gemv_config(n, k, sms=num_sms(x.device), weight_bytes=weight.element_size()))
+    cfg = config or stream_gemv_config(n, k, sms=num_sms(x.device), weight_bytes=weight.element_size())
+    assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
+    cfg = dict(cfg)
     cfg.setdefault("DEPTH", 1)
     assert cfg["DEPTH"] in (1, 2) or (cfg["DEPTH"] == 0 and cfg["BLOCK_K"] == k), \
         "stream_gemv: 1 or 2 weight tiles in flight, or one tile of all K"
-    assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
     if block is not None:
         assert block[0] % cfg["BLOCK_N"] == 0, f"stream_gemv: {cfg['BLOCK_N']} rows a program split a {block} scale block"
         assert scale.shape == (-(-n // block[0]), -(-k // block[1])) and scale.stride(1) == 1, \
