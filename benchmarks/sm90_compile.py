@@ -201,6 +201,14 @@ def fp8_variants():
                     out.append((f"fp8 {name} a8 rows {rows} {kind}",
                                 lambda x=x, w=w, s=scale, b=block, c=plain: fp8_gemv(x, w, s, b, config=dict(c),
                                                                                      pdl=True), None))
+    # a decode's gate_up (1-16 rows, x quantized ahead) ends in the SiLU-and-mul
+    w = torch.empty(24576, 4096, dtype=torch.float8_e4m3fn)
+    xq, xs = torch.empty(1, 4096, dtype=torch.float8_e4m3fn), torch.empty(1, 4096 // X_AHEAD_GROUP, dtype=torch.float32)
+    for block, scale in ((None, torch.empty(24576)), ((128, 128), torch.empty(192, 32))):
+        out.append((f"fp8 gate_up a8x silu_mul {'channel' if block is None else 'block'}",
+                    lambda b=block, s=scale, c=x_ahead_config(1, 24576, 4096, block, SMS, True): fp8_gemv(
+                        xq, w, s, b, config=dict(c), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
+                        out_dtype=torch.bfloat16, silu_mul=True), None))
     return out
 
 
@@ -251,7 +259,9 @@ def chain_variants():
                     paged_decode(torch.empty(16, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, rows_per_seq=4,
                                  tree_mask=tree), None))
     w_qkv = torch.empty(6144, 4096, dtype=bf16)
+    w_gate_up = torch.empty(24576, 4096, dtype=bf16)
     out += [("stream gemv qkv, pdl", lambda: stream_gemv(h, w_qkv, pdl=True), None),
+            ("stream gemv gate_up, silu_mul, pdl", lambda: stream_gemv(h, w_gate_up, pdl=True, silu_mul=True), None),
             ("gemv qkv 4 rows, pdl", lambda: gemv(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("gemv_argmax 4 rows, pdl", lambda: gemv_argmax(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("silu_mul, pdl", lambda: silu_mul(torch.empty(1, 24576, dtype=bf16), pdl=True), None),

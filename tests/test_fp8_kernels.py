@@ -363,6 +363,81 @@ def test_block_scaled_gemm_hands_cublas_the_scale_layouts_torch_checks(monkeypat
     assert rel_err(w8a8_block_linear(x, w, ws, (128, 128), torch.float32), ref) < A8_TOL and calls == [20, 20]
 
 
+def fp8_layer_on_a_measured_card(n, k, block, seed, monkeypatch):
+    """An Fp8Linear of random weights on a card like the one the tables were measured on (faked: FP8
+    products, 132 multiprocessors), and the generator that made them."""
+    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
+    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(seed)
+    layer = Fp8Linear(k, n, block).to(DEVICE)
+    layer.quantize_rows_(torch.randn(n, k, generator=gen))
+    return layer, gen
+
+
+@pytest.mark.parametrize("m,n,k,block,x_group,kernel", [
+    (1, 80, 256, None, 0, "a8"),
+    (3, 44, 200, None, 64, "a8"),                 # x quantized ahead; ragged K, the last program's columns cut short
+    (16, 96, 256, (16, 32), 32, "a8"),            # block scales: gate and up rows in different block rows
+    (2, 64, 128, (32, 32), 0, "dot"),
+])
+def test_fp8_gemv_ends_in_the_silu_mul(m, n, k, block, x_group, kernel):
+    """silu_mul: over a packed [gate | up] weight, the SiLU-and-mul of the kernel's own products (each
+    arithmetic's reference, in float32); a tile that splits K (or another kernel) is refused."""
+    from llmserve_core.kernels.silu_mul import silu_mul_reference
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, s = random_fp8_weight(n, k, block, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    config = dict(KERNEL=kernel, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
+    if x_group:
+        xq, xs = quantize_activation(x, x_group)
+        out = fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=x_group, out_dtype=torch.float32,
+                       silu_mul=True)
+        products = fp8_gemv_a8_reference(x, w, s, block, group=x_group)
+    else:
+        out = fp8_gemv(x, w, s, block, config=config, silu_mul=True)
+        products = (fp8_gemv_a8_reference(x, w, s, block, group=32) if kernel == "a8" else
+                    fp8_gemv_reference(x, w, s, block))
+    assert out.shape == (m, n // 2) and out.dtype == torch.float32
+    assert rel_err(out, silu_mul_reference(products)) < (A8_TOL if kernel == "a8" else 1e-5)
+    for bad in (dict(config, SPLIT_K=2), dict(config, KERNEL="fma", BLOCK_N=16)):
+        with pytest.raises(AssertionError, match="silu_mul"):
+            fp8_gemv(x, w, s, block, config=bad, silu_mul=True)
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)])
+@torch.no_grad()
+def test_fp8_linear_folds_the_silu_mul_where_its_tile_keeps_k_whole(block, monkeypatch):
+    """A packed [gate | up] Fp8Linear says it can end its rows in the SiLU-and-mul where the tile those rows
+    take (x quantized ahead where input_quant asks for it, else the GEMV's) does not split K, and the stream
+    kernel's only with row scales; handed its rows as input_quant asks, it computes the unfolded layer's
+    products' SiLU-and-mul. Elsewhere it says it cannot, and refuses."""
+    from llmserve_core.kernels.silu_mul import silu_mul_reference
+    from llmserve_core.layers.fp8_linear import QuantizedRows
+    n, k = 64, 128
+    layer, gen = fp8_layer_on_a_measured_card(n, k, block, 13, monkeypatch)
+    kind = "channel" if block is None else None
+    whole_k = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 1, kind), dict(KERNEL="stream"))
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 4, kind), dict(whole_k, SPLIT_K=2))
+    monkeypatch.setitem(fp8_gemv_module.X_AHEAD_CONFIGS, (n, k, 16, kind), whole_k)
+    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 32, kind), dict(whole_k, BLOCK_M=32))
+    assert not layer.folds_silu_mul(1)                  # off the fast path
+    layer.fused, layer.fast_kernel = True, "stream"
+    folds = {rows: layer.folds_silu_mul(rows) for rows in (1, 3, 10, 20, 65)}
+    assert folds == {1: block is None, 3: False, 10: True, 20: True, 65: False}
+    for rows, folded in folds.items():
+        x = torch.randn(rows, k, generator=gen).to(DEVICE)
+        quant = layer.input_quant(rows, torch.float32)
+        handed = x if quant is None else QuantizedRows(*quantize_activation(x, quant.group), quant, rows, torch.float32)
+        if not folded:
+            with pytest.raises(AssertionError, match="SiLU-and-mul"):
+                layer(handed, silu_mul=True)
+            continue
+        out = layer(handed, silu_mul=True)
+        assert out.shape == (rows, n // 2)
+        assert rel_err(out, silu_mul_reference(layer(handed))) < A8_TOL, rows
+
+
 def test_fp8_linear_matches_its_dequantized_twin():
     gen = torch.Generator().manual_seed(3)
     for block in (None, (16, 32)):
@@ -421,12 +496,8 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
     runs (the GEMM's)."""
     from llmserve_core.layers.fp8_linear import TABLE_GEMV_MAX_ROWS, QuantizedRows
     assert TABLE_GEMV_MAX_ROWS == fp8_gemv_module.MAX_ROWS      # repeated so a CPU install needs no Triton
-    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
-    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
-    gen = torch.Generator().manual_seed(11)
     n, k = 64, 128
-    layer = Fp8Linear(k, n, block).to(DEVICE)
-    layer.quantize_rows_(torch.randn(n, k, generator=gen))
+    layer, gen = fp8_layer_on_a_measured_card(n, k, block, 11, monkeypatch)
     layer.fused = True
     kind = "channel" if block is None else None         # a 32 x 32 block is no kind the tables name
     tile = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)

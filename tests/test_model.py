@@ -75,11 +75,15 @@ def test_packed_prefill_matches_transformers(case):
 @pytest.mark.parametrize("name,lens,chain", [("mha-tied", [7, 3, 12], False), ("gqa4-yarn", [7, 3, 12], False),
                                               ("gqa4-yarn", [9], True)])
 @torch.no_grad()
-def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3_dir):
+def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3_dir, monkeypatch):
     """The fast path's kernels (fused norms, q/k norm + rotary + K/V store, split-KV decode), run in
     Triton's interpreter, against the eager model on the torch backend: a packed prefill, then two decode
     steps that read the K/V the fused kernel stored. chain: one sequence, whose decode steps stream the
-    projections through kernels/stream_gemv.py (PDL itself needs a GPU)."""
+    projections through kernels/stream_gemv.py, gate_up's ending in the SiLU-and-mul (PDL itself needs a GPU)."""
+    import llmserve_core.kernels.silu_mul as silu_mul_module
+    silu_rows = []
+    real_silu = silu_mul_module.silu_mul
+    monkeypatch.setattr(silu_mul_module, "silu_mul", lambda x, **kw: silu_rows.append(x.shape[0]) or real_silu(x, **kw))
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS[name])
     cfg = ModelConfig.from_hf_dir(path)
     eager = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("torch", "cpu"))
@@ -106,6 +110,8 @@ def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3
     for (k0, v0), (k1, v1) in zip(*caches):
         torch.testing.assert_close(k1, k0, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
+    layers = cfg.num_hidden_layers
+    assert silu_rows == [sum(lens)] * layers + ([] if chain else [len(lens)] * 2 * layers)
 
 
 @torch.no_grad()
@@ -203,9 +209,11 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
         quantized = [g for g in calls if g is not None]
         assert len(calls) == 3 * per_step and quantized == ([RowQuant(group)] * 2 * cfg.num_hidden_layers * 2 if ahead else [])
         assert calls[:per_step] == [None] * per_step      # the prefill's rows are not one row
-        # down_proj's input leaves the SiLU-and-mul quantized for the decode rows
+        # down_proj's input leaves the SiLU-and-mul quantized for the decode rows; the prefill's gate_up GEMV
+        # ends in the SiLU-and-mul itself where its rule's tile does not split K
         layers = cfg.num_hidden_layers
-        assert silu_calls == [None] * layers + [RowQuant(group) if ahead else None] * 2 * layers
+        prefill = [] if model.model.layers[0].mlp.gate_up_proj.folds_silu_mul(len(prompt)) else [None] * layers
+        assert silu_calls == prefill + [RowQuant(group) if ahead else None] * 2 * layers
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)
 

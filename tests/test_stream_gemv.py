@@ -90,6 +90,31 @@ def test_stream_gemv_fp8_weight_with_block_scales(n, k):
         stream_gemv(x, q, scale, (4, 128), config=SMALL_TILE)
 
 
+@pytest.mark.parametrize("weight", ["16-bit", "fp8 rows", "fp8 whole rows"])
+@pytest.mark.parametrize("n", [80, 44])
+def test_stream_gemv_ends_in_the_silu_mul(weight, n):
+    """silu_mul: over a packed [gate | up] weight (44 = 2 x 22: the last program's columns cut short), the
+    SiLU-and-mul of the products, against the reference's products in float64 (the kernel rounds once, the
+    unfolded chain twice); block scales, whose gate and up rows lie in different blocks, are refused."""
+    from llmserve_core.kernels.fp8_format import quantize_per_block
+    from llmserve_core.kernels.silu_mul import silu_mul_reference
+    k = 256
+    x, w = inputs(n, k, torch.bfloat16, seed=n + 5)
+    scale = None
+    config = dict(SMALL_TILE, DEPTH=2)
+    if weight != "16-bit":
+        scale = w.float().abs().amax(1) / 448.0
+        w = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+        config = dict(SMALL_TILE, BLOCK_K=k, DEPTH=0) if weight == "fp8 whole rows" else SMALL_TILE
+    y = stream_gemv(x, w, scale, config=config, silu_mul=True)
+    assert y.shape == (1, n // 2) and y.dtype == torch.bfloat16
+    assert rel_err(y, silu_mul_reference(stream_gemv_reference(x.double(), w.double() if scale is None else w,
+                                                                scale, out_dtype=torch.float64))) < TOL[torch.bfloat16]
+    q, block_scale = quantize_per_block(inputs(n, k, torch.bfloat16, seed=1)[1], (8, 64))
+    with pytest.raises(AssertionError, match="silu_mul"):
+        stream_gemv(x, q, block_scale, (8, 64), config=SMALL_TILE, silu_mul=True)
+
+
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, DEPTH=2)
     for n, k in ((6144, 4096), (24576, 4096), (4096, 12288)):     # 16-bit weights: one tile for every shape
@@ -124,6 +149,26 @@ def test_linear_streams_one_row_and_falls_back_for_more():
         eager = lin(x)
         lin.fast_kernel = "stream"
         assert rel_err(lin(x), eager) < 1e-5 and rel_err(lin(x, out_dtype=torch.float64), eager) < 1e-5
+
+
+@torch.no_grad()
+def test_linear_folds_the_silu_mul_into_one_streamed_row_only():
+    """A packed [gate | up] Linear on the stream chain ends one row in the SiLU-and-mul (the unfolded
+    chain's value); two rows, an awkward K and the eager path say they cannot, and are refused."""
+    from llmserve_core.layers.activation import silu_and_mul
+    torch.manual_seed(1)
+    lin = Linear(128, 48).to(DEVICE)
+    lin.weight.normal_(0, 128 ** -0.5)
+    x = torch.randn(2, 128, device=DEVICE)
+    assert not lin.folds_silu_mul(1)
+    lin.fast_kernel = "stream"
+    assert lin.folds_silu_mul(1) and not lin.folds_silu_mul(2)
+    assert rel_err(lin(x[:1], silu_mul=True), silu_and_mul(lin(x[:1]))) < 1e-5
+    with pytest.raises(AssertionError, match="silu_mul"):
+        lin(x, silu_mul=True)
+    awkward = Linear(100, 48)             # no stream tile divides K
+    awkward.fast_kernel = "stream"
+    assert not awkward.folds_silu_mul(1)
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])

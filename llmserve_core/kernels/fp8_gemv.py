@@ -28,6 +28,7 @@ from llmserve_core.kernels.gemv import TABLE_SMS, gemv_config, num_sms, store_sp
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, dequantize_weight
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
+from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
 
 # The measured tables' rows: layers/fp8_linear.py runs 1-16 here always, 17-64 where a table names a tile for
 # the shape, and otherwise quantizes x for a W8A8 GEMM.
@@ -40,17 +41,23 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, QUANT_X: tl.constexpr, X_GROUP: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr, W_TMA: tl.constexpr):
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr, W_TMA: tl.constexpr,
+                     GATED: tl.constexpr):
     """X_GROUP > 0: x is already e4m3, with a float32 scale per 1 x X_GROUP piece of each row at xs_ptr.
     W_TMA: w_ptr is a [BLOCK_N, BLOCK_K] tensor descriptor of the weight, whose tiles the copy engine (TMA)
-    brings into shared memory whole, zero past N and K."""
+    brings into shared memory whole, zero past N and K.
+    GATED: the weight is a packed [gate | up] (N = 2 d) and y [M, d] = SiLU(x @ gate^T) * (x @ up^T): a
+    program's first BLOCK_N / 2 rows are gate rows, the rest the up rows of the same columns (one K split)."""
     pdl_wait_and_release(PDL)      # x comes from the kernel before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if GATED:
+        cols, offs_n, n_mask = gated_rows(pid_n, N, BLOCK_N)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     rk = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
     x_rows = x_ptr + offs_m[:, None] * stride_x
@@ -95,9 +102,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
     if not BLOCK_SCALED:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
-    y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
-    store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
-                  BLOCK_M, BLOCK_N, SPLIT_K)
+    if GATED:
+        y_ptrs = y_ptr + offs_m[None, :] * stride_y + cols[:, None]
+        tl.store(y_ptrs, silu_mul_halves(acc).to(y_ptrs.dtype.element_ty), mask=(cols < N // 2)[:, None] & m_mask[None, :])
+    else:
+        y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
+        store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
+                      BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 @triton.jit
@@ -270,7 +281,7 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
              config: dict | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
-             x_group: int = 128, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             x_group: int = 128, out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
 
     config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
@@ -282,7 +293,10 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     x may come quantized already (e4m3, x_scale [M, ceil(K / x_group)] float32, as
     fp8_quant.quantize_activation(x, x_group) makes it; the result in out_dtype): the "a8" kernel then
     skips its amax pass, which every program repeats for its tile (benchmarks/fp8_gemv_sweep.py --a8x
-    measures what that pass costs)."""
+    measures what that pass costs).
+
+    silu_mul: w is a packed [gate | up] and the result [M, N / 2] is SiLU(x @ gate^T) * (x @ up^T), taken
+    in float32 before the one rounding (the "a8" or "dot" kernel at a tile that does not split K)."""
     m, k = x.shape
     n = w.shape[0]
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
@@ -301,8 +315,10 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert not tma or (kernel == "a8" and k % 16 == 0 and w.data_ptr() % 16 == 0), \
         "fp8_gemv: TMA weight tiles are the a8 kernel's, over a 16-byte aligned weight whose K is a multiple of 16"
     fma = kernel.startswith("fma")
+    assert not silu_mul or (not fma and not tma and split == 1 and n % 2 == 0 and block_n % 2 == 0), \
+        "fp8_gemv: silu_mul needs an even N and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA"
     assert not (pdl and fma), "fp8_gemv: the CUDA-core kernel does not launch under PDL"
-    assert not fma or m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row FMA tile"
+    assert m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row tile"
     if block is not None:
         if fma:
             assert block[0] % block_n == 0, "fp8_gemv: BLOCK_N must divide the scale block's N side"
@@ -313,8 +329,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     else:
         assert scale.shape == (n,), f"fp8_gemv: per-channel scale must be [{n}], got {tuple(scale.shape)}"
         stride_sn, stride_sk = 1, 0
-    y = torch.empty(m, n, dtype=out_dtype if prequantized else x.dtype, device=x.device)
-    n_blocks = triton.cdiv(n, block_n)
+    y = torch.empty(m, n // 2 if silu_mul else n, dtype=out_dtype if prequantized else x.dtype, device=x.device)
+    n_blocks = triton.cdiv(n // 2, block_n // 2) if silu_mul else triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     parts, counts = SPLIT_K_SCRATCH.get(x.device, n_blocks * split * block_n * cfg["BLOCK_M"] if split > 1 else 0,
                                         n_blocks if split > 1 else 0)
@@ -329,8 +345,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
         _fp8_gemv_kernel[(n_blocks, split)](*args, xs, stride_xs, **common, DOT_IEEE=x.dtype == torch.float32,
                                             QUANT_X=kernel == "a8" and not prequantized,
                                             X_GROUP=x_group if prequantized else 0,
-                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, W_TMA=tma, **cfg,
-                                            **pdl_launch(pdl))
+                                            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl, W_TMA=tma,
+                                            GATED=silu_mul, **cfg, **pdl_launch(pdl))
     return y
 
 

@@ -19,11 +19,36 @@ from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 
 @triton.jit
+def silu_times(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_mul_tile(x_ptr, row, c, d, stride_x, mask):
     """SiLU(gate) * up for columns c of a row, rounded to the model dtype (zeros where masked)."""
     gate = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + c, mask=mask, other=0.0).to(tl.float32)
-    return (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    return silu_times(gate, up).to(x_ptr.dtype.element_ty)
+
+
+# A GEMV over the packed [gate | up] weight can end in the SiLU-and-mul itself (its GATED variants, which
+# the decode MLP takes where down_proj wants its input as it is): each program owns BLOCK_N / 2 output
+# columns and reads their gate rows and their up rows, so both halves of every column meet in one program.
+@triton.jit
+def gated_rows(pid, n, BLOCK_N: tl.constexpr):
+    """Program pid's output columns [BLOCK_N / 2] and its weight rows [BLOCK_N] of a packed [gate | up]
+    weight of n = 2 d rows (the columns' gate rows, then their up rows), with the rows' mask."""
+    i = tl.arange(0, BLOCK_N)
+    col = pid * (BLOCK_N // 2) + i % (BLOCK_N // 2)
+    cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    return cols, col + (i // (BLOCK_N // 2)) * (n // 2), col < n // 2
+
+
+@triton.jit
+def silu_mul_halves(acc):
+    """[BLOCK_N, M] float32 products over gated_rows' rows -> [BLOCK_N / 2, M] SiLU(gate) * up."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1])), (1, 2, 0)))
+    return silu_times(gate, up)
 
 
 # The row count and the scales' strides vary with the batch where the scales are M-major (stride_sg is the

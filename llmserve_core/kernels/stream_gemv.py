@@ -16,7 +16,9 @@ further: a program's 8 whole rows are one tile (32 KB, 56 registers a thread ove
 asked for before the wait, so o_proj streams its weight while the decode attention before it runs, and
 each program keeps 8x the bytes in flight that a 512-column tile did. Weights may be float8_e4m3fn with one
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
-checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x).
+checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x). Over the packed
+gate_up a program may take 4 gate rows and their 4 up rows and write SiLU(gate) * up (silu_mul=True), so the
+decode MLP launches no SiLU-and-mul between its two projections.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import triton.language as tl
 from llmserve_core.kernels.fp8_format import dequantize_weight
 from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
+from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
@@ -36,12 +39,17 @@ WHOLE_ROW_K = 4096   # FP8 rows up to this long are read whole before the wait (
 @triton.jit
 def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr):
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
+                        GATED: tl.constexpr):
     """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2), or 0 where the one tile is
-    all of K (BLOCK_K == K): a program's whole slice of W is read before the wait."""
+    all of K (BLOCK_K == K): a program's whole slice of W is read before the wait.
+    GATED: W is a packed [gate | up] (N = 2 d) and y [d] = SiLU(x @ gate^T) * (x @ up^T) (silu_mul.gated_rows)."""
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if GATED:
+        cols, offs_n, n_mask = gated_rows(pid, N, BLOCK_N)
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
     # The first tiles are read before the grid dependency resolves: no kernel before this one writes W.
@@ -74,7 +82,11 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         y = tl.sum(acc, 1)
     if ROW_SCALED:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    if GATED:
+        y = tl.reshape(silu_mul_halves(tl.reshape(y, (BLOCK_N, 1))), (BLOCK_N // 2,))
+        tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N // 2)
+    else:
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132,
@@ -113,9 +125,12 @@ def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                 block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None, pdl: bool = False,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [1, K], weight [N, K] -> [1, N]. The weight is x's dtype, or float8_e4m3fn with float32 scales:
-    one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)])."""
+    one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)]).
+    silu_mul: the weight is a packed [gate | up] and the result [1, N / 2] is SiLU(x @ gate^T) * (x @ up^T),
+    taken in float32 before the one rounding (row scales or none: a program's gate and up rows lie in
+    different scale blocks)."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
@@ -131,11 +146,15 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
             "stream_gemv: block scales must be [ceil(N / bn), ceil(K / bk)], rows contiguous"
     elif scale is not None:
         assert scale.shape == (n,), f"stream_gemv: row scales must be [{n}], got {tuple(scale.shape)}"
-    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    _stream_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+    assert not silu_mul or (block is None and n % 2 == 0 and cfg["BLOCK_N"] % 2 == 0), \
+        "stream_gemv: silu_mul needs an even N and BLOCK_N, and row scales or none"
+    y = torch.empty(1, n // 2 if silu_mul else n, dtype=out_dtype or x.dtype, device=x.device)
+    programs = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if silu_mul else triton.cdiv(n, cfg["BLOCK_N"])
+    _stream_gemv_kernel[(programs,)](
         x, weight, scale if scale is not None else weight, y, n, k, scale.stride(0) if block else 0,
         ROW_SCALED=scale is not None and block is None, BLOCK_SCALED=block is not None,
-        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, **cfg, **pdl_launch(pdl))
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, GATED=silu_mul, **cfg,
+        **pdl_launch(pdl))
     return y
 
 

@@ -4,9 +4,10 @@
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
 GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost), and so do 17-64 rows of a shape its
 measured table names a tile for: on Ada and Hopper its "a8" kernel quantizes each row per 1 x 128 piece as
-it reads it and multiplies FP8 by FP8, and one row of o_proj's shape takes kernels/stream_gemv.py
-(weight-only), chained under PDL with the kernels around it; other rows run a W8A8 GEMM on the FP8 tensor
-cores, the activations quantized dynamically (per token, or per 1 x bk piece for block scales).
+it reads it and multiplies FP8 by FP8, and one row of the shapes the table names (qkv, o_proj, down_proj)
+takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it; other rows run a
+W8A8 GEMM on the FP8 tensor cores, the activations quantized dynamically (per token, or per 1 x bk piece for
+block scales). A packed gate_up whose GEMV tile keeps K whole ends in the SiLU-and-mul (folds_silu_mul).
 `input_quant` says how the layer wants its rows quantized ahead (fp8_format.RowQuant), and the RMSNorm or
 the SiLU-and-mul before qkv, gate_up and down hands it QuantizedRows: for the W8A8 GEMM always (no
 quantization launch of its own), for the GEMV where its table measured x quantized ahead to read faster
@@ -116,7 +117,15 @@ class Fp8Linear(nn.Module):
         return x_ahead_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
                               fp8_dot_supported(device))
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: this is a packed [gate | up] projection of rows (handed as input_quant asks) for which
+        folds_silu_mul holds; the result is SiLU(gate) * up, computed in the GEMV's epilogue."""
+        if silu_mul:
+            rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
+            assert self.folds_silu_mul(rows), f"Fp8Linear: no GEMV tile of {rows} rows ends in the SiLU-and-mul"
+            if isinstance(x, QuantizedRows):
+                return self._gemv_quantized(x, self._x_ahead_tile(rows), silu_mul=True)
+            return self._gemv(x.contiguous(), self._gemv_tile(rows), silu_mul=True)
         if isinstance(x, QuantizedRows):       # input_quant's answer: the x-ahead tile's rows, else the GEMM's
             assert self.fused, "Fp8Linear: rows quantized ahead go to the fast path only"
             if x.rows <= TABLE_GEMV_MAX_ROWS and (tile := self._x_ahead_tile(x.rows)) is not None:
@@ -149,20 +158,34 @@ class Fp8Linear(nn.Module):
             return measured_config(*shape)
         return fp8_gemv_config(*shape, stream=self.fast_kernel == "stream" and rows == 1 and self._streams())
 
-    def _gemv(self, x: torch.Tensor, tile: dict) -> torch.Tensor:
+    def folds_silu_mul(self, rows: int) -> bool:
+        """Whether forward can end `rows` rows of this packed [gate | up] weight, handed as input_quant asks,
+        in the SiLU-and-mul: where they meet a GEMV tile that does not split K (the stream kernel with row
+        scales: a program's gate and up rows lie in different scale blocks)."""
+        if not self.fused or not 0 < rows <= TABLE_GEMV_MAX_ROWS or self.out_features % 2:
+            return False
+        tile = self._x_ahead_tile(rows) or self._gemv_tile(rows)     # the tile forward takes, or the GEMM
+        if tile is None:
+            return False
+        if tile["KERNEL"] == "stream":
+            return self.block is None
+        return tile["KERNEL"] in ("a8", "dot") and tile["SPLIT_K"] == 1 and tile["BLOCK_N"] % 2 == 0 \
+            and not tile.get("TMA", False)
+
+    def _gemv(self, x: torch.Tensor, tile: dict, silu_mul: bool = False) -> torch.Tensor:
         """The GEMV at `tile` (_gemv_tile's), launched under PDL on the decode chain."""
         if tile["KERNEL"] == "stream":
             from llmserve_core.kernels.stream_gemv import stream_gemv
-            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl)
+            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl, silu_mul=silu_mul)
         from llmserve_core.kernels.fp8_gemv import fp8_gemv
         return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=tile,
-                        pdl=self.pdl and not tile["KERNEL"].startswith("fma"))
+                        pdl=self.pdl and not tile["KERNEL"].startswith("fma"), silu_mul=silu_mul)
 
-    def _gemv_quantized(self, x: QuantizedRows, tile: dict) -> torch.Tensor:
+    def _gemv_quantized(self, x: QuantizedRows, tile: dict, silu_mul: bool = False) -> torch.Tensor:
         """Rows quantized ahead for the GEMV: the a8 kernel at the x-ahead tile measured for them."""
         from llmserve_core.kernels.fp8_gemv import fp8_gemv
         return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=tile, pdl=self.pdl,
-                        x_scale=x.scale, x_group=x.quant.group, out_dtype=x.dtype)
+                        x_scale=x.scale, x_group=x.quant.group, out_dtype=x.dtype, silu_mul=silu_mul)
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block

@@ -3,7 +3,8 @@
 `Linear` holds a weight [out, in] under the checkpoint's name. The model picks its fast kernel: the
 lm_head takes kernels.gemv for 1-64 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
 projections take kernels.stream_gemv for a single row (a batch-1 decode) and kernels.gemv for 2-16 rows
-where its measured table has the shape, chained under PDL with the kernels around them. Everywhere else
+where its measured table has the shape, chained under PDL with the kernels around them; a streamed row of
+the packed gate_up ends in the SiLU-and-mul (folds_silu_mul). Everywhere else
 it is F.linear, which is also the reference the fast paths are tested against; on the fast path down_proj
 and o_proj take cuBLASLt's kernel instead of cuBLAS's at 17-64 / 17-48 rows (cublaslt_max_rows).
 """
@@ -42,14 +43,20 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: this is a packed [gate | up] projection of a row for which folds_silu_mul holds; the
+        result is SiLU(gate) * up, computed in the stream GEMV's epilogue."""
+        if silu_mul:
+            assert self.folds_silu_mul(x.shape[0]) and x.stride(-1) == 1, "Linear: silu_mul off the one-row stream"
+            from llmserve_core.kernels.stream_gemv import stream_gemv
+            return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl, silu_mul=True)
         if self.fast_kernel == "gemv" and 0 < x.shape[0] <= MAX_ROWS:
             from llmserve_core.kernels.gemv import gemv
             return gemv(x, self.weight, out_dtype=out_dtype)
         if self.fast_kernel == "stream" and 0 < x.shape[0] <= PROJECTION_MAX_ROWS and x.stride(-1) == 1:
             if x.shape[0] == 1:
-                from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K, stream_gemv
-                if self.in_features % MIN_BLOCK_K == 0:
+                if self._streams():
+                    from llmserve_core.kernels.stream_gemv import stream_gemv
                     return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
             else:
                 from llmserve_core.kernels.gemv import gemv, projection_launch_config
@@ -61,6 +68,15 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
+
+    def folds_silu_mul(self, rows: int) -> bool:
+        """Whether forward can end `rows` rows of this packed [gate | up] weight in the SiLU-and-mul: one row
+        on the stream GEMV (2-16 rows take kernels/gemv.py, which splits K)."""
+        return self.fast_kernel == "stream" and rows == 1 and self._streams() and self.out_features % 2 == 0
+
+    def _streams(self) -> bool:
+        from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K
+        return self.in_features % MIN_BLOCK_K == 0
 
     def cublaslt_max_rows(self) -> int:
         """The most rows for which this weight's shape takes cuBLASLt on the fast path (0: never): the

@@ -88,16 +88,21 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x may be QuantizedRows (Qwen3DecoderLayer)."""
+        rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
+        if self.fused and self.gate_up_proj.folds_silu_mul(rows) and _input_quant(self.down_proj, rows, x.dtype) is None:
+            # A decode's GEMV ends in the SiLU-and-mul (kernels/silu_mul.gated_rows): one launch and one
+            # link of the PDL chain fewer, where down_proj takes its rows as they are.
+            out = self.down_proj(self.gate_up_proj(x, silu_mul=True))
+        elif self.fused:
             from llmserve_core.kernels.silu_mul import silu_mul
-            rows = gate_up.shape[0]
+            gate_up = self.gate_up_proj(x)
             quant = _input_quant(self.down_proj, rows, gate_up.dtype)
             act = silu_mul(gate_up, pdl=self.pdl, quant=quant)
             out = self.down_proj(act if quant is None else QuantizedRows(*act, quant, rows, gate_up.dtype))
         else:
-            out = self.down_proj(silu_and_mul(gate_up))
+            out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
