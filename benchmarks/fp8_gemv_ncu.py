@@ -29,10 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # (label, N, K, kind): kind names the call for one row with per-channel scales. The engine's: the stream
-# kernel (qkv and o_proj, whole rows), a8x (gate_up) and a8 (down); qkv_a8x is the tile qkv ran before, which
-# its 2-16 rows still run (X_AHEAD_CONFIGS' 4-row class holds the one-row tiles of both a8x shapes).
+# kernel (qkv and o_proj on whole rows, down), a8x (gate_up); qkv_a8x and down_a8 are the tiles qkv and down
+# ran before, which their 2-16 rows still run (the tables' 4-row class holds the old one-row tiles).
 CASES = (("qkv_stream_fp8", 6144, 4096, "stream"), ("qkv_a8x", 6144, 4096, "a8x"),
-         ("gate_up_a8x", 24576, 4096, "a8x"), ("down_a8", 4096, 12288, "a8"),
+         ("gate_up_a8x", 24576, 4096, "a8x"), ("down_stream_fp8", 4096, 12288, "stream"),
+         ("down_a8", 4096, 12288, "a8"),
          ("down_a8x_same_tile", 4096, 12288, "a8x_down"), ("o_stream_fp8", 4096, 4096, "stream"),
          ("qkv_stream_bf16", 6144, 4096, "bf16"), ("down_stream_bf16", 4096, 12288, "bf16"))
 CALLS = 3
@@ -73,10 +74,10 @@ def launch_all() -> None:
             if kind == "stream":
                 fn = lambda: stream_gemv(x, q, s, pdl=True)      # noqa: E731
             elif kind == "a8":
-                cfg = dict(DEFAULT_CONFIGS[(n, k, 1, "channel")])
+                cfg = dict(DEFAULT_CONFIGS[(n, k, 4, "channel")])
                 fn = lambda: fp8_gemv(x, q, s, config=cfg, pdl=True)   # noqa: E731
             else:
-                cfg = dict(DEFAULT_CONFIGS[(n, k, 1, "channel")] if kind == "a8x_down"
+                cfg = dict(DEFAULT_CONFIGS[(n, k, 4, "channel")] if kind == "a8x_down"
                            else X_AHEAD_CONFIGS[(n, k, 4, "channel")])
                 fn = lambda: fp8_gemv(xq, q, s, config=cfg, pdl=True, x_scale=xs,   # noqa: E731
                                       x_group=X_AHEAD_GROUP, out_dtype=x.dtype)

@@ -172,7 +172,10 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 # block scales: qkv 10.5 / 10.9 against the a8 tile on x quantized ahead 12.1 / 12.2; the whole batch-1 FP8
 # step 3.5-4.7% faster with both; benchmarks/results/fp8_whole_rows_h100.md). gate_up read faster so alone
 # (35.3 / 35.6 against 37.4 / 37.2 us) but left the step 0.2-0.4% slower, and keeps the x-ahead tile. 2-16
-# rows of qkv keep the a8 tiles.
+# rows of qkv keep the a8 tiles. down_proj's one row streams too since gate_up's GEMV ends in the SiLU-and-mul
+# (models/qwen3.py): down then follows gate_up directly, and the stream kernel's first tile, read before the
+# wait, overlaps gate_up's last wave where the a8 kernel waits first (whole batch-1 FP8 steps on an H100:
+# 3.559 / 3.577 -> 3.536 / 3.544 ms per channel, 3.563 -> 3.530 with blocks; benchmarks/results/fp8_fold_silu_h100.md).
 _A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
 _A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
@@ -190,10 +193,11 @@ _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, nu
 _A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
 DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
-    **{(n, 4096, 1, kind): dict(KERNEL="stream") for n in (6144, 4096) for kind in ("channel", "block")},
+    **{(n, k, 1, kind): dict(KERNEL="stream") for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))
+       for kind in ("channel", "block")},
     **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")},
-    **{(4096, 12288, rows, kind): _A8_DOWN for rows in (1, 4, 16) for kind in ("channel", "block")},
+    **{(4096, 12288, rows, kind): _A8_DOWN for rows in (4, 16) for kind in ("channel", "block")},
     **{(n, k, 32, kind): _A8_32 for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))
        for kind in ("channel", "block")},
     (24576, 4096, 32, "channel"): dict(_A8_32, SPLIT_K=1),
