@@ -104,7 +104,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
 
     if GATED:
         y_ptrs = y_ptr + offs_m[None, :] * stride_y + cols[:, None]
-        tl.store(y_ptrs, silu_mul_halves(acc).to(y_ptrs.dtype.element_ty), mask=(cols < N // 2)[:, None] & m_mask[None, :])
+        y_mask = (cols < N // 2)[:, None] & m_mask[None, :]
+        tl.store(y_ptrs, silu_mul_halves(acc).to(y_ptrs.dtype.element_ty), mask=y_mask)
     else:
         y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
         store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,

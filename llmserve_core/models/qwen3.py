@@ -91,7 +91,8 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """x may be QuantizedRows (Qwen3DecoderLayer)."""
         rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
-        if self.fused and self.gate_up_proj.folds_silu_mul(rows) and _input_quant(self.down_proj, rows, x.dtype) is None:
+        folds = self.fused and self.gate_up_proj.folds_silu_mul(rows)
+        if folds and _input_quant(self.down_proj, rows, x.dtype) is None:
             # A decode's GEMV ends in the SiLU-and-mul (kernels/silu_mul.gated_rows): one launch and one
             # link of the PDL chain fewer, where down_proj takes its rows as they are.
             out = self.down_proj(self.gate_up_proj(x, silu_mul=True))
