@@ -29,9 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # (label, N, K, kind): kind names the call for one row with per-channel scales. The engine's: the stream
-# kernel (qkv and o_proj on whole rows, down), a8x (gate_up); qkv_a8x and down_a8 are the tiles qkv and down
-# ran before, which their 2-16 rows still run (the tables' 4-row class holds the old one-row tiles).
+# kernel (qkv, o_proj and gate_up on whole rows, gate_up ending in the SiLU-and-mul; down); qkv_a8x,
+# gate_up_a8x and down_a8 are the tiles those ran before, which their 2-16 rows still run (the tables' 4-row
+# class holds the old one-row tiles).
 CASES = (("qkv_stream_fp8", 6144, 4096, "stream"), ("qkv_a8x", 6144, 4096, "a8x"),
+         ("gate_up_stream_silu_fp8", 24576, 4096, "stream_silu"),
          ("gate_up_a8x", 24576, 4096, "a8x"), ("down_stream_fp8", 4096, 12288, "stream"),
          ("down_a8", 4096, 12288, "a8"),
          ("down_a8x_same_tile", 4096, 12288, "a8x_down"), ("o_stream_fp8", 4096, 4096, "stream"),
@@ -71,8 +73,8 @@ def launch_all() -> None:
         else:
             q, s = quantize_per_channel(w)
             xq, xs = quantize_activation(x, X_AHEAD_GROUP)
-            if kind == "stream":
-                fn = lambda: stream_gemv(x, q, s, pdl=True)      # noqa: E731
+            if kind.startswith("stream"):
+                fn = lambda silu=kind == "stream_silu": stream_gemv(x, q, s, pdl=True, silu_mul=silu)   # noqa: E731
             elif kind == "a8":
                 cfg = dict(DEFAULT_CONFIGS[(n, k, 4, "channel")])
                 fn = lambda: fp8_gemv(x, q, s, config=cfg, pdl=True)   # noqa: E731

@@ -1,11 +1,11 @@
 """One-row FP8 "a8" GEMVs whose weight tiles come by TMA (a tensor descriptor: one copy-engine request a
 tile into shared memory, no per-thread addresses or registers on the way), against the table's kernels,
 timed under PDL as the decode chain runs them (per-channel scales, CUDA graphs over weight copies larger
-than L2). gate_up reads x quantized ahead, as the engine hands it, and so do qkv's candidates (the engine
-streams one row of qkv, o_proj and down through the stream kernel, their "current"; a qkv winner would be
-patched in as its x-ahead tile); down's candidates quantize x in the kernel. Every candidate compiles for
-sm_90 (benchmarks/sm90_compile.py's compiler, checked without a GPU). A TMA tile that beats the engine's
-kernel for its shape by 3% is patched into kernels/fp8_gemv.py's
+than L2). gate_up's and qkv's candidates read x quantized ahead, as the engine hands their 2-16 rows (the
+engine streams one row of every projection through the stream kernel, their "current", gate_up's ending in
+the SiLU-and-mul there; a winner would be patched in as the x-ahead tile); down's candidates quantize x in
+the kernel. Every candidate compiles for sm_90 (benchmarks/sm90_compile.py's compiler, checked without a
+GPU). A TMA tile that beats the engine's kernel for its shape by 3% is patched into kernels/fp8_gemv.py's
 tables, and the FP8 batch-1 decode step then runs with the tables as committed and as patched, alternating,
 twice each, in the same process: the step is the verdict, not the kernel alone. Needs a Hopper GPU.
 

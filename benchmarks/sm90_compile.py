@@ -201,12 +201,17 @@ def fp8_variants():
                     out.append((f"fp8 {name} a8 rows {rows} {kind}",
                                 lambda x=x, w=w, s=scale, b=block, c=plain: fp8_gemv(x, w, s, b, config=dict(c),
                                                                                      pdl=True), None))
-    # a decode's gate_up (1-16 rows, x quantized ahead) ends in the SiLU-and-mul
+    # a decode's gate_up ends in the SiLU-and-mul: one row on the stream kernel's whole rows, 2-16 rows on the
+    # a8 tile over x quantized ahead
     w = torch.empty(24576, 4096, dtype=torch.float8_e4m3fn)
-    xq, xs = torch.empty(1, 4096, dtype=torch.float8_e4m3fn), torch.empty(1, 4096 // X_AHEAD_GROUP, dtype=torch.float32)
+    x = torch.empty(1, 4096, dtype=torch.bfloat16)
+    xq, xs = torch.empty(4, 4096, dtype=torch.float8_e4m3fn), torch.empty(4, 4096 // X_AHEAD_GROUP, dtype=torch.float32)
     for block, scale in ((None, torch.empty(24576)), ((128, 128), torch.empty(192, 32))):
-        out.append((f"fp8 gate_up a8x silu_mul {'channel' if block is None else 'block'}",
-                    lambda b=block, s=scale, c=x_ahead_config(1, 24576, 4096, block, SMS, True): fp8_gemv(
+        kind = "channel" if block is None else "block"
+        out.append((f"fp8 gate_up stream silu_mul {kind}",
+                    lambda b=block, s=scale: stream_gemv(x, w, s, b, pdl=True, silu_mul=True), None))
+        out.append((f"fp8 gate_up a8x silu_mul {kind}",
+                    lambda b=block, s=scale, c=x_ahead_config(4, 24576, 4096, block, SMS, True): fp8_gemv(
                         xq, w, s, b, config=dict(c), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
                         out_dtype=torch.bfloat16, silu_mul=True), None))
     return out

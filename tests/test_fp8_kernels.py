@@ -408,8 +408,8 @@ def test_fp8_gemv_ends_in_the_silu_mul(m, n, k, block, x_group, kernel):
 @torch.no_grad()
 def test_fp8_linear_folds_the_silu_mul_where_its_tile_keeps_k_whole(block, monkeypatch):
     """A packed [gate | up] Fp8Linear says it can end its rows in the SiLU-and-mul where the tile those rows
-    take (x quantized ahead where input_quant asks for it, else the GEMV's) does not split K, and the stream
-    kernel's only with row scales; handed its rows as input_quant asks, it computes the unfolded layer's
+    take (x quantized ahead where input_quant asks for it, else the GEMV's, the stream kernel's whole rows at
+    one row) does not split K; handed its rows as input_quant asks, it computes the unfolded layer's
     products' SiLU-and-mul. Elsewhere it says it cannot, and refuses."""
     from llmserve_core.kernels.silu_mul import silu_mul_reference
     from llmserve_core.layers.fp8_linear import QuantizedRows
@@ -424,7 +424,7 @@ def test_fp8_linear_folds_the_silu_mul_where_its_tile_keeps_k_whole(block, monke
     assert not layer.folds_silu_mul(1)                  # off the fast path
     layer.fused, layer.fast_kernel = True, "stream"
     folds = {rows: layer.folds_silu_mul(rows) for rows in (1, 3, 10, 20, 65)}
-    assert folds == {1: block is None, 3: False, 10: True, 20: True, 65: False}
+    assert folds == {1: True, 3: False, 10: True, 20: True, 65: False}
     for rows, folded in folds.items():
         x = torch.randn(rows, k, generator=gen).to(DEVICE)
         quant = layer.input_quant(rows, torch.float32)

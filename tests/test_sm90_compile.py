@@ -65,7 +65,7 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
         assert 0 <= tma["shared_bytes"] - plain["shared_bytes"] <= 64
     assert all(r["stack_bytes"] == 0 for (variant, _), r in rows.items() if variant.startswith("fp8 ")), \
         [r for (variant, _), r in rows.items() if variant.startswith("fp8 ") and r["stack_bytes"]]
-    for name in ("qkv", "o"):     # one row of these reads whole rows in the stream kernel
+    for name in ("qkv", "o", "gate_up"):     # one row of these reads whole rows in the stream kernel
         assert rows[(f"fp8 {name} stream", "_stream_gemv_kernel")]["tile"]["DEPTH"] == 0
     # the 17-64-row tiles: x quantized ahead for qkv, gate_up and down; o_proj's 17-32 rows quantize in the kernel
     for kind in ("channel", "block"):
@@ -84,6 +84,8 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
                             ("stream gemv gate_up, silu_mul, pdl", "_stream_gemv_kernel"),
                             ("fp8 gate_up a8x silu_mul channel", "_fp8_gemv_kernel"),
                             ("fp8 gate_up a8x silu_mul block", "_fp8_gemv_kernel"),
+                            ("fp8 gate_up stream silu_mul channel", "_stream_gemv_kernel"),
+                            ("fp8 gate_up stream silu_mul block", "_stream_gemv_kernel"),
                             ("silu_mul, fp8 out, pdl", "_silu_mul_kernel"),
                             ("rmsnorm + residual, fp8 out per token", "_rmsnorm_kernel"),
                             ("silu_mul, fp8 out per token", "_silu_mul_row_scale_kernel"),

@@ -90,29 +90,35 @@ def test_stream_gemv_fp8_weight_with_block_scales(n, k):
         stream_gemv(x, q, scale, (4, 128), config=SMALL_TILE)
 
 
-@pytest.mark.parametrize("weight", ["16-bit", "fp8 rows", "fp8 whole rows"])
-@pytest.mark.parametrize("n", [80, 44])
+@pytest.mark.parametrize("weight", ["16-bit", "fp8 rows", "fp8 whole rows", "fp8 whole rows, blocks"])
+@pytest.mark.parametrize("n", [80, 48])
 def test_stream_gemv_ends_in_the_silu_mul(weight, n):
-    """silu_mul: over a packed [gate | up] weight (44 = 2 x 22: the last program's columns cut short), the
-    SiLU-and-mul of the products, against the reference's products in float64 (the kernel rounds once, the
-    unfolded chain twice); block scales, whose gate and up rows lie in different blocks, are refused."""
+    """silu_mul: over a packed [gate | up] weight (48 = 2 x 24: the last program's columns cut short, the up
+    rows starting mid scale block), the SiLU-and-mul of the products, against the reference's products in
+    float64 (the kernel rounds once, the unfolded chain twice). Block scales take whole rows only (x then
+    meets the gate rows' scales and the up rows' scales apart); a streamed tile over them is refused."""
     from llmserve_core.kernels.fp8_format import quantize_per_block
     from llmserve_core.kernels.silu_mul import silu_mul_reference
     k = 256
     x, w = inputs(n, k, torch.bfloat16, seed=n + 5)
-    scale = None
+    scale, block = None, None
     config = dict(SMALL_TILE, DEPTH=2)
-    if weight != "16-bit":
-        scale = w.float().abs().amax(1) / 448.0
-        w = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
-        config = dict(SMALL_TILE, BLOCK_K=k, DEPTH=0) if weight == "fp8 whole rows" else SMALL_TILE
-    y = stream_gemv(x, w, scale, config=config, silu_mul=True)
+    if weight.startswith("fp8"):
+        if weight.endswith("blocks"):
+            block = (16, 64)
+            w, scale = quantize_per_block(w, block)
+        else:
+            scale = w.float().abs().amax(1) / 448.0
+            w = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+        config = dict(SMALL_TILE, BLOCK_K=k, DEPTH=0) if "whole" in weight else SMALL_TILE
+    y = stream_gemv(x, w, scale, block, config=config, silu_mul=True)
     assert y.shape == (1, n // 2) and y.dtype == torch.bfloat16
-    assert rel_err(y, silu_mul_reference(stream_gemv_reference(x.double(), w.double() if scale is None else w,
-                                                                scale, out_dtype=torch.float64))) < TOL[torch.bfloat16]
-    q, block_scale = quantize_per_block(inputs(n, k, torch.bfloat16, seed=1)[1], (8, 64))
-    with pytest.raises(AssertionError, match="silu_mul"):
-        stream_gemv(x, q, block_scale, (8, 64), config=SMALL_TILE, silu_mul=True)
+    products = stream_gemv_reference(x.double(), w.double() if scale is None else w, scale, block,
+                                     out_dtype=torch.float64)
+    assert rel_err(y, silu_mul_reference(products)) < TOL[torch.bfloat16]
+    if block is not None:
+        with pytest.raises(AssertionError, match="silu_mul"):
+            stream_gemv(x, w, scale, block, config=SMALL_TILE, silu_mul=True)
 
 
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
@@ -235,15 +241,19 @@ def test_stream_gemv_qwen3_8b_shapes_under_pdl_in_a_graph(dtype):
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs PDL (Hopper or later)")
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_stream_gemv_fp8_qwen3_8b_shapes_under_pdl_in_a_graph(block):
+    """Each projection, and gate_up ending in the SiLU-and-mul, under PDL in a graph: equal to plain launches."""
     from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel
-    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
+    from llmserve_core.kernels.silu_mul import silu_mul_reference
+    for n, k, silu_mul in [(6144, 4096, False), (4096, 4096, False), (24576, 4096, False), (24576, 4096, True),
+                           (4096, 12288, False)]:
         x, w = inputs(n, k, torch.bfloat16, seed=n + k)
         q, scale = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
-        plain = stream_gemv(x, q, scale, block)
+        plain = stream_gemv(x, q, scale, block, silu_mul=silu_mul)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = stream_gemv(x, q, scale, block, pdl=True)
+            captured = stream_gemv(x, q, scale, block, pdl=True, silu_mul=silu_mul)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, plain)
-        assert rel_err(plain, stream_gemv_reference(x, q, scale, block)) < TOL[torch.bfloat16]
+        want = stream_gemv_reference(x, q, scale, block, out_dtype=torch.float32)
+        assert rel_err(plain, silu_mul_reference(want) if silu_mul else want) < TOL[torch.bfloat16]

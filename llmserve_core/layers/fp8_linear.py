@@ -160,15 +160,16 @@ class Fp8Linear(nn.Module):
 
     def folds_silu_mul(self, rows: int) -> bool:
         """Whether forward can end `rows` rows of this packed [gate | up] weight, handed as input_quant asks,
-        in the SiLU-and-mul: where they meet a GEMV tile that does not split K (the stream kernel with row
-        scales: a program's gate and up rows lie in different scale blocks)."""
+        in the SiLU-and-mul: where they meet a GEMV tile that does not split K (the stream kernel's, where
+        stream_gemv.silu_mul_fits: with block scales, on whole rows only)."""
         if not self.fused or not 0 < rows <= TABLE_GEMV_MAX_ROWS or self.out_features % 2:
             return False
         tile = self._x_ahead_tile(rows) or self._gemv_tile(rows)     # the tile forward takes, or the GEMM
         if tile is None:
             return False
         if tile["KERNEL"] == "stream":
-            return self.block is None
+            from llmserve_core.kernels.stream_gemv import silu_mul_fits, weight_tile
+            return silu_mul_fits(self.out_features, weight_tile(self.weight), self.block)
         return tile["KERNEL"] in ("a8", "dot") and tile["SPLIT_K"] == 1 and tile["BLOCK_N"] % 2 == 0 \
             and not tile.get("TMA", False)
 
