@@ -95,8 +95,8 @@ def test_stream_gemv_fp8_weight_with_block_scales(n, k):
 def test_stream_gemv_ends_in_the_silu_mul(weight, n):
     """silu_mul: over a packed [gate | up] weight (48 = 2 x 24: the last program's columns cut short, the up
     rows starting mid scale block), the SiLU-and-mul of the products, against the reference's products in
-    float64 (the kernel rounds once, the unfolded chain twice). Block scales take whole rows only (x then
-    meets the gate rows' scales and the up rows' scales apart); a streamed tile over them is refused."""
+    float64 (the kernel rounds once, the unfolded chain twice). Block scales take whole rows only (each row
+    weighs its sums per scale block by its own block row); a streamed tile over them is refused."""
     from llmserve_core.kernels.fp8_format import quantize_per_block
     from llmserve_core.kernels.silu_mul import silu_mul_reference
     k = 256

@@ -175,9 +175,10 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 # tiles. Since gate_up's GEMV ends in the SiLU-and-mul (models/qwen3.py; benchmarks/results/fp8_fold_silu_h100.md,
 # whole batch-1 FP8 steps on an H100), down follows gate_up directly, and down's one row streams: the stream
 # kernel's first tile, read before the wait, overlaps gate_up's last wave where the a8 kernel waits first
-# (3.559 / 3.577 -> 3.536 / 3.544 ms per channel, 3.563 -> 3.530 with blocks). gate_up's per-channel row then
-# streams too, on whole rows, ending in the SiLU-and-mul there: 3.545 / 3.550 / 3.541 -> 3.474 / 3.471 / 3.473
-# ms (before the fold, whole rows read faster alone but left the step 0.2-0.4% slower).
+# (3.559 / 3.577 -> 3.536 / 3.544 ms per channel, 3.563 -> 3.530 with blocks). gate_up's row then streams
+# too, on whole rows, ending in the SiLU-and-mul there: per channel 3.545 / 3.550 / 3.541 -> 3.474 / 3.471 /
+# 3.473 ms, and in another call 3.541 -> 3.468; with blocks 3.532 / 3.536 -> 3.426 / 3.433 (before the fold,
+# whole rows read faster alone but left the step 0.2-0.4% slower).
 _A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
 _A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
 _A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
@@ -195,12 +196,10 @@ _A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, nu
 _A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
 DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
-    **{(n, k, 1, kind): dict(KERNEL="stream") for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))
-       for kind in ("channel", "block")},
-    (24576, 4096, 1, "channel"): dict(KERNEL="stream"),
+    **{(n, k, 1, kind): dict(KERNEL="stream")
+       for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)) for kind in ("channel", "block")},
     **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
-    **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (1, 4, 16) for kind in ("channel", "block")
-       if (rows, kind) != (1, "channel")},
+    **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (4, 16) for kind in ("channel", "block")},
     **{(4096, 12288, rows, kind): _A8_DOWN for rows in (4, 16) for kind in ("channel", "block")},
     **{(n, k, 32, kind): _A8_32 for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))
        for kind in ("channel", "block")},
@@ -213,8 +212,7 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
 # TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
 # / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
 # o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
-# One row of qkv, and gate_up's per-channel row, now stream through kernels/stream_gemv.py instead
-# (DEFAULT_CONFIGS' note).
+# One row of qkv and of gate_up now streams through kernels/stream_gemv.py instead (DEFAULT_CONFIGS' note).
 # 2-16 rows take these tiles (16-row x tiles either way): on the H100 qkv 13.1 / 13.4 us against the
 # in-kernel tile's 13.6 / 14.0 at 4 / 16 rows, gate_up 35.8 / 37.0 against 37.7 / 38.9; whole FP8 steps at
 # batch 4 / 8 / 16 0.8% / 0.7% / 0% faster (benchmarks/results/fp8_rows17_64_h100.md).
@@ -229,8 +227,7 @@ _A8X = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)    
 X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
     **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
     **{(24576, 4096, rows, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
-                                       num_stages=4) for rows in (1, 4, 16) for kind in ("channel", "block")
-                                       if (rows, kind) != (1, "channel")},
+                                       num_stages=4) for rows in (4, 16) for kind in ("channel", "block")},
     **{(n, k, rows, kind): dict(_A8X, BLOCK_M=rows, SPLIT_K=split)
        for (n, k), split in (((6144, 4096), 2), ((24576, 4096), 1), ((4096, 12288), 4))
        for rows in (32, 64) for kind in ("channel", "block")},

@@ -59,15 +59,16 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & (BLOCK_K < K), other=0.0)
     pdl_wait_and_release(PDL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
-    # column's scale folds into x. A GATED program's gate rows and up rows share one row each.
+    # column's scale folds into x. A GATED program's gate rows and up rows lie in two block rows: each row
+    # sums its products per scale block, then weighs those sums by its own block row (whole rows only).
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     if DEPTH == 0 and GATED and BLOCK_SCALED:
         xk = tl.load(x_ptr + rk).to(tl.float32)
-        gate_s = tl.load(scale_ptr + (pid * (BLOCK_N // 2) // SCALE_N) * stride_sn + rk // SCALE_K)
-        up_s = tl.load(scale_ptr + ((N // 2 + pid * (BLOCK_N // 2)) // SCALE_N) * stride_sn + rk // SCALE_K)
-        xs = tl.permute(tl.join(xk * gate_s, xk * up_s), (1, 0))                     # [2, K]: gate's x, up's x
-        w3 = tl.reshape(w, (2, BLOCK_N // 2, BLOCK_K)).to(tl.float32)               # [gate rows, up rows]
-        y = tl.reshape(tl.sum(w3 * xs[:, None, :], 2), (BLOCK_N,))
+        per_block = tl.sum(tl.reshape(w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K)), 2)
+        kb = tl.arange(0, BLOCK_K // SCALE_K)
+        s = tl.load(scale_ptr + (offs_n // SCALE_N)[:, None] * stride_sn + kb[None, :], mask=n_mask[:, None],
+                    other=0.0)
+        y = tl.sum(per_block * s, 1)
     elif DEPTH == 0:
         xk = tl.load(x_ptr + rk).to(tl.float32)
         if BLOCK_SCALED:
@@ -137,10 +138,9 @@ def weight_tile(weight: torch.Tensor) -> dict | None:
 
 def silu_mul_fits(n: int, cfg: dict, block: tuple[int, int] | None) -> bool:
     """Whether the tile cfg can end a packed [gate | up] weight of n rows in the SiLU-and-mul: an even N and
-    BLOCK_N; over block scales, whole rows (DEPTH 0) whose gate and up halves each sit in one block row."""
-    half = cfg["BLOCK_N"] // 2
+    BLOCK_N; over block scales, whole rows (DEPTH 0) that a whole number of scale blocks spans."""
     return n % 2 == 0 and cfg["BLOCK_N"] % 2 == 0 and (
-        block is None or (cfg.get("DEPTH") == 0 and block[0] % half == 0 and n // 2 % half == 0))
+        block is None or (cfg.get("DEPTH") == 0 and cfg["BLOCK_K"] % block[1] == 0))
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -150,7 +150,7 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)]).
     silu_mul: the weight is a packed [gate | up] and the result [1, N / 2] is SiLU(x @ gate^T) * (x @ up^T),
     taken in float32 before the one rounding (with block scales, on whole rows only: a program's gate rows
-    and up rows lie in two scale blocks, and x takes each one's scales)."""
+    and up rows lie in two block rows, and each row weighs its per-block sums by its own)."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
@@ -167,7 +167,7 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     elif scale is not None:
         assert scale.shape == (n,), f"stream_gemv: row scales must be [{n}], got {tuple(scale.shape)}"
     assert not silu_mul or silu_mul_fits(n, cfg, block), \
-        "stream_gemv: silu_mul needs an even N and BLOCK_N, and over block scales whole rows whose gate and up halves each sit in one block row"
+        "stream_gemv: silu_mul needs an even N and BLOCK_N, and over block scales whole rows of whole blocks"
     y = torch.empty(1, n // 2 if silu_mul else n, dtype=out_dtype or x.dtype, device=x.device)
     programs = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if silu_mul else triton.cdiv(n, cfg["BLOCK_N"])
     _stream_gemv_kernel[(programs,)](
