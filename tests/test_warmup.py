@@ -134,15 +134,18 @@ def test_jit_counter_chains_the_hook_it_finds(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_nothing_compiles_after_start_up(make_random_qwen3_dir):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_nothing_compiles_after_start_up(fp8, make_random_qwen3_dir):
     """A varied workload (lengths, batch sizes, sampler paths, chunked prompts) after the warm-up adds no
-    Triton or FA4 kernel. max_num_seqs is 32, so 16 sampled rows (the lm_head writing logits for a 16-row
-    tile) are not also the largest batch the warm-up runs; one lone request samples."""
+    Triton or FA4 kernel, with bf16 weights and cache or FP8 ones (the FP8 GEMVs, gate_up's ending in the
+    SiLU-and-mul among them). max_num_seqs is 32, so 16 sampled rows (the lm_head writing logits for a
+    16-row tile) are not also the largest batch the warm-up runs; one lone request samples."""
     model = make_random_qwen3_dir(seed=3, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                                   tie_word_embeddings=False)
     engine = Engine(EngineConfig(model=model, device="cuda", max_num_seqs=32, max_num_batched_tokens=256,
-                                 max_model_len=1024, num_kv_blocks=512))
+                                 max_model_len=1024, num_kv_blocks=512, quantization="fp8" if fp8 else None,
+                                 kv_cache_dtype="fp8_e4m3" if fp8 else "auto"))
     before = engine.stats()["jit_compilations"]
     g = torch.Generator().manual_seed(0)
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
