@@ -90,21 +90,20 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """x may be QuantizedRows (Qwen3DecoderLayer)."""
+        out = self._fused(x) if self.fused else self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _fused(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
-        folds = self.fused and self.gate_up_proj.folds_silu_mul(rows)
-        if folds and _input_quant(self.down_proj, rows, x.dtype) is None:
+        quant = _input_quant(self.down_proj, rows, x.dtype)       # x.dtype: the model's, as QuantizedRows keep it
+        if quant is None and self.gate_up_proj.folds_silu_mul(rows):
             # A decode's GEMV ends in the SiLU-and-mul (kernels/silu_mul.gated_rows): one launch and one
             # link of the PDL chain fewer, where down_proj takes its rows as they are.
-            out = self.down_proj(self.gate_up_proj(x, silu_mul=True))
-        elif self.fused:
-            from llmserve_core.kernels.silu_mul import silu_mul
-            gate_up = self.gate_up_proj(x)
-            quant = _input_quant(self.down_proj, rows, gate_up.dtype)
-            act = silu_mul(gate_up, pdl=self.pdl, quant=quant)
-            out = self.down_proj(act if quant is None else QuantizedRows(*act, quant, rows, gate_up.dtype))
-        else:
-            out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        return out if self.tp is None else self.tp.all_reduce(out)
+            return self.down_proj(self.gate_up_proj(x, silu_mul=True))
+        from llmserve_core.kernels.silu_mul import silu_mul
+        gate_up = self.gate_up_proj(x)
+        act = silu_mul(gate_up, pdl=self.pdl, quant=quant)
+        return self.down_proj(act if quant is None else QuantizedRows(*act, quant, rows, gate_up.dtype))
 
 
 class Qwen3DecoderLayer(nn.Module):
