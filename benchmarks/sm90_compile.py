@@ -206,19 +206,10 @@ def fp8_variants():
     w = torch.empty(24576, 4096, dtype=torch.float8_e4m3fn)
     x = torch.empty(1, 4096, dtype=torch.bfloat16)
     xq, xs = torch.empty(4, 4096, dtype=torch.float8_e4m3fn), torch.empty(4, 4096 // X_AHEAD_GROUP, dtype=torch.float32)
-    # ... and a decode's qkv and gate_up norm their row in the stream kernel's prologue
-    from llmserve_core.kernels.rmsnorm import RowNorm
-    norm = RowNorm(torch.empty(4096, dtype=torch.bfloat16), 1e-6, torch.empty_like(x), torch.empty_like(x))
-    w_qkv = torch.empty(6144, 4096, dtype=torch.float8_e4m3fn)
     for block, scale in ((None, torch.empty(24576)), ((128, 128), torch.empty(192, 32))):
         kind = "channel" if block is None else "block"
         out.append((f"fp8 gate_up stream silu_mul {kind}",
                     lambda b=block, s=scale: stream_gemv(x, w, s, b, pdl=True, silu_mul=True), None))
-        out.append((f"fp8 gate_up stream silu_mul {kind}, norm + residual",
-                    lambda b=block, s=scale: stream_gemv(x, w, s, b, pdl=True, silu_mul=True, norm=norm), None))
-        out.append((f"fp8 qkv stream {kind}, norm + residual",
-                    lambda b=block, s=scale[:6144 if block is None else 48]: stream_gemv(x, w_qkv, s, b, pdl=True,
-                                                                                          norm=norm), None))
         out.append((f"fp8 gate_up a8x silu_mul {kind}",
                     lambda b=block, s=scale, c=x_ahead_config(4, 24576, 4096, block, SMS, True): fp8_gemv(
                         xq, w, s, b, config=dict(c), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
@@ -237,7 +228,7 @@ def chain_variants():
     from llmserve_core.kernels.gemv import gemv, gemv_argmax
     from llmserve_core.kernels.paged_decode import paged_decode
     from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
-    from llmserve_core.kernels.rmsnorm import RowNorm, rmsnorm
+    from llmserve_core.kernels.rmsnorm import rmsnorm
     from llmserve_core.kernels.sampling import race_argmax
     from llmserve_core.kernels.silu_mul import silu_mul
     from llmserve_core.kernels.stream_gemv import stream_gemv
@@ -274,12 +265,8 @@ def chain_variants():
                                  tree_mask=tree), None))
     w_qkv = torch.empty(6144, 4096, dtype=bf16)
     w_gate_up = torch.empty(24576, 4096, dtype=bf16)
-    norm = RowNorm(w_norm, 1e-6, h, torch.empty_like(h))
     out += [("stream gemv qkv, pdl", lambda: stream_gemv(h, w_qkv, pdl=True), None),
             ("stream gemv gate_up, silu_mul, pdl", lambda: stream_gemv(h, w_gate_up, pdl=True, silu_mul=True), None),
-            ("stream gemv qkv, norm + residual, pdl", lambda: stream_gemv(h, w_qkv, pdl=True, norm=norm), None),
-            ("stream gemv gate_up, silu_mul, norm + residual, pdl",
-             lambda: stream_gemv(h, w_gate_up, pdl=True, silu_mul=True, norm=norm), None),
             ("gemv qkv 4 rows, pdl", lambda: gemv(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("gemv_argmax 4 rows, pdl", lambda: gemv_argmax(torch.empty(4, 4096, dtype=bf16), w_qkv, pdl=True), None),
             ("silu_mul, pdl", lambda: silu_mul(torch.empty(1, 24576, dtype=bf16), pdl=True), None),

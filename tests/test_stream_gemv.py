@@ -121,46 +121,6 @@ def test_stream_gemv_ends_in_the_silu_mul(weight, n):
             stream_gemv(x, w, scale, block, config=SMALL_TILE, silu_mul=True)
 
 
-@pytest.mark.parametrize("weight", ["16-bit", "fp8 rows", "fp8 whole rows", "fp8 whole rows, blocks, silu_mul"])
-@pytest.mark.parametrize("residual", [True, False])
-def test_stream_gemv_norms_the_row_in_its_prologue(weight, residual):
-    """norm: the GEMV handed the row before its RMSNorm multiplies the normed row (streamed tiles over a K
-    of 192: the norm's row masked to its power of two) and writes the stream; in the interpreter bit for
-    bit the norm's kernel then the GEMV, on the GPU within the rounding of the norm's sum taken in another
-    order."""
-    from llmserve_core.kernels.fp8_format import quantize_per_block
-    from llmserve_core.kernels.rmsnorm import RowNorm, rmsnorm, rmsnorm_reference
-    n, k = 48, 256 if "whole" in weight else 192
-    x, w = inputs(n, k, torch.bfloat16, seed=7)
-    res = inputs(n, k, torch.bfloat16, seed=8)[0] if residual else None
-    gain = (1 + torch.randn(k, generator=torch.Generator().manual_seed(9)) / 4).to(torch.bfloat16).to(DEVICE)
-    scale, block, silu_mul, config = None, None, False, dict(SMALL_TILE, DEPTH=2)
-    if weight.startswith("fp8"):
-        if "blocks" in weight:
-            block, silu_mul = (16, 64), True
-            w, scale = quantize_per_block(w, block)
-        else:
-            scale = w.float().abs().amax(1) / 448.0
-            w = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
-        config = dict(SMALL_TILE, BLOCK_K=k, DEPTH=0) if "whole" in weight else SMALL_TILE
-    stream = torch.full_like(x, float("nan")) if residual else None
-    y = stream_gemv(x, w, scale, block, config=config, silu_mul=silu_mul, norm=RowNorm(gain, 1e-6, res, stream))
-    normed = rmsnorm(x, gain, 1e-6, res)
-    if residual:
-        normed, want_stream = normed
-        assert torch.equal(stream, want_stream)
-    unfused = stream_gemv(normed, w, scale, block, config=config, silu_mul=silu_mul)
-    assert torch.equal(y, unfused) if not CUDA else rel_err(y, unfused) < TOL[torch.bfloat16]
-    ref = rmsnorm_reference(x, gain, 1e-6, res)
-    ref = ref[0] if residual else ref
-    if not silu_mul:
-        assert rel_err(y, stream_gemv_reference(ref, w, scale, block)) < TOL[torch.bfloat16]
-    with pytest.raises(AssertionError, match="norm's weight"):
-        stream_gemv(x, w, scale, block, config=config, norm=RowNorm(gain[:64], 1e-6))
-    with pytest.raises(AssertionError, match="stream_out"):
-        stream_gemv(x, w, scale, block, config=config, norm=RowNorm(gain, 1e-6, x))
-
-
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, DEPTH=2)
     for n, k in ((6144, 4096), (24576, 4096), (4096, 12288)):     # 16-bit weights: one tile for every shape
@@ -217,29 +177,6 @@ def test_linear_folds_the_silu_mul_into_one_streamed_row_only():
     assert not awkward.folds_silu_mul(1)
 
 
-@torch.no_grad()
-def test_linear_takes_one_streamed_row_before_its_norm():
-    """A Linear on the stream chain takes one row as a PendingNorm (RMSNorm.defer): the normed row's
-    product, and the stream where the norm writes it; two rows and the eager path say they cannot."""
-    from llmserve_core.layers.norm import RMSNorm
-    torch.manual_seed(2)
-    lin = Linear(128, 48).to(DEVICE)
-    lin.weight.normal_(0, 128 ** -0.5)
-    norm = RMSNorm(128, 1e-6).to(DEVICE)
-    norm.weight.normal_(1, 0.2)
-    x, res = torch.randn(2, 1, 128, device=DEVICE)
-    assert not lin.folds_norm(1)
-    lin.fast_kernel = "stream"
-    assert lin.folds_norm(1) and not lin.folds_norm(2)
-    want, want_stream = norm(x, res)
-    pending, stream = norm.defer(x, res)
-    assert pending.rows == 1 and pending.dtype == x.dtype
-    assert rel_err(lin(pending), lin(want)) < 1e-5 and torch.equal(stream, want_stream)
-    assert rel_err(lin(norm.defer(x)[0], silu_mul=True), lin(norm(x), silu_mul=True)) < 1e-5
-    with pytest.raises(AssertionError, match="pending norm"):
-        lin(norm.defer(torch.cat([x, res]))[0])
-
-
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @torch.no_grad()
 def test_fp8_linear_takes_the_kernel_its_table_names(block, monkeypatch):
@@ -265,18 +202,12 @@ def test_fp8_linear_takes_the_kernel_its_table_names(block, monkeypatch):
     want = lin(x)           # off the fast path: the dequantized reference
     lin.fused, lin.fast_kernel = True, "stream"
     assert rel_err(lin(x[:1]), want[:1]) < 1e-5 and calls == [1]
-    # the streamed row may come before its norm (norm weight 1, no residual: the norm of x[:1])
-    from llmserve_core.layers.norm import RMSNorm
-    norm = RMSNorm(256).to(DEVICE)
-    assert lin.folds_norm(1) and not lin.folds_norm(4)
-    assert rel_err(lin(norm.defer(x[:1])[0]), lin(norm(x[:1]))) < 1e-5 and calls == [1] * 3
     got = lin(x)                                        # 2-4 rows: the W8A8 kernel, x quantized per 64 columns
-    assert calls == [1] * 3 and rel_err(got, fp8_gemv_a8_reference(x, lin.weight, lin.weight_scale, block, 64)) < a8_tol
+    assert calls == [1] and rel_err(got, fp8_gemv_a8_reference(x, lin.weight, lin.weight_scale, block, 64)) < a8_tol
     assert rel_err(got, want) < 4e-2
     lin.fast_kernel = None                              # off the chain: no stream kernel, the rule's a8 tiles
-    assert not lin.folds_norm(1)
     assert rel_err(lin(x[:1]), fp8_gemv_a8_reference(x[:1], lin.weight, lin.weight_scale, block, 128)) < a8_tol
-    assert calls == [1] * 3
+    assert calls == [1]
 
 
 @pytest.mark.gpu
@@ -326,41 +257,3 @@ def test_stream_gemv_fp8_qwen3_8b_shapes_under_pdl_in_a_graph(block):
         assert torch.equal(captured, plain)
         want = stream_gemv_reference(x, q, scale, block, out_dtype=torch.float32)
         assert rel_err(plain, silu_mul_reference(want) if silu_mul else want) < TOL[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs PDL (Hopper or later)")
-@pytest.mark.parametrize("weight", ["bf16", "fp8 channel", "fp8 block"])
-def test_stream_gemv_norm_prologue_at_qwen3_8b_shapes_under_pdl_in_a_graph(weight):
-    """A decode layer's norm -> qkv and norm -> gate_up (ending in the SiLU-and-mul) with the norm in the
-    GEMV's prologue, the residual written by the kernel just before, under PDL in a graph: equal to plain
-    launches, and within rounding of the norm's kernel then the GEMV."""
-    from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel
-    from llmserve_core.kernels.rmsnorm import RowNorm, rmsnorm
-    delta, res = inputs(2, 4096, torch.bfloat16, seed=11)[1]
-    gain = inputs(1, 4096, torch.bfloat16, seed=12)[0][0] + 1
-    for n, silu_mul in [(6144, False), (24576, True)]:
-        w = inputs(n, 4096, torch.bfloat16, seed=n)[1]
-        scale, block = None, None
-        if weight != "bf16":
-            block = None if weight == "fp8 channel" else (128, 128)
-            w, scale = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
-
-        def layer(pdl):
-            res_now = res[None] * 1            # written by the kernel just before the GEMV
-            stream = torch.empty_like(res_now)
-            y = stream_gemv(delta[None], w, scale, block, pdl=pdl, silu_mul=silu_mul,
-                            norm=RowNorm(gain, 1e-6, res_now, stream))
-            return y, stream
-
-        plain = layer(False)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = layer(True)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured[0], plain[0]) and torch.equal(captured[1], plain[1])
-        normed, stream = rmsnorm(delta[None], gain, 1e-6, res[None])
-        assert torch.equal(plain[1], stream)
-        unfused = stream_gemv(normed, w, scale, block, silu_mul=silu_mul)
-        assert rel_err(plain[0], unfused) < TOL[torch.bfloat16]

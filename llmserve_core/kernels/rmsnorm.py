@@ -10,13 +10,8 @@ the norm reads: its GEMV then reads x quantized once, instead of each of its pro
 it reads (which held the one-row gate_up GEMV at 3.30 TB/s against 3.89 on the H200:
 benchmarks/results/fp8_h200.md), and its W8A8 GEMM (past 64 rows, and prefill) needs no quantization
 launch of its own.
-
-A batch-1 decode launches none of this: its stream GEMVs take the norm in their prologue (RowNorm,
-kernels/stream_gemv.py), with the same arithmetic from the helpers below.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -25,39 +20,6 @@ import triton.language as tl
 from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, RowQuant, empty_quantized
 from llmserve_core.kernels.fp8_quant import piece_width, quantize_pieces
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-
-
-class RowNorm(NamedTuple):
-    """An RMSNorm (after the residual add, where there is a residual) that a one-row GEMV takes in its
-    prologue instead of a launch of its own (kernels/stream_gemv.py): the GEMV is handed the un-normed row x
-    and multiplies weight * norm(x + residual), with rmsnorm's arithmetic; one of its programs writes the
-    stream x + residual to stream_out (with a residual; [1, K] each)."""
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    stream_out: torch.Tensor | None = None
-
-
-@triton.jit
-def residual_stream(x, r, HAS_RESIDUAL: tl.constexpr):
-    """x + residual rounded to x's dtype, as the eager add does (x itself without a residual)."""
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
-def inv_rms(x, n_cols, eps):
-    """1 / RMS of a row (its masked-off columns zeros), in float32."""
-    x32 = x.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
-
-
-@triton.jit
-def scale_row(x, rstd, w):
-    """Qwen3RMSNorm's roundings: x * rstd cast to x's dtype before the weight multiply, then cast again."""
-    y = (x.to(tl.float32) * rstd).to(x.dtype)
-    return (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
 
 
 # The row count and the scales' strides vary with the batch where the scales are M-major (stride_sg is the
@@ -79,9 +41,12 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, stri
     pdl_wait_and_release(PDL)
     x = tl.load(x_ptr + row * stride_x + c, mask=row_mask, other=0.0)
     if HAS_RESIDUAL:
-        x = residual_stream(x, r, True)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + c, x, mask=row_mask)
-    y = scale_row(x, inv_rms(x, n_cols, eps), w)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
+    y = (x32 * rstd).to(x_ptr.dtype.element_ty)
+    y = (y.to(tl.float32) * w.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if GROUP == 0:
         tl.store(out_ptr + row * stride_o + c, y, mask=mask)
     else:

@@ -18,10 +18,7 @@ each program keeps 8x the bytes in flight that a 512-column tile did. Weights ma
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
 checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x). Over the packed
 gate_up a program may take 4 gate rows and their 4 up rows and write SiLU(gate) * up (silu_mul=True), so the
-decode MLP launches no SiLU-and-mul between its two projections. And the RMSNorm before qkv and gate_up
-need not launch either (norm=RowNorm): handed the row before the norm, every program adds the residual,
-takes the row's RMS and normalizes it itself (a 4,096-column row is 8 KB, an L2 read beside each program's
-32 KB of weight), with rmsnorm's roundings, and program 0 writes the new residual stream.
+decode MLP launches no SiLU-and-mul between its two projections.
 """
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ import triton.language as tl
 from llmserve_core.kernels.fp8_format import dequantize_weight
 from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-from llmserve_core.kernels.rmsnorm import RowNorm, inv_rms, residual_stream, scale_row
 from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
@@ -41,53 +37,13 @@ WHOLE_ROW_K = 4096   # FP8 rows up to this long are read whole before the wait (
 
 
 @triton.jit
-def _input_chunk(x_ptr, r_ptr, g_ptr, offs, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Columns offs of a streamed tile's input in float32: x's, or with NORM the normed stream's, rounded as
-    kernels/rmsnorm.py rounds them (L1 / L2 hits: _stream_rstd read the row just before)."""
-    xk = tl.load(x_ptr + offs)
-    if NORM:
-        r = xk
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + offs)
-        xk = scale_row(residual_stream(xk, r, HAS_RESIDUAL), rstd, tl.load(g_ptr + offs))
-    return xk.to(tl.float32)
-
-
-@triton.jit
-def _whole_input(x_ptr, g_ptr, rk, h, rstd, NORM: tl.constexpr):
-    """A whole-row tile's input in float32: x, or with NORM the stream h (_stream_rstd's, all of K) normed."""
-    if NORM:
-        return scale_row(h, rstd, tl.load(g_ptr + rk)).to(tl.float32)
-    return tl.load(x_ptr + rk).to(tl.float32)
-
-
-@triton.jit
-def _stream_rstd(x_ptr, r_ptr, ro_ptr, pid, K, eps, NORM_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """(the stream x + residual over NORM_K columns, its 1 / RMS); program 0 also writes the stream (the
-    decoder's new residual)."""
-    c = tl.arange(0, NORM_K)
-    mask = c < K
-    x = tl.load(x_ptr + c, mask=mask, other=0.0)
-    r = x
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + c, mask=mask, other=0.0)
-    h = residual_stream(x, r, HAS_RESIDUAL)
-    if HAS_RESIDUAL:
-        tl.store(ro_ptr + c, h, mask=mask & (pid == 0))
-    return h, inv_rms(h, K, eps)
-
-
-@triton.jit
-def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, r_ptr, g_ptr, ro_ptr, eps, N, K, stride_sn,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr,
-                        BLOCK_SCALED: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
-                        DEPTH: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        NORM_K: tl.constexpr):
+def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
+                        GATED: tl.constexpr):
     """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2), or 0 where the one tile is
     all of K (BLOCK_K == K): a program's whole slice of W is read before the wait.
-    GATED: W is a packed [gate | up] (N = 2 d) and y [d] = SiLU(x @ gate^T) * (x @ up^T) (silu_mul.gated_rows).
-    NORM: x is the row before its RMSNorm (rmsnorm.RowNorm: the residual at r_ptr, the norm's weight at g_ptr,
-    the stream written to ro_ptr); every program norms the row itself (NORM_K: K's power of two)."""
+    GATED: W is a packed [gate | up] (N = 2 d) and y [d] = SiLU(x @ gate^T) * (x @ up^T) (silu_mul.gated_rows)."""
     pid = tl.program_id(0)
     if GATED:
         cols, offs_n, n_mask = gated_rows(pid, N, BLOCK_N)
@@ -102,22 +58,19 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, r_ptr, g_ptr, ro_ptr, ep
     if DEPTH == 2:
         w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & (BLOCK_K < K), other=0.0)
     pdl_wait_and_release(PDL)
-    h, rstd = 0.0, 1.0
-    if NORM:
-        h, rstd = _stream_rstd(x_ptr, r_ptr, ro_ptr, pid, K, eps, NORM_K, HAS_RESIDUAL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x. A GATED program's gate rows and up rows lie in two block rows: each row
     # sums its products per scale block, then weighs those sums by its own block row (whole rows only).
     s_row = scale_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     if DEPTH == 0 and GATED and BLOCK_SCALED:
-        xk = _whole_input(x_ptr, g_ptr, rk, h, rstd, NORM)
+        xk = tl.load(x_ptr + rk).to(tl.float32)
         per_block = tl.sum(tl.reshape(w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K)), 2)
         kb = tl.arange(0, BLOCK_K // SCALE_K)
         s = tl.load(scale_ptr + (offs_n // SCALE_N)[:, None] * stride_sn + kb[None, :], mask=n_mask[:, None],
                     other=0.0)
         y = tl.sum(per_block * s, 1)
     elif DEPTH == 0:
-        xk = _whole_input(x_ptr, g_ptr, rk, h, rstd, NORM)
+        xk = tl.load(x_ptr + rk).to(tl.float32)
         if BLOCK_SCALED:
             xk = xk * tl.load(s_row + rk // SCALE_K)
         y = tl.sum(w.to(tl.float32) * xk[None, :], 1)
@@ -126,7 +79,7 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, r_ptr, g_ptr, ro_ptr, ep
         for k0 in range(0, K, BLOCK_K):
             nxt = k0 + DEPTH * BLOCK_K
             w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
-            xk = _input_chunk(x_ptr, r_ptr, g_ptr, k0 + rk, rstd, NORM, HAS_RESIDUAL)
+            xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
             if BLOCK_SCALED:
                 xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
             acc += w.to(tl.float32) * xk[None, :]
@@ -192,25 +145,14 @@ def silu_mul_fits(n: int, cfg: dict, block: tuple[int, int] | None) -> bool:
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                 block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None, pdl: bool = False,
-                config: dict | None = None, silu_mul: bool = False, norm: RowNorm | None = None) -> torch.Tensor:
+                config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [1, K], weight [N, K] -> [1, N]. The weight is x's dtype, or float8_e4m3fn with float32 scales:
     one per row ([N]) or, with block (bn, bk), one per bn x bk tile ([ceil(N / bn), ceil(K / bk)]).
     silu_mul: the weight is a packed [gate | up] and the result [1, N / 2] is SiLU(x @ gate^T) * (x @ up^T),
     taken in float32 before the one rounding (with block scales, on whole rows only: a program's gate rows
-    and up rows lie in two block rows, and each row weighs its per-block sums by its own).
-    norm: x is the row before the RMSNorm whose output this projection reads: the GEMV multiplies
-    rmsnorm(x, norm.weight, norm.eps, norm.residual)'s row, each program norming it itself (no norm launch),
-    and writes the stream x + residual to norm.stream_out. Under PDL the residual is read after the wait,
-    so it may come from the kernel just before too."""
+    and up rows lie in two block rows, and each row weighs its per-block sums by its own)."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
-    if norm is not None:
-        assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype and norm.weight.is_contiguous(), \
-            f"stream_gemv: the norm's weight must be [{k}] contiguous, in x's dtype"
-        assert (norm.residual is None) == (norm.stream_out is None) and all(
-            t is None or (t.shape == (1, k) and t.dtype == x.dtype and t.is_contiguous())
-            for t in (norm.residual, norm.stream_out)), \
-            "stream_gemv: a residual comes with its stream_out, each one contiguous row in x's dtype"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
     cfg = config or weight_tile(weight)
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
@@ -228,14 +170,10 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         "stream_gemv: silu_mul needs an even N and BLOCK_N, and over block scales whole rows of whole blocks"
     y = torch.empty(1, n // 2 if silu_mul else n, dtype=out_dtype or x.dtype, device=x.device)
     programs = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if silu_mul else triton.cdiv(n, cfg["BLOCK_N"])
-    residual = norm.residual if norm is not None else None
     _stream_gemv_kernel[(programs,)](
-        x, weight, scale if scale is not None else weight, y, x if residual is None else residual,
-        x if norm is None else norm.weight, x if residual is None else norm.stream_out,
-        norm.eps if norm is not None else 0.0, n, k, scale.stride(0) if block else 0,
+        x, weight, scale if scale is not None else weight, y, n, k, scale.stride(0) if block else 0,
         ROW_SCALED=scale is not None and block is None, BLOCK_SCALED=block is not None,
-        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, GATED=silu_mul,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, NORM_K=triton.next_power_of_2(k), **cfg,
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, GATED=silu_mul, **cfg,
         **pdl_launch(pdl))
     return y
 

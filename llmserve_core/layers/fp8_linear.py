@@ -7,8 +7,7 @@ measured table names a tile for: on Ada and Hopper its "a8" kernel quantizes eac
 it reads it and multiplies FP8 by FP8, and one row of the shapes the table names (qkv, o_proj, down_proj)
 takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it; other rows run a
 W8A8 GEMM on the FP8 tensor cores, the activations quantized dynamically (per token, or per 1 x bk piece for
-block scales). A packed gate_up whose GEMV tile keeps K whole ends in the SiLU-and-mul (folds_silu_mul),
-and a row on the stream kernel may arrive before its RMSNorm (folds_norm: a layers/norm.PendingNorm).
+block scales). A packed gate_up whose GEMV tile keeps K whole ends in the SiLU-and-mul (folds_silu_mul).
 `input_quant` says how the layer wants its rows quantized ahead (fp8_format.RowQuant), and the RMSNorm or
 the SiLU-and-mul before qkv, gate_up and down hands it QuantizedRows: for the W8A8 GEMM always (no
 quantization launch of its own), for the GEMV where its table measured x quantized ahead to read faster
@@ -24,7 +23,6 @@ import torch
 from torch import nn
 
 from llmserve_core.kernels.fp8_format import FP8, RowQuant, dequantize_weight, quantize_per_block, quantize_per_channel
-from llmserve_core.layers.norm import PendingNorm
 
 GEMV_MAX_ROWS = 16          # rows that always take the GEMV
 TABLE_GEMV_MAX_ROWS = 64    # kernels/fp8_gemv.MAX_ROWS: up to here, rows take it where its table names a tile
@@ -119,14 +117,9 @@ class Fp8Linear(nn.Module):
         return x_ahead_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
                               fp8_dot_supported(device))
 
-    def forward(self, x: torch.Tensor | QuantizedRows | PendingNorm, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: this is a packed [gate | up] projection of rows (handed as input_quant asks) for which
-        folds_silu_mul holds; the result is SiLU(gate) * up, computed in the GEMV's epilogue. x may be a
-        PendingNorm where folds_norm holds: the stream GEMV norms the row in its prologue."""
-        if isinstance(x, PendingNorm):
-            assert self.folds_norm(x.rows) and (not silu_mul or self.folds_silu_mul(x.rows)), \
-                "Fp8Linear: a pending norm off the one-row stream"
-            return self._gemv(x.x, self._gemv_tile(x.rows), silu_mul=silu_mul, norm=x.norm)
+        folds_silu_mul holds; the result is SiLU(gate) * up, computed in the GEMV's epilogue."""
         if silu_mul:
             rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
             assert self.folds_silu_mul(rows), f"Fp8Linear: no GEMV tile of {rows} rows ends in the SiLU-and-mul"
@@ -180,21 +173,11 @@ class Fp8Linear(nn.Module):
         return tile["KERNEL"] in ("a8", "dot") and tile["SPLIT_K"] == 1 and tile["BLOCK_N"] % 2 == 0 \
             and not tile.get("TMA", False)
 
-    def folds_norm(self, rows: int) -> bool:
-        """Whether forward takes `rows` rows before their RMSNorm (a PendingNorm): one row whose GEMV tile is
-        the stream kernel's, which norms it in its prologue (on x as it is: no tile quantizing it ahead)."""
-        if not self.fused or rows != 1 or self._x_ahead_tile(rows) is not None:
-            return False
-        tile = self._gemv_tile(rows)
-        return tile is not None and tile["KERNEL"] == "stream"
-
-    def _gemv(self, x: torch.Tensor, tile: dict, silu_mul: bool = False, norm=None) -> torch.Tensor:
-        """The GEMV at `tile` (_gemv_tile's), launched under PDL on the decode chain; norm (stream tiles):
-        x is the row before the RMSNorm the kernel takes in its prologue (kernels/rmsnorm.RowNorm)."""
+    def _gemv(self, x: torch.Tensor, tile: dict, silu_mul: bool = False) -> torch.Tensor:
+        """The GEMV at `tile` (_gemv_tile's), launched under PDL on the decode chain."""
         if tile["KERNEL"] == "stream":
             from llmserve_core.kernels.stream_gemv import stream_gemv
-            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl, silu_mul=silu_mul,
-                               norm=norm)
+            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl, silu_mul=silu_mul)
         from llmserve_core.kernels.fp8_gemv import fp8_gemv
         return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=tile,
                         pdl=self.pdl and not tile["KERNEL"].startswith("fma"), silu_mul=silu_mul)

@@ -4,8 +4,7 @@
 lm_head takes kernels.gemv for 1-64 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
 projections take kernels.stream_gemv for a single row (a batch-1 decode) and kernels.gemv for 2-16 rows
 where its measured table has the shape, chained under PDL with the kernels around them; a streamed row of
-the packed gate_up ends in the SiLU-and-mul (folds_silu_mul), and a streamed row may arrive before its
-RMSNorm (folds_norm: a layers/norm.PendingNorm the GEMV norms in its prologue). Everywhere else
+the packed gate_up ends in the SiLU-and-mul (folds_silu_mul). Everywhere else
 it is F.linear, which is also the reference the fast paths are tested against; on the fast path down_proj
 and o_proj take cuBLASLt's kernel instead of cuBLAS's at 17-64 / 17-48 rows (cublaslt_max_rows).
 """
@@ -14,8 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from llmserve_core.layers.norm import PendingNorm
 
 # kernels.gemv's MAX_ROWS and PROJECTION_MAX_ROWS, repeated so that a CPU-only install without Triton never
 # imports the kernels.
@@ -46,20 +43,13 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
-    def forward(self, x: torch.Tensor | PendingNorm, out_dtype: torch.dtype | None = None,
-                silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: this is a packed [gate | up] projection of a row for which folds_silu_mul holds; the
-        result is SiLU(gate) * up, computed in the stream GEMV's epilogue. x may be a PendingNorm where
-        folds_norm holds: the stream GEMV norms the row in its prologue."""
-        norm = None
-        if isinstance(x, PendingNorm):
-            assert self.folds_norm(x.rows), "Linear: a pending norm off the one-row stream"
-            x, norm = x
-        if silu_mul or norm is not None:
-            assert not silu_mul or (self.folds_silu_mul(x.shape[0]) and x.stride(-1) == 1), \
-                "Linear: silu_mul off the one-row stream"
+        result is SiLU(gate) * up, computed in the stream GEMV's epilogue."""
+        if silu_mul:
+            assert self.folds_silu_mul(x.shape[0]) and x.stride(-1) == 1, "Linear: silu_mul off the one-row stream"
             from llmserve_core.kernels.stream_gemv import stream_gemv
-            return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl, silu_mul=silu_mul, norm=norm)
+            return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl, silu_mul=True)
         if self.fast_kernel == "gemv" and 0 < x.shape[0] <= MAX_ROWS:
             from llmserve_core.kernels.gemv import gemv
             return gemv(x, self.weight, out_dtype=out_dtype)
@@ -83,11 +73,6 @@ class Linear(nn.Module):
         """Whether forward can end `rows` rows of this packed [gate | up] weight in the SiLU-and-mul: one row
         on the stream GEMV (2-16 rows take kernels/gemv.py, which splits K)."""
         return self.fast_kernel == "stream" and rows == 1 and self._streams() and self.out_features % 2 == 0
-
-    def folds_norm(self, rows: int) -> bool:
-        """Whether forward takes `rows` rows before their RMSNorm (a PendingNorm): one row on the stream
-        GEMV, which norms it in its prologue."""
-        return self.fast_kernel == "stream" and rows == 1 and self._streams()
 
     def _streams(self) -> bool:
         from llmserve_core.kernels.stream_gemv import MIN_BLOCK_K

@@ -4,35 +4,13 @@
 x + residual and returns (normalized stream, stream), so a decoder layer never materializes the
 add separately. Statistics are taken in float32 and the result is cast back before the weight
 multiply, exactly as transformers' Qwen3RMSNorm does, so float32 and bf16 both match it bit for bit.
-`norm.defer(x, residual)` returns the same pair with the normed rows pending (PendingNorm), for a
-projection whose GEMV norms them in its prologue (a batch-1 decode: one launch fewer per norm).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from llmserve_core.kernels.fp8_format import RowQuant
-
-if TYPE_CHECKING:
-    from llmserve_core.kernels.rmsnorm import RowNorm
-
-
-class PendingNorm(NamedTuple):
-    """A row whose RMSNorm the projection after the norm takes in its GEMV's prologue (RMSNorm.defer): the
-    un-normed row x and the norm (kernels/rmsnorm.RowNorm), which writes the stream where the norm would."""
-    x: torch.Tensor
-    norm: RowNorm
-
-    @property
-    def rows(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
 
 
 class RMSNorm(nn.Module):
@@ -67,14 +45,6 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
-
-    def defer(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[PendingNorm, torch.Tensor]:
-        """(pending normed row, stream) for a projection whose folds_norm holds: as forward's (normed, stream),
-        but no kernel runs here; the projection's GEMV norms the row and writes the stream x + residual into
-        the buffer returned (x itself is the stream without a residual)."""
-        from llmserve_core.kernels.rmsnorm import RowNorm
-        stream = x if residual is None else torch.empty_like(x)
-        return PendingNorm(x, RowNorm(self.weight, self.eps, residual, None if residual is None else stream)), stream
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -17,7 +17,7 @@ from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.fp8_linear import Fp8Linear, QuantizedRows
 from llmserve_core.layers.linear import MAX_ROWS, Linear
 from llmserve_core.layers.parallel import VocabParallelEmbedding
-from llmserve_core.layers.norm import PendingNorm, RMSNorm
+from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.quantization import Fp8Scheme, apply_fp8
@@ -48,7 +48,7 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache, batch: ForwardBatch, attn_backend) -> torch.Tensor:
         """cos/sin: per-token rows [T, 1, D/2] on the eager path; the whole cache [max_pos, D/2] when fused."""
-        qkv = self.qkv_proj(x)      # x may be QuantizedRows or a PendingNorm (Qwen3DecoderLayer)
+        qkv = self.qkv_proj(x)      # x may be QuantizedRows (Qwen3DecoderLayer)
         T = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if self.fused:
@@ -88,13 +88,13 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor | QuantizedRows | PendingNorm) -> torch.Tensor:
-        """x may be QuantizedRows or a PendingNorm (Qwen3DecoderLayer)."""
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x may be QuantizedRows (Qwen3DecoderLayer)."""
         out = self._fused(x) if self.fused else self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _fused(self, x: torch.Tensor | QuantizedRows | PendingNorm) -> torch.Tensor:
-        rows = x.rows if isinstance(x, (QuantizedRows, PendingNorm)) else x.shape[0]
+    def _fused(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
         quant = _input_quant(self.down_proj, rows, x.dtype)       # x.dtype: the model's, as QuantizedRows keep it
         if quant is None and self.gate_up_proj.folds_silu_mul(rows):
             # A decode's GEMV ends in the SiLU-and-mul (kernels/silu_mul.gated_rows): one launch and one
@@ -115,24 +115,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, residual, cos, sin, kv_cache, batch, attn_backend):
-        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0)."""
-        h, residual = _norm_for(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
+        """(h, residual) -> (h, residual); the layer's input stream is h + residual (just h at layer 0).
+        A norm hands its FP8 projection the rows quantized where that projection asks for them so."""
+        rows = h.shape[0]
+        quant = _input_quant(self.self_attn.qkv_proj, rows, h.dtype)
+        if residual is None:
+            residual, h = h, self.input_layernorm(h, quant=quant)
+        else:
+            h, residual = self.input_layernorm(h, residual, quant=quant)
         h = self.self_attn(h, cos, sin, kv_cache, batch, attn_backend)
-        h, residual = _norm_for(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, quant=_input_quant(self.mlp.gate_up_proj, rows, h.dtype))
         return self.mlp(h), residual
-
-
-def _norm_for(norm: RMSNorm, proj, x: torch.Tensor, residual: torch.Tensor | None):
-    """(normed rows for proj, stream x + residual). Where proj's GEMV takes the norm in its prologue (a
-    batch-1 decode's stream GEMV) the rows stay pending and no norm launches; elsewhere the norm's kernel
-    hands an FP8 proj the rows quantized where it asks for them so."""
-    rows = x.shape[0]
-    if proj.folds_norm(rows):
-        return norm.defer(x, residual)
-    quant = _input_quant(proj, rows, x.dtype)
-    if residual is None:
-        return norm(x, quant=quant), x
-    return norm(x, residual, quant=quant)
 
 
 def _input_quant(proj, rows: int, dtype: torch.dtype) -> RowQuant | None:
