@@ -286,6 +286,14 @@ def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: 
     return dict(cfg, KERNEL="a8" if fp8_dot else "dot")
 
 
+def silu_mul_fits(n: int, cfg: dict) -> bool:
+    """Whether fp8_gemv at tile cfg can end a packed [gate | up] weight of n rows in the SiLU-and-mul: an
+    even N, and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA (both halves of a column must
+    meet in one program, whole)."""
+    return n % 2 == 0 and cfg.get("KERNEL", "dot") in ("a8", "dot") and cfg["SPLIT_K"] == 1 \
+        and cfg["BLOCK_N"] % 2 == 0 and not cfg.get("TMA", False)
+
+
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
              config: dict | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
              x_group: int = 128, out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -309,6 +317,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
     cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device), fp8_dot_supported(x.device)))
+    gated_fits = silu_mul_fits(n, cfg)
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     kernel = cfg.pop("KERNEL", "dot")
     tma = cfg.pop("TMA", False)
@@ -322,7 +331,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert not tma or (kernel == "a8" and k % 16 == 0 and w.data_ptr() % 16 == 0), \
         "fp8_gemv: TMA weight tiles are the a8 kernel's, over a 16-byte aligned weight whose K is a multiple of 16"
     fma = kernel.startswith("fma")
-    assert not silu_mul or (not fma and not tma and split == 1 and n % 2 == 0 and block_n % 2 == 0), \
+    assert not silu_mul or gated_fits, \
         "fp8_gemv: silu_mul needs an even N and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA"
     assert not (pdl and fma), "fp8_gemv: the CUDA-core kernel does not launch under PDL"
     assert m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row tile"

@@ -170,8 +170,8 @@ class Fp8Linear(nn.Module):
         if tile["KERNEL"] == "stream":
             from llmserve_core.kernels.stream_gemv import silu_mul_fits, weight_tile
             return silu_mul_fits(self.out_features, weight_tile(self.weight), self.block)
-        return tile["KERNEL"] in ("a8", "dot") and tile["SPLIT_K"] == 1 and tile["BLOCK_N"] % 2 == 0 \
-            and not tile.get("TMA", False)
+        from llmserve_core.kernels.fp8_gemv import silu_mul_fits
+        return silu_mul_fits(self.out_features, tile)
 
     def _gemv(self, x: torch.Tensor, tile: dict, silu_mul: bool = False) -> torch.Tensor:
         """The GEMV at `tile` (_gemv_tile's), launched under PDL on the decode chain."""
