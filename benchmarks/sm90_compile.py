@@ -220,15 +220,14 @@ def fp8_variants():
 def chain_variants():
     """The rest of what a step launches, with the GPU-only arguments the interpreter never compiles (PDL,
     FP8 caches and activations, verify rows and trees), at Qwen3-8B's sizes in bf16: the norms, the q/k
-    norm + rotary + KV store, split and one-piece decodes (also preparing their own heads), the one-row
-    stream GEMV and the few-row GEMVs under PDL, SiLU-and-mul, the sampler's race, activation quantization
-    and the W8A8 prefill GEMM."""
+    norm + rotary + KV store, split decodes, the one-row stream GEMV and the few-row GEMVs under PDL,
+    SiLU-and-mul, the sampler's race, activation quantization and the W8A8 prefill GEMM."""
     from llmserve_core.kernels.fp8_gemm import w8a8_gemm_triton
     from llmserve_core.kernels.fp8_format import RowQuant
     from llmserve_core.kernels.fp8_quant import quantize_activation
     from llmserve_core.kernels.gemv import gemv, gemv_argmax
     from llmserve_core.kernels.paged_decode import paged_decode
-    from llmserve_core.kernels.qk_norm_rope import HeadPrep, qk_norm_rope_store
+    from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
     from llmserve_core.kernels.rmsnorm import rmsnorm
     from llmserve_core.kernels.sampling import race_argmax
     from llmserve_core.kernels.silu_mul import silu_mul
@@ -254,18 +253,11 @@ def chain_variants():
                                                             kc, vc, pdl=True), None))
         out.append((f"decode batch 1, {name}, pdl", lambda kc=kc, vc=vc, bt=bt, lens=lens:
                     paged_decode(torch.empty(1, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True), None))
-        prep = HeadPrep(head_w, head_w, 1e-6, cos, cos, pos, slot)
-        out.append((f"decode batch 1, {name}, pdl, heads prepared", lambda kc=kc, vc=vc, bt=bt, lens=lens, prep=prep:
-                    paged_decode(qkv[:, :4096].view(1, 32, 128), kc, vc, bt, lens, 0.1, pdl=True, prep=prep), None))
         kc, vc, bt, lens = paged_cache(dtype, 8, 128, 128, 512)
         out.append((f"decode batch 128, {name}, pdl, rows quantized for o_proj",
                     lambda kc=kc, vc=vc, bt=bt, lens=lens:
                     paged_decode(torch.empty(128, 32, 128, dtype=bf16), kc, vc, bt, lens, 0.1, pdl=True,
                                  quant=RowQuant(128, m_major=True, pad_rows=4)), None))
-        prep = HeadPrep(head_w, head_w, 1e-6, cos, cos, pos.expand(128), slot.expand(128))
-        out.append((f"decode batch 128, {name}, pdl, heads prepared", lambda kc=kc, vc=vc, bt=bt, lens=lens, prep=prep:
-                    paged_decode(torch.empty(128, 6144, dtype=bf16)[:, :4096].view(128, 32, 128), kc, vc, bt, lens,
-                                 0.1, pdl=True, prep=prep), None))
         kc, vc, bt, lens = paged_cache(dtype, 8, 128, 4, 512)
         tree = torch.ones(16, 4, dtype=torch.bool)
         out.append((f"verify 4 x 4 rows, tree, {name}", lambda kc=kc, vc=vc, bt=bt, lens=lens, tree=tree:

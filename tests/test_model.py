@@ -132,8 +132,8 @@ def test_block_fp8_decode_attention_hands_o_proj_its_rows_quantized(make_random_
     class Recording(TritonAttentionBackend):
         quantizes = True
 
-        def attend_qkv(self, *args, quant=None, **kw):
-            out = super().attend_qkv(*args, quant=quant if self.quantizes else None, **kw)
+        def attend(self, *args, quant=None, **kw):
+            out = super().attend(*args, quant=quant if self.quantizes else None, **kw)
             handed.append(isinstance(out, tuple))
             return out
 

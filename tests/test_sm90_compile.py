@@ -77,8 +77,6 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
     for variant, kernel in (("rmsnorm + residual, fp8 out, pdl", "_rmsnorm_kernel"),
                             ("qk norm + rope + store, fp8 cache, pdl", "_qk_norm_rope_store_kernel"),
                             ("decode batch 1, fp8 cache, pdl", "_decode_kernel"),
-                            ("decode batch 1, bf16 cache, pdl, heads prepared", "_decode_kernel"),
-                            ("decode batch 128, fp8 cache, pdl, heads prepared", "_decode_kernel"),
                             ("decode batch 128, bf16 cache, pdl, rows quantized for o_proj", "_decode_kernel"),
                             ("decode batch 128, fp8 cache, pdl, rows quantized for o_proj", "_decode_kernel"),
                             ("verify 4 x 4 rows, tree, fp8 cache", "_decode_kernel"),

@@ -28,7 +28,6 @@ from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, RowQuant, empty
 from llmserve_core.kernels.fp8_quant import quantize_pieces
 from llmserve_core.kernels.f16_query import f16_query
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-from llmserve_core.kernels.qk_norm_rope import HeadPrep, norm_rope, rope_tables, store_new_kv
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
 NUM_SMS = 132            # H200; only used to size the grid, correctness never depends on it
@@ -56,21 +55,16 @@ FP8_DECODE_BLOCK_N = 128
 @triton.jit(do_not_specialize=["stride_bt", "stride_tree", "num_splits", "min_split", "stride_qo", "stride_qsr",
                                "stride_qsp", "padded_rows"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                   count_ptr, qo_ptr, qs_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-                   sm_scale_log2, k_scale, v_scale, eps,
+                   count_ptr, qo_ptr, qs_ptr, sm_scale_log2, v_scale,
                    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_tree,
-                   stride_ob, stride_oh, stride_qo, stride_qsr, stride_qsp, stride_cos, padded_rows, num_splits,
-                   min_split, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   stride_ob, stride_oh, stride_qo, stride_qsr, stride_qsp, padded_rows, num_splits, min_split,
+                   GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
-                   FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PREP: tl.constexpr, HAS_NORM: tl.constexpr,
-                   FP8_CACHE: tl.constexpr):
+                   FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """QUANT: the output rows leave as e4m3 codes at qo_ptr and one float32 scale per (row, head) at qs_ptr
-    (_store_rows), instead of out_ptr's dtype at out_ptr.
-    PREP (one row per sequence): q_ptr holds the packed qkv rows as the projection left them; each program
-    norms and rotates its q heads (kernels/qk_norm_rope.py), and the one whose piece ends at the new token
-    also stores that token's K and V into the caches (k_scale, v_scale: an FP8 cache's) before reading it."""
+    (_store_rows), instead of out_ptr's dtype at out_ptr."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,11 +82,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    if PREP:
-        # The position and slot come from the step's input copy, the tables are static: read before the wait.
-        pos = tl.load(pos_ptr + b)
-        cos, sin = rope_tables(cos_ptr, sin_ptr, pos, stride_cos, d, HEAD_DIM)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
     if SPLIT:
         # A split decode's piece is a tile or a few, so the memory latency of its first tile is most of its
         # time: read the prefix part of that tile before the PDL wait, overlapping the kernel before (which
@@ -117,20 +106,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         heads = kvh * GROUP + i % GROUP
         rows = b * ROWS + j
         g_mask = i < ROWS * GROUP
-        if PREP:
-            qkv_row = q_ptr + b.to(tl.int64) * stride_qb
-            q = norm_rope(qkv_row, heads, d, g_mask[:, None] & d_mask[None, :], qw_ptr, cos, sin, eps,
-                          q_ptr.dtype.element_ty, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
-            if (split == active - 1) & (slot >= 0):
-                # This piece holds the new token: its K/V go to the cache, and every thread of the program
-                # sees them there (the barrier) before the reads below.
-                kh = kvh + tl.zeros([1], tl.int32)
-                store_new_kv(qkv_row, kh, d, d_mask[None, :], slot, kw_ptr, cos, sin, eps, kc_ptr, vc_ptr,
-                             k_scale, v_scale, num_heads, num_kv_heads, HEAD_DIM, HAS_NORM, FP8_CACHE)
-                tl.debug_barrier()
-        else:
-            q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         if DOT_F16:     # an FP8 cache: both dots in float16 (fp8_format.multiplies_fp8_cache_in_f16)
             q, sm_scale_log2 = f16_query(q, sm_scale_log2)
         limit = prefix + j + 1           # causal: query row j sits at position prefix + j
@@ -353,8 +330,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
-                 pdl: bool = False, quant: RowQuant | None = None,
-                 prep: HeadPrep | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 pdl: bool = False, quant: RowQuant | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
@@ -371,12 +347,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     quant (one row per sequence, quant.group == head_dim): return the output [B, num_heads * head_dim] as an
     FP8 GEMM asks for it (fp8_format.empty_quantized's (e4m3 codes, scales), a head a scale group), the
-    codes and scales quantize_activation would make of the plain output, instead of the plain output.
-
-    prep (one row per sequence): q is the q part of the packed qkv projection ([T, (Hq + 2 Hk) * D] viewed as
-    [T, Hq, D]) before Qwen3's q/k norm and rotary; the kernel applies them (kernels/qk_norm_rope.py's
-    arithmetic) and stores the new tokens' K and V into the caches at prep.slot_mapping itself, so no
-    qk_norm_rope_store launch comes before it. Under PDL the positions and slots are read before the wait."""
+    codes and scales quantize_activation would make of the plain output, instead of the plain output."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -396,17 +367,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         codes, scales = empty_quantized(tokens, num_heads * head_dim, quant, q.device)
         out = q                       # never written: its dtype is what the codes quantize, the model's
     else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        out = torch.empty_like(q) if out is None else out
         codes = scales = q            # never written
-    if prep is not None:
-        assert rows_per_seq == 1 and tree_mask is None and head_dim % 2 == 0, "paged_decode: prep is a decode's"
-        # (one row's stride is whatever view() made it: the kernel multiplies it by 0)
-        assert q.stride(1) == head_dim and (tokens == 1 or q.stride(0) >= (num_heads + 2 * num_kv_heads) * head_dim), \
-            "paged_decode with prep: q must be the q heads of packed qkv rows"
-        assert prep.positions.shape[0] == tokens and prep.slot_mapping.shape[0] == tokens, \
-            "paged_decode: one position and slot per row"
-        assert prep.cos.stride(1) == 1 and prep.cos.stride() == prep.sin.stride() and prep.cos.shape[1] * 2 == head_dim
-        assert (prep.q_weight is None) == (prep.k_weight is None), "q_weight/k_weight: both or neither"
     if batch == 0:
         return out if quant is None else (codes, scales)
     block_g = max(16, triton.next_power_of_2(rows_per_seq * group))   # the tile's query rows
@@ -432,31 +394,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_n, num_warps, num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
     scratch = scratch or _default_scratch
     mid_o, mid_lse, counts = scratch.get(tokens * num_heads * num_splits, head_dim, batch * num_kv_heads, q.device)
-    fp8_cache = k_cache.dtype == torch.float8_e4m3fn
-    if not fp8_cache:
+    if k_cache.dtype != torch.float8_e4m3fn:
         k_scale = v_scale = 1.0
-    if prep is not None:
-        has_norm = prep.q_weight is not None
-        prep_tensors = (prep.positions, prep.slot_mapping, prep.q_weight if has_norm else prep.cos,
-                        prep.k_weight if has_norm else prep.cos, prep.cos, prep.sin)
-    else:
-        has_norm, prep_tensors = False, (seq_lens,) * 6      # never read
     block_d = triton.next_power_of_2(head_dim)
     block_r = triton.next_power_of_2(rows_per_seq * group)      # the merge's rows: no padding to 16
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts, codes, scales, *prep_tensors,
-        scale * k_scale * 1.4426950408889634, k_scale, v_scale, prep.eps if prep is not None else 0.0,
+        q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts, codes, scales,
+        scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), tree.stride(0) if tree_mask is not None else 0,
-        out.stride(0), out.stride(1), codes.stride(0), scales.stride(0), scales.stride(1),
-        prep.cos.stride(0) if prep is not None else 0, codes.shape[0], num_splits, max(block_n, min_split or 0),
-        GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
+        out.stride(0), out.stride(1), codes.stride(0), scales.stride(0), scales.stride(1), codes.shape[0],
+        num_splits, max(block_n, min_split or 0), GROUP=group, ROWS=rows_per_seq, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1, HAS_TREE=tree_mask is not None, BLOCK_R=block_r,
         CHUNK_S=max(1, MERGE_TILE // (block_r * block_d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, QUANT=quant is not None, FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE, PREP=prep is not None, HAS_NORM=has_norm, FP8_CACHE=fp8_cache, **pdl_launch(pdl),
+        MIN_SCALE=MIN_SCALE, **pdl_launch(pdl),
     )
     return out if quant is None else (codes, scales)

@@ -16,8 +16,6 @@ skip it. An FP8 (e4m3) cache stores k / k_scale and v / v_scale, saturated to e4
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -30,51 +28,21 @@ from llmserve_core.kernels.rotary import rotary_reference
 HEADS_PER_PROGRAM = 8
 
 
-class HeadPrep(NamedTuple):
-    """What turns a packed qkv projection's raw heads into attention's: Qwen3's per-head RMSNorm weights
-    (None for both: no q/k norm, as an EAGLE-3 draft) and eps, the rotary tables [max_positions, D / 2], each
-    token's position and the cache slot its K/V goes to (-1: none, as graph padding)."""
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
 @triton.jit
-def rope_tables(cos_ptr, sin_ptr, pos, stride_cos, d, HEAD_DIM: tl.constexpr):
-    """The rotary cos and sin of position pos for every column d of a head ([BLOCK_D] float32): columns i
-    and i + D / 2 rotate by the same angle."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    angle = tl.where(d < HALF, d, d - HALF)
-    row = pos.to(tl.int64) * stride_cos
-    cos = tl.load(cos_ptr + row + angle, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + row + angle, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def norm_rope(src, heads, d, mask, w_ptr, cos, sin, eps, dtype, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Heads `heads` [R] of the packed qkv row at src (each HEAD_DIM wide), normalized and rotated: [R, BLOCK_D]
-    float32, each a model-dtype value. d: the columns (arange(BLOCK_D)); mask [R, BLOCK_D]; cos, sin: rope_tables'.
-    Column i < D / 2 pairs with i + D / 2: reading the row a second time in that order gives each column its
-    partner, so the tile keeps the attention kernels' [heads, head_dim] layout."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    base = src + heads[:, None] * HEAD_DIM
-    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+def _norm_rope(src, w_ptr, cos, sin, heads, i, mask, eps, dtype, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HAS_NORM: tl.constexpr):
+    """A block of heads of the qkv row ([BLOCK_H] head offsets into src) -> their two rotated halves
+    [BLOCK_H, BLOCK_HALF] in float32 (each already a model-dtype value)."""
+    base = src + heads[:, None] * HEAD_DIM + i[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        w_x = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
-        w_p = tl.load(w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
-        x = ((x * inv).to(dtype).to(tl.float32) * w_x).to(dtype).to(tl.float32)
-        p = ((p * inv).to(dtype).to(tl.float32) * w_p).to(dtype).to(tl.float32)
-    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): the first half subtracts its partner's product.
-    return (x * cos[None, :] + tl.where(first[None, :], -p, p) * sin[None, :]).to(dtype).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype).to(tl.float32), (x2 * cos + x1 * sin).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -85,50 +53,48 @@ def _to_cache(x, scale, FP8: tl.constexpr):
 
 
 @triton.jit
-def store_new_kv(row, kh, d, mask, slot, kw_ptr, cos, sin, eps, kc_ptr, vc_ptr, k_scale, v_scale, num_q_heads,
-                 num_k_heads, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr):
-    """KV heads kh [R] of the packed qkv row at row: k normalized and rotated, v as it is, written into the
-    caches at slot (an FP8 cache holds k / k_scale and v / v_scale, saturated)."""
-    dtype = row.dtype.element_ty
-    k = norm_rope(row + num_q_heads * HEAD_DIM, kh, d, mask, kw_ptr, cos, sin, eps, dtype, HEAD_DIM, HAS_NORM)
-    v = tl.load(row + (num_q_heads + num_k_heads + kh[:, None]) * HEAD_DIM + d[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    dst = (slot * num_k_heads + kh[:, None]) * HEAD_DIM + d[None, :]
-    cache_dtype = kc_ptr.dtype.element_ty
-    tl.store(kc_ptr + dst, _to_cache(k, k_scale, FP8).to(cache_dtype), mask=mask)
-    tl.store(vc_ptr + dst, _to_cache(v, v_scale, FP8).to(cache_dtype), mask=mask)
-
-
-@triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
                                vc_ptr, stride_qkv, stride_cos, eps, k_scale, v_scale,
                                NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+                               BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
                                FP8: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
     Q_BLOCKS: tl.constexpr = (NUM_Q_HEADS + BLOCK_H - 1) // BLOCK_H
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
+    i = tl.arange(0, BLOCK_HALF)
     dtype = q_ptr.dtype.element_ty
     row = qkv_ptr + t * stride_qkv          # q heads, k heads, v heads, each HEAD_DIM wide
     # The positions and slots come from kernels further back than the projection just before (the step's
     # input copy, or device-built batches), and the tables are static: under PDL their dependent loads
     # (position, then cos/sin) overlap the projection's tail. qkv comes from that projection: after the wait.
-    pos = tl.load(pos_ptr + t)
-    cos, sin = rope_tables(cos_ptr, sin_ptr, pos, stride_cos, d, HEAD_DIM)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pdl_wait_and_release(PDL)
     if hb < Q_BLOCKS:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (heads < NUM_Q_HEADS)[:, None] & d_mask[None, :]
-        q = norm_rope(row, heads, d, mask, qw_ptr, cos, sin, eps, dtype, HEAD_DIM, HAS_NORM)
-        tl.store(q_ptr + (t * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], q.to(dtype), mask=mask)
+        mask = (heads < NUM_Q_HEADS)[:, None] & (i < HALF)[None, :]
+        o1, o2 = _norm_rope(row, qw_ptr, cos, sin, heads, i, mask, eps, dtype, HALF, HEAD_DIM, HAS_NORM)
+        dst = q_ptr + (t * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + i[None, :]
+        tl.store(dst, o1.to(dtype), mask=mask)
+        tl.store(dst + HALF, o2.to(dtype), mask=mask)
     else:
         if slot >= 0:
             kh = (hb - Q_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-            store_new_kv(row, kh, d, (kh < NUM_K_HEADS)[:, None] & d_mask[None, :], slot, kw_ptr, cos, sin, eps,
-                         kc_ptr, vc_ptr, k_scale, v_scale, NUM_Q_HEADS, NUM_K_HEADS, HEAD_DIM, HAS_NORM, FP8)
+            mask = (kh < NUM_K_HEADS)[:, None] & (i < HALF)[None, :]
+            o1, o2 = _norm_rope(row + NUM_Q_HEADS * HEAD_DIM, kw_ptr, cos, sin, kh, i, mask, eps, dtype, HALF,
+                                HEAD_DIM, HAS_NORM)
+            dst = (slot * NUM_K_HEADS + kh[:, None]) * HEAD_DIM + i[None, :]
+            cache_dtype = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + dst, _to_cache(o1, k_scale, FP8).to(cache_dtype), mask=mask)
+            tl.store(kc_ptr + dst + HALF, _to_cache(o2, k_scale, FP8).to(cache_dtype), mask=mask)
+            v_src = row + (NUM_Q_HEADS + NUM_K_HEADS) * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
+            v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
+            tl.store(vc_ptr + dst, _to_cache(v1, v_scale, FP8).to(cache_dtype), mask=mask)
+            tl.store(vc_ptr + dst + HALF, _to_cache(v2, v_scale, FP8).to(cache_dtype), mask=mask)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -160,7 +126,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
             qkv, positions, slot_mapping, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
             q, k_cache, v_cache, qkv.stride(0), cos.stride(0), eps, float(k_scale) if fp8 else 1.0,
             float(v_scale) if fp8 else 1.0, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=block_h, HAS_NORM=has_norm, FP8=fp8,
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h, HAS_NORM=has_norm, FP8=fp8,
             num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return q
 

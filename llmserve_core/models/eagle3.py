@@ -173,14 +173,15 @@ class Eagle3Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
 
-    def head_prep(self, cos, sin, batch: ForwardBatch):
-        """Fused: kernels/qk_norm_rope.HeadPrep for the packed rows [T, 2H] of qkv_proj (cos/sin the whole
-        tables): the attention backend norms (where the draft has q/k norms) and rotates the heads and
-        stores k and v into the cache at batch.slot_mapping."""
-        from llmserve_core.kernels.qk_norm_rope import HeadPrep
+    def q_storing_kv(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Fused (packed rows [T, 2H]; cos/sin the whole tables): q [T, heads, d], with k and v already
+        written into the cache at batch.slot_mapping, by one kernel."""
+        from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
         norm = self.q_norm is not None
-        return HeadPrep(self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                        self.q_norm.eps if norm else 0.0, cos, sin, batch.positions, batch.slot_mapping)
+        return qk_norm_rope_store(self.qkv_proj(x), batch.positions, batch.slot_mapping,
+                                  self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                  cos, sin, self.q_norm.eps if norm else 0.0, self.num_heads, self.num_kv_heads,
+                                  self.head_dim, kv_cache[0], kv_cache[1])
 
 
 class Eagle3MLP(nn.Module):
@@ -302,8 +303,8 @@ class Eagle3DraftModel(nn.Module):
         x, residual = layer.attn_input(F.embedding(input_ids, self.embed_weight), hidden)
         attn = layer.self_attn
         if self.fused:
-            prep = attn.head_prep(self.rotary.cos, self.rotary.sin, batch)
-            out = self.attn_backend.attend_qkv(attn.qkv_proj(x), prep, kv_cache[0], kv_cache[1], batch, attn.scale)
+            q = attn.q_storing_kv(x, self.rotary.cos, self.rotary.sin, batch, kv_cache)
+            out = self.attn_backend.attend(q, kv_cache[0], kv_cache[1], batch, attn.scale)
         else:
             q, k, v = attn.qkv(x, *self.rotary.cos_sin(batch.positions))
             out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, attn.scale)

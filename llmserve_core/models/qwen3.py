@@ -52,15 +52,15 @@ class Qwen3Attention(nn.Module):
         T = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if self.fused:
-            # Kernels norm and rotate q and k and store k and v in the cache (in a Triton decode, the
-            # attention kernel itself); attention reads them there.
-            from llmserve_core.kernels.qk_norm_rope import HeadPrep
-            prep = HeadPrep(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
-                            batch.slot_mapping)
+            # One kernel norms and rotates q and k and stores k and v in the cache; attention reads it there.
+            from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
+            q = qk_norm_rope_store(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+                                   cos, sin, self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   k_cache, v_cache, self.k_scale, self.v_scale, pdl=self.pdl)
             # Where o_proj's W8A8 GEMM wants its rows quantized a scale per head, a decode hands them so.
             quant = _input_quant(self.o_proj, T, qkv.dtype)
-            out = attn_backend.attend_qkv(qkv, prep, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
-                                          v_scale=self.v_scale, pdl=self.pdl, quant=quant)
+            out = attn_backend.attend(q, k_cache, v_cache, batch, self.scale, k_scale=self.k_scale,
+                                      v_scale=self.v_scale, pdl=self.pdl, quant=quant)
             if isinstance(out, tuple):
                 return self._o_proj(QuantizedRows(*out, quant, T, qkv.dtype))
         else:

@@ -4,23 +4,17 @@ KV cache layout, shared by every backend and the block manager's slot arithmetic
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 (the layout of FlashAttention's paged API), one pair per layer.
 
-On the fast path the model hands `attend_qkv` its packed qkv projection: q and k are normed and rotated
-and this step's K/V stored into the cache by kernels/qk_norm_rope.py's kernel before `attend`, or, in a
-Triton decode, by the attention kernel itself. `forward` is the unfused path (CPU, the torch reference):
+On the fast path the model writes K/V into the cache itself, in the kernel that norms and rotates q and k
+(kernels/qk_norm_rope.py), and calls `attend`; `forward` is the unfused path (CPU, the torch reference):
 the torch store, then `attend`.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from llmserve_core.kernels.attention_reference import store_kv_reference
 from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from llmserve_core.kernels.qk_norm_rope import HeadPrep
 
 
 class AttentionBackend:
@@ -42,19 +36,6 @@ class AttentionBackend:
         decode, quant.group == head_dim), (e4m3 codes, scales) of the rows [T, num_heads * head_dim] in
         quant's layout (fp8_format.empty_quantized), as an FP8 o_proj's W8A8 GEMM reads them."""
         raise NotImplementedError
-
-    def attend_qkv(self, qkv: torch.Tensor, prep: HeadPrep, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   batch: ForwardBatch, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
-                   quant: RowQuant | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`attend` from the packed projection qkv [T, (num_heads + 2 num_kv_heads) * head_dim]: q and k
-        normed and rotated as prep says, this step's K/V stored at prep.slot_mapping. Here the fused
-        q/k kernel does that, then `attend`; a backend whose attention kernel does it overrides this."""
-        from llmserve_core.kernels.qk_norm_rope import qk_norm_rope_store
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        q = qk_norm_rope_store(qkv, prep.positions, prep.slot_mapping, prep.q_weight, prep.k_weight, prep.cos,
-                               prep.sin, prep.eps, qkv.shape[1] // head_dim - 2 * num_kv_heads, num_kv_heads,
-                               head_dim, k_cache, v_cache, k_scale, v_scale, pdl=pdl)
-        return self.attend(q, k_cache, v_cache, batch, scale, k_scale=k_scale, v_scale=v_scale, pdl=pdl, quant=quant)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float, k_scale: float = 1.0,

@@ -21,8 +21,6 @@ the cache). Pages of any size work (16 takes FA4's non-TMA paged path, 128 its T
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from llmserve_core.layers.attention.base import AttentionBackend
@@ -30,9 +28,6 @@ from llmserve_core.layers.attention.flash_attn_backend import fa4_paged, load_fa
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.kernels.fp8_format import RowQuant
-
-if TYPE_CHECKING:
-    from llmserve_core.kernels.qk_norm_rope import HeadPrep
 
 FA4_MIN_QUERY_LEN = 16
 FA4_DTYPES = (torch.bfloat16, torch.float16)
@@ -64,10 +59,3 @@ class TritonFA4Backend(AttentionBackend):
         if k_cache.dtype != q.dtype or not use_fa4(q.dtype, q.shape[-1], batch, capturing):
             return self.triton.attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl, quant)
         return fa4_paged(self.fa4, q, k_cache, v_cache, batch, scale)
-
-    def attend_qkv(self, qkv: torch.Tensor, prep: HeadPrep, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   batch: ForwardBatch, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
-                   quant: RowQuant | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if batch.is_decode:      # Triton's decode, which norms, rotates and stores the new K/V itself
-            return self.triton.attend_qkv(qkv, prep, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl, quant)
-        return super().attend_qkv(qkv, prep, k_cache, v_cache, batch, scale, k_scale, v_scale, pdl, quant)
