@@ -317,7 +317,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
     cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device), fp8_dot_supported(x.device)))
-    gated_fits = silu_mul_fits(n, cfg)
+    assert not silu_mul or silu_mul_fits(n, cfg), \
+        "fp8_gemv: silu_mul needs an even N and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA"
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     kernel = cfg.pop("KERNEL", "dot")
     tma = cfg.pop("TMA", False)
@@ -331,8 +332,6 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     assert not tma or (kernel == "a8" and k % 16 == 0 and w.data_ptr() % 16 == 0), \
         "fp8_gemv: TMA weight tiles are the a8 kernel's, over a 16-byte aligned weight whose K is a multiple of 16"
     fma = kernel.startswith("fma")
-    assert not silu_mul or gated_fits, \
-        "fp8_gemv: silu_mul needs an even N and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA"
     assert not (pdl and fma), "fp8_gemv: the CUDA-core kernel does not launch under PDL"
     assert m <= cfg["BLOCK_M"], f"fp8_gemv: {m} rows for a {cfg['BLOCK_M']}-row tile"
     if block is not None:
