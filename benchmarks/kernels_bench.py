@@ -130,10 +130,9 @@ class Bench:
 
     # ------------------------------------------------------------ data
 
-    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int, fp8: bool = False, ordered: bool = False):
-        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences (with ordered,
-        each sequence's blocks in a row, as a fresh engine's allocator hands them out); with fp8, e4m3 caches
-        at FP8_KV_SCALES."""
+    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int, fp8: bool = False):
+        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences; with fp8,
+        e4m3 caches at FP8_KV_SCALES."""
         per_seq = [math.ceil(s / block_size) for s in seq_lens]
         width = max(per_seq)
         per_copy = sum(per_seq)
@@ -144,7 +143,7 @@ class Bench:
         if fp8:
             kc = to_cache_dtype(kc, FP8, FP8_KV_SCALES["k_scale"])
             vc = to_cache_dtype(vc, FP8, FP8_KV_SCALES["v_scale"])
-        perm = torch.arange(1, num_blocks) if ordered else torch.randperm(num_blocks - 1) + 1
+        perm = (torch.randperm(num_blocks - 1) + 1).int()
         tables = []
         for c in range(copies):
             chunk = perm[c * per_copy:(c + 1) * per_copy].tolist()
@@ -157,12 +156,11 @@ class Bench:
 
     # ------------------------------------------------------------ decode
 
-    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=(), fp8: bool = False,
-               ordered: bool = False):
+    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=(), fp8: bool = False):
         kv_bytes = batch * ctx * self.KVH * self.D * 2 * (1 if fp8 else self.dtype.itemsize)
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
         seq_lens = [ctx] * batch
-        kc, vc, tables = self.paged_kv(seq_lens, block_size, copies, fp8, ordered)
+        kc, vc, tables = self.paged_kv(seq_lens, block_size, copies, fp8)
         scales = FP8_KV_SCALES if fp8 else {}
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
@@ -171,7 +169,7 @@ class Bench:
         check = min(batch, 8)
         ref = paged_attention_reference(q[:check], kc, vc, lens[:check], tables[0][:check], self.scale, **scales)
         shape = dict(kind="decode", batch=batch, ctx=ctx, block_size=block_size, kv_bytes=kv_bytes,
-                     kv_copies=copies, kv="fp8" if fp8 else "model", pages="ordered" if ordered else "scattered")
+                     kv_copies=copies, kv="fp8" if fp8 else "model")
         n_launch = max(copies, 4 if kv_bytes > ROTATE_BYTES else 8)
 
         variants = [{}] + list(sweep)
@@ -446,8 +444,7 @@ def table(rows: list[dict]) -> str:
     if dec:
         lines += ["| decode B | ctx | page | KV | triton us | TB/s | splits | best variant us | FA4 us | FA4 TB/s | "
                   "FA4/triton | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for key, rs in grouped(dec, lambda r: (r["batch"], r["ctx"], r["block_size"], r.get("kv", "model")
-                                               + (" ordered" if r.get("pages") == "ordered" else ""))):
+        for key, rs in grouped(dec, lambda r: (r["batch"], r["ctx"], r["block_size"], r.get("kv", "model"))):
             t = next((r for r in rs if r["impl"] == "triton"), None)
             f = next((r for r in rs if r["impl"] == "fa4 num_splits=1"), None)
             best = min((r for r in rs if r["impl"].startswith("triton")), key=lambda r: r["us"], default=None)
@@ -512,10 +509,6 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only decode at batch 64 and 256 (512 and 640 keys, the step benchmarks' contexts), "
                          "the default tiles against a sweep of splits, key tiles, warps and stages")
-    ap.add_argument("--decode-tails", action="store_true",
-                    help="only decode at batch 64 and 256 over 512-640 keys, multiples of the key tile and not "
-                         "(a decode step attends its context plus its own new key), scattered and ordered pages, "
-                         "the default tiles against the grid launched KV heads first and two other key tiles")
     ap.add_argument("--fp8-kv", action="store_true",
                     help="only decode, extend and prefill over FP8 (e4m3) caches beside the model-dtype cache "
                          "at the same shapes, with sweeps of FP8 decode and prefill tiles")
@@ -557,14 +550,6 @@ def main():
         for batch in (64, 256):
             for ctx in (512, 640):
                 step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False, sweep=tiles[batch])
-    elif args.decode_tails:
-        variants = [dict(persistent=False), dict(persistent=False, heads_first=True), dict(programs_per_sm=2),
-                    dict(programs_per_sm=3), dict(num_stages=4), dict(block_n=32)]
-        for batch in (256, 64):
-            for ordered in (False, True):
-                for ctx in (512, 513, 520, 576, 640):
-                    step(f"decode b{batch} {ctx} p16{' ordered' * ordered}", b.decode, batch, ctx, 16, False,
-                         sweep=variants, ordered=ordered)
     elif args.fp8_kv:
         def dv(bn, w=4, st=3):
             return dict(num_splits=1, block_n=bn, num_warps=w, num_stages=st)

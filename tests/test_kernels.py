@@ -155,31 +155,6 @@ def test_paged_decode_piece_length_only_changes_the_schedule():
         assert not scratch.counts.any()
 
 
-@pytest.mark.parametrize("quant", [None, RowQuant(16, m_major=True, pad_rows=4)])
-@pytest.mark.parametrize("kv", ["model", "fp8"])
-def test_persistent_decode_equals_a_program_per_sequence_and_head(quant, kv):
-    """The resident grid (each program a run of (sequence, KV head) items, their tiles one loop) gives bit for
-    bit the one-piece kernel's output: more items than programs, lengths that end mid-tile and on a tile's
-    end, an empty sequence (graph padding), rows quantized for o_proj and an FP8 cache."""
-    gen = torch.Generator().manual_seed(7)
-    seq_lens = [33, 0, 16, 1, 47, 64, 5, 20, 9, 31, 2, 17]
-    kc, vc, bt = paged_cache(seq_lens, 8, 2, 16, torch.float32, DEVICE, gen)
-    scales = dict(k_scale=0.02, v_scale=0.3) if kv == "fp8" else {}
-    if kv == "fp8":
-        kc, vc = to_cache_dtype(kc, FP8, 0.02), to_cache_dtype(vc, FP8, 0.3)
-    q = torch.randn(len(seq_lens), 4, 16, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    kw = dict(num_splits=1, block_n=16, quant=quant, **scales)
-    want = paged_decode(q, kc, vc, bt, lens, 0.3, persistent=False, **kw)
-    for per_sm in (1, 2):          # 8 or 16 programs for 24 items on the interpreter's 8 "multiprocessors"
-        got = paged_decode(q, kc, vc, bt, lens, 0.3, persistent=True, programs_per_sm=per_sm, **kw)
-        for a, b in zip(*((got, want) if quant else ((got,), (want,)))):
-            assert torch.equal(a.float(), b.float()) and a.stride() == b.stride(), per_sm
-    if quant is None:
-        ref = paged_attention_reference(q, kc, vc, lens, bt, 0.3, **scales)
-        assert rel_err(got, ref) < 2e-2 and not got[1].float().any()
-
-
 def test_num_splits_fill_the_gpu():
     assert choose_num_splits(1, 8) == 32 and choose_num_splits(4, 8) == 32 and choose_num_splits(16, 8) == 8
     assert choose_num_splits(64, 8) == 1 and choose_num_splits(256, 8) == 1

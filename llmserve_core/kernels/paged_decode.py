@@ -27,7 +27,6 @@ import triton.language as tl
 from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, RowQuant, empty_quantized, multiplies_fp8_cache_in_f16
 from llmserve_core.kernels.fp8_quant import quantize_pieces
 from llmserve_core.kernels.f16_query import f16_query
-from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.tiling import decode_config, smem_limit_for
 
@@ -63,21 +62,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
-                   FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                   FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """QUANT: the output rows leave as e4m3 codes at qo_ptr and one float32 scale per (row, head) at qs_ptr
-    (_store_rows), instead of out_ptr's dtype at out_ptr.
-    HEADS_FIRST: the grid is (KV heads, sequences, pieces) instead of (sequences, KV heads, pieces)."""
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
-        last_seq = b == tl.num_programs(1) - 1
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
-        last_seq = b == tl.num_programs(0) - 1
+    (_store_rows), instead of out_ptr's dtype at out_ptr."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
     num_heads = num_kv_heads * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -152,8 +143,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
         if SPLIT:
             if active == 1:
-                _store_rows(o, rows, heads, g_mask, d, d_mask, last_seq, out_ptr, stride_ob, stride_oh, qo_ptr,
-                            qs_ptr, stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
+                _store_rows(o, rows, heads, g_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr,
+                            stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
                             FP8_MAX, MIN_SCALE)
             else:
                 mid = (rows * num_heads + heads) * num_splits + split        # mid_o [T, H, S, D], mid_lse [T, H, S]
@@ -168,88 +159,25 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
                     merged, m_rows, m_heads, m_mask = _merge_pieces(mid_o_ptr, mid_lse_ptr, b, kvh, num_heads,
                                                                     num_splits, active, GROUP, ROWS, HEAD_DIM,
                                                                     BLOCK_D, BLOCK_R, CHUNK_S)
-                    _store_rows(merged, m_rows, m_heads, m_mask, d, d_mask, last_seq, out_ptr, stride_ob,
-                                stride_oh, qo_ptr, qs_ptr, stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM,
-                                BLOCK_R, BLOCK_D, QUANT, FP8_MAX, MIN_SCALE)
+                    _store_rows(merged, m_rows, m_heads, m_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr,
+                                qs_ptr, stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_R, BLOCK_D,
+                                QUANT, FP8_MAX, MIN_SCALE)
                     tl.atomic_xchg(counter, 0)
         else:
-            _store_rows(o, rows, heads, g_mask, d, d_mask, last_seq, out_ptr, stride_ob, stride_oh, qo_ptr,
-                        qs_ptr, stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
+            _store_rows(o, rows, heads, g_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr,
+                        stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
                         FP8_MAX, MIN_SCALE)
-
-
-@triton.jit(do_not_specialize=["stride_bt", "stride_qo", "stride_qsr", "stride_qsp", "padded_rows", "num_seqs"])
-def _decode_flat_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, qo_ptr, qs_ptr, sm_scale_log2, v_scale,
-                        stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
-                        stride_qo, stride_qsr, stride_qsp, padded_rows, num_seqs,
-                        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        PRECISION: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
-                        FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """One-piece decodes (one query row per sequence, one program per (sequence, KV head) in _decode_kernel)
-    on a grid that stays resident: program p takes the items (sequence, KV head) p, p + P, p + 2P, ... (KV
-    heads first, so programs running together read whole cache rows) and runs all their K/V tiles as one
-    loop. The loads of the next item's first tiles are in flight while the last tile of the one before is
-    multiplied, so the pipeline never drains between items, and no wave of programs waits on the last."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    num_items = num_seqs * KV_HEADS
-    # The lengths come from the step's input copy, not from the kernel before: read them before the wait.
-    total = pid * 0
-    for it in range(pid, num_items, programs):
-        total += tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + it // KV_HEADS), BLOCK_N), 1)
-    pdl_wait_and_release(PDL)
-    i = tl.arange(0, BLOCK_G)
-    g_mask = i < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    item = pid
-    j = pid * 0                              # the tile of the item that this iteration reads
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for _ in range(0, total):
-        b = item // KV_HEADS
-        kvh = item % KV_HEADS
-        seq_len = tl.load(seq_lens_ptr + b)
-        heads = kvh * GROUP + i
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        scale_log2 = sm_scale_log2
-        if DOT_F16:     # an FP8 cache: both dots in float16 (fp8_format.multiplies_fp8_cache_in_f16)
-            q, scale_log2 = f16_query(q, sm_scale_log2)
-        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n < seq_len
-        phys = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        # A new item starts its running max at -inf, so the update scales the last item's l_i and acc by 0.
-        m_i = tl.where(j == 0, float("-inf"), m_i)
-        m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, b, g_mask, seq_len - 1, seq_len, seq_lens_ptr, 0,
-                                     scale_log2, m_i, l_i, acc, 1, False, PRECISION)
-        last = j == tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1) - 1
-        if last:
-            # An empty sequence (graph padding) saw no key: l_i == 0, zeros.
-            o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
-            rows = b + i * 0
-            _store_rows(o, rows, heads, g_mask, d, d_mask, b == num_seqs - 1, out_ptr, stride_ob, stride_oh, qo_ptr,
-                        qs_ptr, stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM, BLOCK_G, BLOCK_D, QUANT,
-                        FP8_MAX, MIN_SCALE)
-        j = tl.where(last, 0, j + 1)
-        item = tl.where(last, item + programs, item)
 
 
 @triton.jit
-def _store_rows(o, rows, heads, r_mask, d, d_mask, last_seq, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr,
-                stride_qo, stride_qsr, stride_qsp, padded_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+def _store_rows(o, rows, heads, r_mask, d, d_mask, b, out_ptr, stride_ob, stride_oh, qo_ptr, qs_ptr, stride_qo,
+                stride_qsr, stride_qsp, padded_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """Output rows o [R, D] (tile row r: query row rows[r], head heads[r]) in out_ptr's dtype, or with QUANT
     as o_proj's W8A8 GEMM reads them: each (row, head) one piece of fp8_quant's arithmetic on its
     model-dtype values (a head is the GEMM's 1 x head_dim scale group), so the codes and scales are those
-    quantize_activation makes of the unquantized output. The last sequence's programs (last_seq) also write the
-    rows that pad the quantized output (zeros at the smallest scale)."""
+    quantize_activation makes of the unquantized output. The last sequence's programs also write the rows
+    that pad the quantized output (zeros at the smallest scale)."""
     mask = r_mask[:, None] & d_mask[None, :]
     y = o.to(out_ptr.dtype.element_ty)
     if QUANT:
@@ -260,7 +188,7 @@ def _store_rows(o, rows, heads, r_mask, d, d_mask, last_seq, out_ptr, stride_ob,
         tl.store(qo_ptr + rows[:, None].to(tl.int64) * stride_qo + heads[:, None] * HEAD_DIM + d[None, :], codes,
                  mask=mask)
         tl.store(qs_ptr + rows.to(tl.int64) * stride_qsr + heads * stride_qsp, scale, mask=r_mask)
-        if last_seq:
+        if b == tl.num_programs(0) - 1:
             zeros = tl.zeros([BLOCK_R, BLOCK_D], tl.float32).to(qo_ptr.dtype.element_ty)
             floor = tl.full([BLOCK_R], MIN_SCALE, tl.float32)
             n_rows = tl.max(tl.where(r_mask, rows, 0), 0) + 1      # the last sequence's last row, plus one
@@ -402,9 +330,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_per_seq: int = 1, tree_mask: torch.Tensor | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0, min_split: int | None = None,
-                 pdl: bool = False, quant: RowQuant | None = None,
-                 heads_first: bool = False, persistent: bool | None = None,
-                 programs_per_sm: int = 4) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 pdl: bool = False, quant: RowQuant | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [B * rows_per_seq, num_heads, head_dim]: each sequence's last rows_per_seq positions, in order
     (one for a plain decode; a speculative verify's last token and drafts); seq_lens: [B] context length
     including them. Row j of a sequence sees its prefix and, causally, rows 0..j, or with tree_mask
@@ -472,25 +398,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_scale = v_scale = 1.0
     block_d = triton.next_power_of_2(head_dim)
     block_r = triton.next_power_of_2(rows_per_seq * group)      # the merge's rows: no padding to 16
-    if persistent is None:
-        persistent = one_piece and tree_mask is None and not fp8_tiles
-    if persistent:
-        assert one_piece and tree_mask is None, "paged_decode: the persistent grid runs one-piece decodes"
-        programs = min(batch * num_kv_heads, programs_per_sm * num_sms(q.device))
-        _decode_flat_kernel[(programs,)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, codes, scales,
-            scale * k_scale * 1.4426950408889634, v_scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1), codes.stride(0), scales.stride(0),
-            scales.stride(1), codes.shape[0], batch, KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=block_g,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype), num_warps=num_warps,
-            num_stages=num_stages, PDL=pdl, QUANT=quant is not None, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            **pdl_launch(pdl))
-        return out if quant is None else (codes, scales)
-    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
-    _decode_kernel[grid](
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, tree, out, mid_o, mid_lse, counts, codes, scales,
         scale * k_scale * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -503,6 +411,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F16=multiplies_fp8_cache_in_f16(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, QUANT=quant is not None, FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE, HEADS_FIRST=heads_first, **pdl_launch(pdl),
+        MIN_SCALE=MIN_SCALE, **pdl_launch(pdl),
     )
     return out if quant is None else (codes, scales)
