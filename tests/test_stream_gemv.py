@@ -78,6 +78,31 @@ def test_stream_gemv_whole_row_tile(block, n, k):
         stream_gemv(x, q, scale, block, config=dict(whole, BLOCK_K=k // 2))
 
 
+@pytest.mark.parametrize("block", [None, (16, 64)])
+@pytest.mark.parametrize("pieces", [2, 3, 4])
+def test_stream_gemv_whole_rows_in_pieces(block, pieces):
+    """DEPTH 0 over K = pieces x BLOCK_K (down_proj's 12,288 = 3 x 4,096): every piece read before the wait,
+    the products summed over all of them, equal within rounding to the reference and to a streamed tile; a
+    tile whose pieces miss K, or more than four, is refused."""
+    from llmserve_core.kernels.fp8_format import quantize_per_block
+    k = 64 * pieces
+    x, w = inputs(40, k, torch.bfloat16, seed=pieces)
+    if block is None:
+        scale = w.float().abs().amax(1) / 448.0
+        q = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    else:
+        q, scale = quantize_per_block(w, block)
+    tile = dict(SMALL_TILE, BLOCK_N=4, BLOCK_K=64, DEPTH=0, PIECES=pieces)
+    y = stream_gemv(x, q, scale, block, config=tile)
+    assert rel_err(y, stream_gemv_reference(x, q, scale, block)) < TOL[torch.bfloat16]
+    assert rel_err(y, stream_gemv(x, q, scale, block, config=SMALL_TILE)) < TOL[torch.bfloat16]
+    with pytest.raises(AssertionError, match="one tile of all K"):
+        stream_gemv(x, q, scale, block, config=dict(tile, PIECES=pieces - 1))
+    x5, w5 = inputs(40, 320, torch.bfloat16, seed=5)
+    with pytest.raises(AssertionError, match="one tile of all K"):
+        stream_gemv(x5, w5, config=dict(tile, PIECES=5))
+
+
 @pytest.mark.parametrize("n,k", [(40, 256), (130, 192)])
 def test_stream_gemv_fp8_weight_with_block_scales(n, k):
     """128 x 128 scale blocks (Qwen's FP8 checkpoints), with a last block row and column cut short."""
@@ -126,14 +151,20 @@ def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
     for n, k in ((6144, 4096), (24576, 4096), (4096, 12288)):     # 16-bit weights: one tile for every shape
         assert stream_gemv_config(n, k) == stream_gemv_config(4096, 4096)
     # FP8 rows of up to 4096 columns (a power of two): each program's rows whole, one tile
-    whole = dict(BLOCK_N=8, BLOCK_K=4096, num_warps=8, num_stages=1, DEPTH=0)
+    whole = dict(BLOCK_N=8, BLOCK_K=4096, num_warps=8, num_stages=1, DEPTH=0, PIECES=1)
     for n in (4096, 6144, 24576):
         assert stream_gemv_config(n, 4096, weight_bytes=1) == whole
     assert stream_gemv_config(4096, 1024, weight_bytes=1)["BLOCK_K"] == 1024
-    # longer or awkward FP8 rows (and float32 weights): one tile ahead, narrower where programs overfill a wave
-    assert stream_gemv_config(4096, 8192, weight_bytes=1) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=1,
+    # longer FP8 rows that up to 4 power-of-two tiles make up: whole too, over fewer rows (48 KB a program at most)
+    assert stream_gemv_config(4096, 12288, weight_bytes=1) == dict(whole, BLOCK_N=4, PIECES=3)
+    assert stream_gemv_config(4096, 8192, weight_bytes=1) == dict(whole, BLOCK_N=4, PIECES=2)
+    assert stream_gemv_config(4096, 3072, weight_bytes=1) == dict(whole, BLOCK_K=1024, PIECES=3)
+    # ... with row scales: under 128 x 128 block scales only rows of one piece are read whole
+    assert stream_gemv_config(4096, 4096, weight_bytes=1, block_scaled=True) == whole
+    assert stream_gemv_config(4096, 12288, weight_bytes=1, block_scaled=True)["DEPTH"] == 1
+    # others (and float32 weights): one tile ahead, narrower where programs overfill a wave
+    assert stream_gemv_config(4096, 9728, weight_bytes=1) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=1,
                                                                   DEPTH=1)
-    assert stream_gemv_config(4096, 3072, weight_bytes=1)["DEPTH"] == 1
     assert stream_gemv_config(6144, 4096, weight_bytes=4)["BLOCK_K"] == 256     # 768 programs: more than 4 per SM
     assert stream_gemv_config(6144, 4096, sms=192, weight_bytes=4)["BLOCK_K"] == 512
     assert stream_gemv_config(4096, 12288, weight_bytes=4)["num_warps"] == 8

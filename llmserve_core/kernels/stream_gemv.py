@@ -14,7 +14,8 @@ dependency before it reads x, and lets the kernel after it launch at once. So a 
 launches overlaps each kernel's ramp with its predecessor's tail. FP8 rows of up to 4,096 columns go
 further: a program's 8 whole rows are one tile (32 KB, 56 registers a thread over 8 warps), all of it
 asked for before the wait, so o_proj streams its weight while the decode attention before it runs, and
-each program keeps 8x the bytes in flight that a 512-column tile did. Weights may be float8_e4m3fn with one
+each program keeps 8x the bytes in flight that a 512-column tile did (longer rows with row scales, as
+down_proj's 12,288, are read whole in up to four such pieces, over 4 rows). Weights may be float8_e4m3fn with one
 float32 scale per output row (applied once, after the reduction) or per 128 x 128 block (Qwen's FP8
 checkpoints: a program's 8 rows share their block row, so each column's scale multiplies x). Over the packed
 gate_up a program may take 4 gate rows and their 4 up rows and write SiLU(gate) * up (silu_mul=True), so the
@@ -33,16 +34,22 @@ from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
 
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
-WHOLE_ROW_K = 4096   # FP8 rows up to this long are read whole before the wait (8 x 4096 bytes over 8 warps: 56 registers)
+# FP8 rows are read whole before the wait (8 x 4096 bytes over 8 warps: 56 registers) in power-of-two tiles
+# of up to WHOLE_ROW_K columns, at most MAX_PIECES of them side by side, over fewer rows a program where 8 rows
+# would come to more than WHOLE_ROW_BYTES (down_proj's 12,288 columns: 3 x 4,096, 4 rows).
+WHOLE_ROW_K = 4096
+MAX_PIECES = 4
+WHOLE_ROW_BYTES = 48 * 1024
 
 
 @triton.jit
 def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                        GATED: tl.constexpr):
-    """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2), or 0 where the one tile is
-    all of K (BLOCK_K == K): a program's whole slice of W is read before the wait.
+                        GATED: tl.constexpr, PIECES: tl.constexpr):
+    """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2), or 0 where a program's whole
+    slice of W is read before the wait: PIECES (1-4) tiles of BLOCK_K columns side by side, K = PIECES x BLOCK_K
+    (rows whose length is no power of two, as down_proj's 12,288 = 3 x 4,096, in power-of-two tiles).
     GATED: W is a packed [gate | up] (N = 2 d) and y [d] = SiLU(x @ gate^T) * (x @ up^T) (silu_mul.gated_rows)."""
     pid = tl.program_id(0)
     if GATED:
@@ -55,8 +62,12 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     # The first tiles are read before the grid dependency resolves: no kernel before this one writes W.
     # K is a multiple of BLOCK_K (stream_gemv_config): only prefetches past the last tile are masked off.
     w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    if DEPTH == 2:
+    if DEPTH == 2 or PIECES >= 2:
         w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & (BLOCK_K < K), other=0.0)
+    if PIECES >= 3:
+        w2 = tl.load(w_ptrs + 2 * BLOCK_K, mask=n_mask[:, None], other=0.0)
+    if PIECES >= 4:
+        w3 = tl.load(w_ptrs + 3 * BLOCK_K, mask=n_mask[:, None], other=0.0)
     pdl_wait_and_release(PDL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x. A GATED program's gate rows and up rows lie in two block rows: each row
@@ -70,10 +81,13 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
                     other=0.0)
         y = tl.sum(per_block * s, 1)
     elif DEPTH == 0:
-        xk = tl.load(x_ptr + rk).to(tl.float32)
-        if BLOCK_SCALED:
-            xk = xk * tl.load(s_row + rk // SCALE_K)
-        y = tl.sum(w.to(tl.float32) * xk[None, :], 1)
+        y = _piece_products(w, x_ptr, s_row, 0, rk, BLOCK_SCALED, SCALE_K)
+        if PIECES >= 2:
+            y += _piece_products(w1, x_ptr, s_row, BLOCK_K, rk, BLOCK_SCALED, SCALE_K)
+        if PIECES >= 3:
+            y += _piece_products(w2, x_ptr, s_row, 2 * BLOCK_K, rk, BLOCK_SCALED, SCALE_K)
+        if PIECES >= 4:
+            y += _piece_products(w3, x_ptr, s_row, 3 * BLOCK_K, rk, BLOCK_SCALED, SCALE_K)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -97,8 +111,17 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _piece_products(w, x_ptr, s_row, k0, rk, BLOCK_SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+    """Each row's products with x over the columns k0 + rk of a tile read whole: [BLOCK_N] float32."""
+    xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
+    if BLOCK_SCALED:
+        xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
+    return tl.sum(w.to(tl.float32) * xk[None, :], 1)
+
+
 def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132,
-                       weight_bytes: int = 2) -> dict | None:
+                       weight_bytes: int = 2, block_scaled: bool = False) -> dict | None:
     """Tiles for an [n, k] weight of weight_bytes-byte elements, or None where no tile width divides K.
 
     16-bit weights: 8 rows x 512 columns a program over 4 warps, with two tiles in flight ahead of the one
@@ -114,14 +137,25 @@ def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int
     frontier fell 287 -> 129 us: the attention before it hides most of its stream). The whole batch-1 FP8
     step: 3.722 -> 3.662 ms per channel with o_proj so, 3.598 with qkv too (blocks 3.737 -> 3.651 -> 3.563).
 
+    Longer FP8 rows with row scales that up to MAX_PIECES power-of-two tiles make up are read whole too, in
+    pieces side by side, over fewer rows a program (down_proj: 3 x 4,096, 4 rows, 48 KB): on an H100 the whole
+    batch-1 step went 3.470 / 3.468 -> 3.455 / 3.456 ms (benchmarks/results/fp8_down_pieces_h100.md). Under
+    block scales the same tile took 3.417 -> 3.521 ms (every column of x scaled by its block's scale, in twice
+    the programs), so there only rows of one piece are read whole.
+
     Other weights (FP8 read slower with two or three tiles ahead: o_proj 10.1 against 8.3 us), measured on the H200
     (benchmarks/pdl_chain_bench.py): 8 rows x 512 columns, except where the programs would overfill one
     wave of about four per multiprocessor (qkv's 768 on 132): there half-width tiles hold fewer registers,
     so the whole grid stays resident at once. Long rows (down_proj's 12,288) stream faster under PDL with 8
     warps a program (25.1 against 27.3 us)."""
     sixteen_bit = weight_bytes == 2
-    if weight_bytes == 1 and k <= WHOLE_ROW_K and k & (k - 1) == 0:
-        return dict(BLOCK_N=block_n, BLOCK_K=k, num_warps=8, num_stages=1, DEPTH=0)
+    if weight_bytes == 1:
+        piece = min(k & -k, WHOLE_ROW_K)                # the longest power-of-two tile that divides K
+        if piece >= MIN_BLOCK_K and k // piece <= (1 if block_scaled else MAX_PIECES):
+            rows = block_n
+            while rows > 2 and rows * k > WHOLE_ROW_BYTES:
+                rows //= 2
+            return dict(BLOCK_N=rows, BLOCK_K=piece, num_warps=8, num_stages=1, DEPTH=0, PIECES=k // piece)
     block_k = 512 if sixteen_bit or -(-n // block_n) <= 4 * sms else 256
     num_warps = 8 if k >= 8192 and not sixteen_bit else 4
     while block_k > MIN_BLOCK_K and k % block_k:
@@ -131,16 +165,18 @@ def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1, DEPTH=2 if sixteen_bit else 1)
 
 
-def weight_tile(weight: torch.Tensor) -> dict | None:
-    """stream_gemv_config's tile for this weight on its device (stream_gemv's default)."""
-    return stream_gemv_config(*weight.shape, sms=num_sms(weight.device), weight_bytes=weight.element_size())
+def weight_tile(weight: torch.Tensor, block: tuple[int, int] | None = None) -> dict | None:
+    """stream_gemv_config's tile for this weight (with block scales where block is given) on its device
+    (stream_gemv's default)."""
+    return stream_gemv_config(*weight.shape, sms=num_sms(weight.device), weight_bytes=weight.element_size(),
+                              block_scaled=block is not None)
 
 
 def silu_mul_fits(n: int, cfg: dict, block: tuple[int, int] | None) -> bool:
     """Whether the tile cfg can end a packed [gate | up] weight of n rows in the SiLU-and-mul: an even N and
-    BLOCK_N; over block scales, whole rows (DEPTH 0) that a whole number of scale blocks spans."""
+    BLOCK_N; over block scales, whole rows in one piece (DEPTH 0) that a whole number of scale blocks spans."""
     return n % 2 == 0 and cfg["BLOCK_N"] % 2 == 0 and (
-        block is None or (cfg.get("DEPTH") == 0 and cfg["BLOCK_K"] % block[1] == 0))
+        block is None or (cfg.get("DEPTH") == 0 and cfg.get("PIECES", 1) == 1 and cfg["BLOCK_K"] % block[1] == 0))
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -154,12 +190,14 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
-    cfg = config or weight_tile(weight)
+    cfg = config or weight_tile(weight, block)
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
     cfg = dict(cfg)
     cfg.setdefault("DEPTH", 1)
-    assert cfg["DEPTH"] in (1, 2) or (cfg["DEPTH"] == 0 and cfg["BLOCK_K"] == k), \
-        "stream_gemv: 1 or 2 weight tiles in flight, or one tile of all K"
+    cfg.setdefault("PIECES", 1)
+    whole = cfg["DEPTH"] == 0 and cfg["BLOCK_K"] * cfg["PIECES"] == k and 1 <= cfg["PIECES"] <= MAX_PIECES
+    assert whole or (cfg["DEPTH"] in (1, 2) and cfg["PIECES"] == 1), \
+        "stream_gemv: 1 or 2 weight tiles in flight, or one tile of all K (1-4 pieces side by side)"
     if block is not None:
         assert block[0] % cfg["BLOCK_N"] == 0, f"stream_gemv: {cfg['BLOCK_N']} rows a program split a {block} scale block"
         assert scale.shape == (-(-n // block[0]), -(-k // block[1])) and scale.stride(1) == 1, \

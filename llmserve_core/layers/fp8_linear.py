@@ -169,7 +169,7 @@ class Fp8Linear(nn.Module):
             return False
         if tile["KERNEL"] == "stream":
             from llmserve_core.kernels.stream_gemv import silu_mul_fits, weight_tile
-            return silu_mul_fits(self.out_features, weight_tile(self.weight), self.block)
+            return silu_mul_fits(self.out_features, weight_tile(self.weight, self.block), self.block)
         from llmserve_core.kernels.fp8_gemv import silu_mul_fits
         return silu_mul_fits(self.out_features, tile)
 
