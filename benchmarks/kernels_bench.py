@@ -130,9 +130,10 @@ class Bench:
 
     # ------------------------------------------------------------ data
 
-    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int, fp8: bool = False):
-        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences; with fp8,
-        e4m3 caches at FP8_KV_SCALES."""
+    def paged_kv(self, seq_lens: list[int], block_size: int, copies: int, fp8: bool = False, ordered: bool = False):
+        """K/V caches holding `copies` disjoint, scattered block tables for the same sequences (with ordered,
+        each sequence's blocks in a row, as a fresh engine's allocator hands them out); with fp8, e4m3 caches
+        at FP8_KV_SCALES."""
         per_seq = [math.ceil(s / block_size) for s in seq_lens]
         width = max(per_seq)
         per_copy = sum(per_seq)
@@ -143,7 +144,7 @@ class Bench:
         if fp8:
             kc = to_cache_dtype(kc, FP8, FP8_KV_SCALES["k_scale"])
             vc = to_cache_dtype(vc, FP8, FP8_KV_SCALES["v_scale"])
-        perm = (torch.randperm(num_blocks - 1) + 1).int()
+        perm = torch.arange(1, num_blocks) if ordered else torch.randperm(num_blocks - 1) + 1
         tables = []
         for c in range(copies):
             chunk = perm[c * per_copy:(c + 1) * per_copy].tolist()
@@ -207,6 +208,41 @@ class Bench:
                 except Exception as e:
                     self.add(**shape, impl=f"fa4 num_splits={splits}", error=f"{type(e).__name__}: {e}"[:300])
         kc = vc = None
+
+    def decode_after_gemm(self, batch: int, ctx: int, block_size: int = 16):
+        """The decode as a step runs it, each launch right after a GEMM of qkv_proj's shape (cuBLAS), against
+        the decode alone and the GEMM alone (us a launch; after = the pair's time less the GEMM's). In the
+        engine's step the attention at batch 64-256 reads its K/V about 15% slower than the kernel alone
+        (benchmarks/results/decode_order_h100.md): as slow after a GEMM here puts the cost in the state a GEMM
+        leaves the card in (clocks, L2), not in the decode's schedule."""
+        kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
+        copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
+        kc, vc, tables = self.paged_kv([ctx] * batch, block_size, copies, ordered=True)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
+        q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
+        out = torch.empty_like(q)
+        scratch = DecodeScratch()
+        hidden, qkv = self.H * self.D, (self.H + 2 * self.KVH) * self.D
+        x = torch.randn(batch, hidden, device=self.device, dtype=self.dtype)
+        w = torch.randn(qkv, hidden, device=self.device, dtype=self.dtype) * hidden ** -0.5
+        y = torch.empty(batch, qkv, device=self.device, dtype=self.dtype)
+        n = max(copies, 4) if self.cuda else 1
+        decodes = [lambda t=tables[i % copies]: paged_decode(q, kc, vc, t, lens, self.scale, out=out, scratch=scratch)
+                   for i in range(n)]
+        gemms = [lambda: torch.matmul(x, w.t(), out=y)] * n
+        alone, method = self.time_us(decodes)
+        gemm, _ = self.time_us(gemms)
+        pair, _ = self.time_us([f for d in decodes for f in (gemms[0], d)])
+        check = min(batch, 8)
+        last = tables[(n - 1) % copies]
+        err = rel_err(out[:check], paged_attention_reference(q[:check], kc, vc, lens[:check], last[:check],
+                                                             self.scale))
+        shape = dict(kind="decode_after_gemm", batch=batch, ctx=ctx, block_size=block_size, rel_err=err,
+                     method=method)
+        self.add(**shape, impl="decode alone", us=alone, tbps=kv_bytes / alone / 1e6)
+        self.add(**shape, impl=f"gemm [{batch}, {hidden}] x [{hidden}, {qkv}] alone", us=gemm)
+        after = 2 * pair - gemm
+        self.add(**shape, impl="decode after the gemm", us=after, tbps=kv_bytes / max(after, 1e-9) / 1e6)
 
     # ------------------------------------------------------------ verify (a few rows per sequence)
 
@@ -509,6 +545,9 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only decode at batch 64 and 256 (512 and 640 keys, the step benchmarks' contexts), "
                          "the default tiles against a sweep of splits, key tiles, warps and stages")
+    ap.add_argument("--decode-after-gemm", action="store_true",
+                    help="only the decode at batch 64 and 256 (512 and 640 keys) alone, a qkv-shaped GEMM alone, "
+                         "and the two alternating: the decode's time right after a GEMM, as a step runs it")
     ap.add_argument("--fp8-kv", action="store_true",
                     help="only decode, extend and prefill over FP8 (e4m3) caches beside the model-dtype cache "
                          "at the same shapes, with sweeps of FP8 decode and prefill tiles")
@@ -534,6 +573,7 @@ def main():
 
     if args.smoke:
         step("decode", b.decode, 2, 40, 16, True, sweep=[dict(num_splits=4, block_n=16)])
+        step("decode after gemm", b.decode_after_gemm, 3, 40, 16)
         step("verify", b.verify, 2, 4, 30, 16, True, sweep=[dict(num_warps=2)])
         step("prefill", b.prefill, "prefill", [20, 7], [0, 0], 16, True, configs=[dict(block_m=16, block_n=16)])
         step("extend", b.prefill, "extend", [9, 5], [30, 12], 4, True)
@@ -550,6 +590,10 @@ def main():
         for batch in (64, 256):
             for ctx in (512, 640):
                 step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False, sweep=tiles[batch])
+    elif args.decode_after_gemm:
+        for batch in (256, 64):
+            for ctx in (512, 640):
+                step(f"decode after gemm b{batch} {ctx}", b.decode_after_gemm, batch, ctx)
     elif args.fp8_kv:
         def dv(bn, w=4, st=3):
             return dict(num_splits=1, block_n=bn, num_warps=w, num_stages=st)

@@ -646,7 +646,7 @@ def test_kernels_bench_smoke(tmp_path):
                    capture_output=True)
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     kinds = {r["kind"] for r in rows}
-    assert {"decode", "verify", "prefill", "extend"} <= kinds, kinds
+    assert {"decode", "verify", "prefill", "extend", "decode_after_gemm"} <= kinds, kinds
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
     assert all(r["rel_err"] < 1e-3 for r in rows if "rel_err" in r and r["impl"] != "torch eager")
     assert "| verify B x rows |" in (tmp_path / "results.md").read_text()
