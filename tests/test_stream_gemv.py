@@ -115,7 +115,8 @@ def test_stream_gemv_fp8_weight_with_block_scales(n, k):
         stream_gemv(x, q, scale, (4, 128), config=SMALL_TILE)
 
 
-@pytest.mark.parametrize("weight", ["16-bit", "fp8 rows", "fp8 whole rows", "fp8 whole rows, blocks"])
+@pytest.mark.parametrize("weight", ["16-bit", "fp8 rows", "fp8 whole rows", "fp8 whole rows in pieces",
+                                    "fp8 whole rows, blocks"])
 @pytest.mark.parametrize("n", [80, 48])
 def test_stream_gemv_ends_in_the_silu_mul(weight, n):
     """silu_mul: over a packed [gate | up] weight (48 = 2 x 24: the last program's columns cut short, the up
@@ -136,14 +137,17 @@ def test_stream_gemv_ends_in_the_silu_mul(weight, n):
             scale = w.float().abs().amax(1) / 448.0
             w = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
         config = dict(SMALL_TILE, BLOCK_K=k, DEPTH=0) if "whole" in weight else SMALL_TILE
+        if "pieces" in weight:
+            config = dict(SMALL_TILE, BLOCK_K=k // 4, DEPTH=0, PIECES=4)
     y = stream_gemv(x, w, scale, block, config=config, silu_mul=True)
     assert y.shape == (1, n // 2) and y.dtype == torch.bfloat16
     products = stream_gemv_reference(x.double(), w.double() if scale is None else w, scale, block,
                                      out_dtype=torch.float64)
     assert rel_err(y, silu_mul_reference(products)) < TOL[torch.bfloat16]
-    if block is not None:
-        with pytest.raises(AssertionError, match="silu_mul"):
-            stream_gemv(x, w, scale, block, config=SMALL_TILE, silu_mul=True)
+    if block is not None:         # a streamed tile, or whole rows in pieces, refused over block scales
+        for tile in (SMALL_TILE, dict(SMALL_TILE, BLOCK_K=k // 4, DEPTH=0, PIECES=4)):
+            with pytest.raises(AssertionError, match="silu_mul"):
+                stream_gemv(x, w, scale, block, config=tile, silu_mul=True)
 
 
 def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
