@@ -35,8 +35,8 @@ from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
 MIN_BLOCK_K = 64     # a K that this does not divide has no tile
 ROWS_PER_PROGRAM = 8
 # FP8 rows are read whole before the wait (8 x 4096 bytes over 8 warps: 56 registers) in power-of-two tiles
-# of up to WHOLE_ROW_K columns, at most MAX_PIECES of them side by side, over fewer rows a program where 8 rows
-# would come to more than WHOLE_ROW_BYTES (down_proj's 12,288 columns: 3 x 4,096, 4 rows).
+# of up to WHOLE_ROW_K columns: one, or with row scales up to MAX_PIECES side by side, over fewer rows a program
+# where 8 rows would come to more than WHOLE_ROW_BYTES (down_proj's 12,288 columns: 3 x 4,096, 4 rows).
 WHOLE_ROW_K = 4096
 MAX_PIECES = 4
 WHOLE_ROW_BYTES = 48 * 1024
