@@ -157,14 +157,19 @@ class Bench:
 
     # ------------------------------------------------------------ decode
 
-    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=(), fp8: bool = False):
+    def decode_inputs(self, batch: int, ctx: int, block_size: int, fp8: bool = False, ordered: bool = False):
+        """(K/V bytes a launch reads, KV copies, k_cache, v_cache, the copies' block tables, lengths, q) for
+        `batch` sequences of `ctx` keys, the copies together larger than L2."""
         kv_bytes = batch * ctx * self.KVH * self.D * 2 * (1 if fp8 else self.dtype.itemsize)
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
-        seq_lens = [ctx] * batch
-        kc, vc, tables = self.paged_kv(seq_lens, block_size, copies, fp8)
-        scales = FP8_KV_SCALES if fp8 else {}
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        kc, vc, tables = self.paged_kv([ctx] * batch, block_size, copies, fp8, ordered)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
         q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
+        return kv_bytes, copies, kc, vc, tables, lens, q
+
+    def decode(self, batch: int, ctx: int, block_size: int, with_fa4: bool, sweep=(), fp8: bool = False):
+        kv_bytes, copies, kc, vc, tables, lens, q = self.decode_inputs(batch, ctx, block_size, fp8)
+        scales = FP8_KV_SCALES if fp8 else {}
         out = torch.full_like(q, float("nan"))
         scratch = DecodeScratch()
         check = min(batch, 8)
@@ -215,11 +220,7 @@ class Bench:
         engine's step the attention at batch 64-256 reads its K/V about 15% slower than the kernel alone
         (benchmarks/results/decode_order_h100.md): as slow after a GEMM here puts the cost in the state a GEMM
         leaves the card in (clocks, L2), not in the decode's schedule."""
-        kv_bytes = batch * ctx * self.KVH * self.D * 2 * self.dtype.itemsize
-        copies = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes))) if self.cuda else 1
-        kc, vc, tables = self.paged_kv([ctx] * batch, block_size, copies, ordered=True)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
-        q = torch.randn(batch, self.H, self.D, device=self.device, dtype=self.dtype)
+        kv_bytes, copies, kc, vc, tables, lens, q = self.decode_inputs(batch, ctx, block_size, ordered=True)
         out = torch.empty_like(q)
         scratch = DecodeScratch()
         hidden, qkv = self.H * self.D, (self.H + 2 * self.KVH) * self.D
