@@ -10,8 +10,10 @@ With `--quantization fp8` the weights are quantized at load, and with `--block-s
 a Qwen FP8 checkpoint's (128 x 128 block scales, dummy weights quantized as it would be); either way the floor
 counts the projections at one byte a weight (plus their scales); with `--kv-cache-dtype fp8_e4m3` the K/V at one byte an element.
 
-Step times are wall-clock medians of Engine.step() in steady decoding (host work included); the kernel
-list comes from one profiled stretch of steps (CUDA graph replays included).
+Step times are wall-clock medians of Engine.step() in steady decoding (host work included), each held
+against the floor at the timed steps' middle context (`--ctx 512`: the timed steps attend 523-582 keys, the
+floor 552); the kernel list comes from the profiled stretch after them (583-592 keys; CUDA graph replays
+included), so its attention reads a little more than the median timed step's.
 
     python benchmarks/decode_profile.py --label now --out $OUT/decode_now.json
     python benchmarks/decode_profile.py --label fp8 --out $OUT/decode_fp8.json --batches 1 --quantization fp8
@@ -36,6 +38,8 @@ from kernel_trace import profile_calls, summarize  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG, QWEN_FP8_BLOCK_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 C = QWEN3_8B_CONFIG
+WARM_STEPS = 10         # decode steps after the prefills, before the timed ones
+PROFILED_STEPS = 10     # after the timed ones: the kernel table's stretch
 
 
 def step_floor_ms(batch: int, ctx: int, bw: float, peak: float, linear_bytes: int = 2, kv_bytes: int = 2) -> dict:
@@ -58,7 +62,7 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
         engine.step()
-    for _ in range(10):
+    for _ in range(WARM_STEPS):
         engine.step()
     all_running(engine, batch)
     times = []
@@ -67,11 +71,12 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
     step_ms = statistics.median(times)
-    prof_steps = 10
-    kernels, _ = profile_calls(engine.step, prof_steps)
-    summary = summarize(kernels, prof_steps)
+    kernels, _ = profile_calls(engine.step, PROFILED_STEPS)
+    summary = summarize(kernels, PROFILED_STEPS)
     all_running(engine, batch)
-    floor = step_floor_ms(batch, ctx + 10 + steps, bw, peak, 1 if quantization or fp8_weights else 2,
+    timed, profiled = attended_keys(ctx, steps)
+    # The floor of the median step: the timed steps attend timed[0]..timed[1] keys, so their middle.
+    floor = step_floor_ms(batch, round(sum(timed) / 2), bw, peak, 1 if quantization or fp8_weights else 2,
                           1 if kv_cache_dtype == "fp8_e4m3" else 2)
     # The engine holds reference cycles (and its graphs' memory pools): collect them now, or the next batch's
     # engine sizes its KV pool around this one's leftovers (batch 256 after 64 and 128 once found no room).
@@ -79,12 +84,20 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     gc.collect()
     torch.cuda.empty_cache()
     return {
-        "batch": batch, "ctx": ctx, "eager": eager, "quantization": quantization or ("fp8-block" if fp8_weights else None), "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
+        "batch": batch, "ctx": ctx, "timed_keys": timed, "profiled_keys": profiled, "eager": eager, "quantization": quantization or ("fp8-block" if fp8_weights else None), "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
         "kernels_per_step": summary["kernels_per_step"], "gpu_ms_per_step": summary["gpu_ms_by_kind"],
         "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": summary["idle_fraction"],
         "kernel_table": summary["kernels"],
     }
+
+
+def attended_keys(ctx: int, steps: int) -> tuple[list[int], list[int]]:
+    """The keys each sequence attends in the first and last timed step, and in the first and last profiled
+    one. Decode step j after a ctx-token prefill feeds token ctx + j (sampled by the step before) and
+    attends ctx + j keys; WARM_STEPS steps come before the timed ones and PROFILED_STEPS after."""
+    first = ctx + WARM_STEPS + 1
+    return [first, first + steps - 1], [first + steps, first + steps + PROFILED_STEPS - 1]
 
 
 def all_running(engine, batch: int) -> None:

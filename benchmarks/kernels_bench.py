@@ -216,10 +216,9 @@ class Bench:
 
     def decode_after_gemm(self, batch: int, ctx: int, block_size: int = 16):
         """The decode as a step runs it, each launch right after a GEMM of qkv_proj's shape (cuBLAS), against
-        the decode alone and the GEMM alone (us a launch; after = the pair's time less the GEMM's). In the
-        engine's step the attention at batch 64-256 reads its K/V about 15% slower than the kernel alone
-        (benchmarks/results/decode_order_h100.md): as slow after a GEMM here puts the cost in the state a GEMM
-        leaves the card in (clocks, L2), not in the decode's schedule."""
+        the decode alone and the GEMM alone (us a launch; after = the pair's time less the GEMM's), at the
+        keys decode_profile's kernel table attends: whether the step's attention reads its K/V as fast as the
+        kernel alone, and whether the state a GEMM leaves the card in (clocks, L2) costs it anything."""
         kv_bytes, copies, kc, vc, tables, lens, q = self.decode_inputs(batch, ctx, block_size, ordered=True)
         out = torch.empty_like(q)
         scratch = DecodeScratch()
@@ -547,8 +546,9 @@ def main():
                     help="only decode at batch 64 and 256 (512 and 640 keys, the step benchmarks' contexts), "
                          "the default tiles against a sweep of splits, key tiles, warps and stages")
     ap.add_argument("--decode-after-gemm", action="store_true",
-                    help="only the decode at batch 64 and 256 (512 and 640 keys) alone, a qkv-shaped GEMM alone, "
-                         "and the two alternating: the decode's time right after a GEMM, as a step runs it")
+                    help="only the decode at batch 64 and 256 (513 keys, and 588: decode_profile's profiled "
+                         "steps at --ctx 512) alone, a qkv-shaped GEMM alone, and the two alternating: the "
+                         "decode's time right after a GEMM, as a step runs it")
     ap.add_argument("--fp8-kv", action="store_true",
                     help="only decode, extend and prefill over FP8 (e4m3) caches beside the model-dtype cache "
                          "at the same shapes, with sweeps of FP8 decode and prefill tiles")
@@ -593,7 +593,7 @@ def main():
                 step(f"decode b{batch} {ctx} p16", b.decode, batch, ctx, 16, False, sweep=tiles[batch])
     elif args.decode_after_gemm:
         for batch in (256, 64):
-            for ctx in (512, 640):
+            for ctx in (513, 588):
                 step(f"decode after gemm b{batch} {ctx}", b.decode_after_gemm, batch, ctx)
     elif args.fp8_kv:
         def dv(bn, w=4, st=3):
