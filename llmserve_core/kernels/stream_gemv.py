@@ -113,14 +113,8 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
 
 @triton.jit
 def _piece_products(w, x_ptr, s_row, k0, rk, BLOCK_SCALED: tl.constexpr, SCALE_K: tl.constexpr):
-    """Each row's products with x over the columns k0 + rk of a tile read whole: [BLOCK_N] float32. Under
-    block scales a tile of whole scale blocks sums each block's products, then weighs the sums by the
-    blocks' scales (a scale a block, not one gathered a column)."""
+    """Each row's products with x over the columns k0 + rk of a tile read whole: [BLOCK_N] float32."""
     xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
-    if BLOCK_SCALED and w.shape[1] % SCALE_K == 0:
-        blocks: tl.constexpr = w.shape[1] // SCALE_K
-        per_block = tl.sum(tl.reshape(w.to(tl.float32) * xk[None, :], (w.shape[0], blocks, SCALE_K)), 2)
-        return tl.sum(per_block * tl.load(s_row + k0 // SCALE_K + tl.arange(0, blocks))[None, :], 1)
     if BLOCK_SCALED:
         xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
     return tl.sum(w.to(tl.float32) * xk[None, :], 1)
@@ -157,7 +151,7 @@ def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int
     sixteen_bit = weight_bytes == 2
     if weight_bytes == 1:
         piece = min(k & -k, WHOLE_ROW_K)                # the longest power-of-two tile that divides K
-        if piece >= MIN_BLOCK_K and k // piece <= MAX_PIECES:
+        if piece >= MIN_BLOCK_K and k // piece <= (1 if block_scaled else MAX_PIECES):
             rows = block_n
             while rows > 2 and rows * k > WHOLE_ROW_BYTES:
                 rows //= 2
