@@ -68,6 +68,15 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         w2 = tl.load(w_ptrs + 2 * BLOCK_K, mask=n_mask[:, None], other=0.0)
     if PIECES >= 4:
         w3 = tl.load(w_ptrs + 3 * BLOCK_K, mask=n_mask[:, None], other=0.0)
+    # Scales are static too. Asked for after the reduction, as the arithmetic uses them, a row scale
+    # was one more memory round trip at the end of every program (the barriers of the cross-warp sum keep
+    # the load behind them).
+    if ROW_SCALED:
+        row_scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+    if DEPTH == 0 and GATED and BLOCK_SCALED:
+        kb = tl.arange(0, BLOCK_K // SCALE_K)
+        s = tl.load(scale_ptr + (offs_n // SCALE_N)[:, None] * stride_sn + kb[None, :], mask=n_mask[:, None],
+                    other=0.0)
     pdl_wait_and_release(PDL)
     # Block scales: BLOCK_N divides SCALE_N, so a program's rows share one row of scales, and each
     # column's scale folds into x. A GATED program's gate rows and up rows lie in two block rows: each row
@@ -76,9 +85,6 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     if DEPTH == 0 and GATED and BLOCK_SCALED:
         xk = tl.load(x_ptr + rk).to(tl.float32)
         per_block = tl.sum(tl.reshape(w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K)), 2)
-        kb = tl.arange(0, BLOCK_K // SCALE_K)
-        s = tl.load(scale_ptr + (offs_n // SCALE_N)[:, None] * stride_sn + kb[None, :], mask=n_mask[:, None],
-                    other=0.0)
         y = tl.sum(per_block * s, 1)
     elif DEPTH == 0:
         y = _piece_products(w, x_ptr, s_row, 0, rk, BLOCK_SCALED, SCALE_K)
@@ -103,7 +109,7 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
                 w = w_next
         y = tl.sum(acc, 1)
     if ROW_SCALED:
-        y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+        y = y * row_scale
     if GATED:
         y = tl.reshape(silu_mul_halves(tl.reshape(y, (BLOCK_N, 1))), (BLOCK_N // 2,))
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N // 2)
