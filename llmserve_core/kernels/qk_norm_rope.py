@@ -84,15 +84,17 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_p
         if slot >= 0:
             kh = (hb - Q_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
             mask = (kh < NUM_K_HEADS)[:, None] & (i < HALF)[None, :]
+            # v is asked for with k: read after k's stores (which the compiler cannot tell from v's row) it
+            # was a second memory round trip in the program that ends the kernel.
+            v_src = row + (NUM_Q_HEADS + NUM_K_HEADS) * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
+            v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
             o1, o2 = _norm_rope(row + NUM_Q_HEADS * HEAD_DIM, kw_ptr, cos, sin, kh, i, mask, eps, dtype, HALF,
                                 HEAD_DIM, HAS_NORM)
             dst = (slot * NUM_K_HEADS + kh[:, None]) * HEAD_DIM + i[None, :]
             cache_dtype = kc_ptr.dtype.element_ty
             tl.store(kc_ptr + dst, _to_cache(o1, k_scale, FP8).to(cache_dtype), mask=mask)
             tl.store(kc_ptr + dst + HALF, _to_cache(o2, k_scale, FP8).to(cache_dtype), mask=mask)
-            v_src = row + (NUM_Q_HEADS + NUM_K_HEADS) * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
-            v1 = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
-            v2 = tl.load(v_src + HALF, mask=mask, other=0.0).to(tl.float32)
             tl.store(vc_ptr + dst, _to_cache(v1, v_scale, FP8).to(cache_dtype), mask=mask)
             tl.store(vc_ptr + dst + HALF, _to_cache(v2, v_scale, FP8).to(cache_dtype), mask=mask)
 
