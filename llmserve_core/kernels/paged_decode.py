@@ -254,13 +254,14 @@ def _merge_pieces(mid_o_ptr, mid_lse_ptr, b, kvh, num_heads, num_splits, active,
         s = c + tl.arange(0, CHUNK_S)
         rs_mask = r_mask[:, None] & (s[None, :] < active)
         piece = base[:, None] + s[None, :]                                       # [R, C]
+        # Both asked for before either is used: o after the max over lse waited behind its barriers.
         lse = tl.load(mid_lse_ptr + piece, mask=rs_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(mid_o_ptr + piece[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=rs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
         w = tl.math.exp2(lse - m_safe[:, None])
-        o = tl.load(mid_o_ptr + piece[:, :, None] * HEAD_DIM + d[None, None, :],
-                    mask=rs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
         total = total * alpha + tl.sum(w, 1)
         m = m_new
