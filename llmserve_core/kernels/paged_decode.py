@@ -105,13 +105,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         v_first = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=early, other=0.0)
     pdl_wait_and_release(PDL)
     if split < active:
-        if SPLIT:
-            # The first tile's own rows (this call's, written by the kernel before), asked for with q: after
-            # q, they waited behind q's conversion for the dot, a second memory round trip in the piece
-            # that holds them.
-            late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
-            k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
-            v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
         # Tile row i is query row j = i // GROUP of this sequence (its last ROWS positions), head i % GROUP
         # of the KV group: every query row of the sequence shares each K/V tile read.
         i = tl.arange(0, BLOCK_G)
@@ -130,6 +123,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         loop_start = start
         if SPLIT:
+            # The first tile's own rows (this call's, written by the kernel before) are read now. (Asked for
+            # with q instead, they saved a round trip at batch 1 but held the tile's registers longer: batch
+            # 16 took 6.539 -> 6.672 ms on an H100, benchmarks/results/decode_round_trips_h100.md.)
+            late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
+            k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
+            v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
             m_i, l_i, acc = _attend_tile(q, tl.where(late, k_own, k_first).to(q.dtype),
                                          tl.where(late, v_own, v_first).to(q.dtype), n_first, first_mask, rows,
                                          g_mask, prefix, limit, tree_ptr, stride_tree, sm_scale_log2, m_i, l_i, acc,
