@@ -1,5 +1,6 @@
 """The engine's Triton kernels compiled for Hopper (sm_90, the H100 and H200) on any machine, no GPU needed:
-each variant's shared memory against the cards' opt-in limit, its registers and its SASS instruction mix.
+each variant's shared memory against the cards' opt-in limit, its registers, its global loads that wait
+behind a barrier after the PDL wait (late_loads) and its SASS instruction mix.
 
 Each kernel's own wrapper is called as the engine calls it, with CPU tensors standing in for CUDA ones and
 the device queries answered as a 132-multiprocessor Hopper card would (232,448 bytes of shared memory a
@@ -291,7 +292,8 @@ def ptxas_tool(name: str) -> str:
 
 
 def cubin_resources(cubin: bytes, sass: bool) -> dict:
-    """Registers (and spills) from cuobjdump's resource usage; with sass, the 12 commonest SASS opcodes."""
+    """Registers (and spills) from cuobjdump's resource usage, and late_loads (below); with sass, the 12
+    commonest SASS opcodes."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -300,12 +302,23 @@ def cubin_resources(cubin: bytes, sass: bool) -> dict:
         # STACK: a thread's stack frame, where ptxas spills what its registers cannot hold
         out = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
                "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
+        text = subprocess.run([ptxas_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+        out["late_loads"] = late_loads(ops)
         if sass:
-            text = subprocess.run([ptxas_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
-            ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
             out["sass_top"] = collections.Counter(ops).most_common(12)
     return out
+
+
+def late_loads(ops: list[str]) -> int:
+    """Global loads (LDG) issued after the first barrier (BAR) that follows the PDL wait (ACQBULK; the
+    start where there is none). A load there waits for what the barrier waits for, a reduction or a layout
+    change, so its memory latency adds to the one before it instead of overlapping it: a kernel without a
+    loop should have none (benchmarks/results/decode_round_trips_h100.md)."""
+    start = ops.index("ACQBULK") if "ACQBULK" in ops else 0
+    barriers = [i for i in range(start, len(ops)) if ops[i] == "BAR"]
+    return sum(op == "LDG" for op in ops[barriers[0]:]) if barriers else 0
 
 
 def compile_set(variants, sass: bool) -> list[dict]:
@@ -363,18 +376,19 @@ def main() -> None:
         if name not in builders:
             sys.exit(f"sm90_compile: unknown set {name!r}, choose from {', '.join(SETS)}")
         rows += compile_set(builders[name](), args.sass)
-    print("| variant | kernel | tile | shared bytes (estimate) | registers (spill stack) | compile s |\n|---|---|---|---|---|---|")
+    print("| variant | kernel | tile | shared bytes (estimate) | registers (spill stack) | late loads | compile s |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         tile = " ".join(f"{k}={v}" for k, v in r["tile"].items())
         if "error" in r:
-            print(f"| {r['variant']} | {r['kernel']} | {tile} | error: {r['error'][:120]} | | |")
+            print(f"| {r['variant']} | {r['kernel']} | {tile} | error: {r['error'][:120]} | | | |")
             continue
         est = f" ({r['estimate_bytes']})" if r.get("estimate_bytes") is not None else ""
         stack = f", {r['stack_bytes']}-byte stack" if r["stack_bytes"] else ""
         print(f"| {r['variant']} | {r['kernel']} | {tile} | {r['shared_bytes']}{est} | {r['registers']}{stack} | "
-              f"{r['compile_s']} |")
+              f"{r['late_loads']} | {r['compile_s']} |")
         if args.sass:
-            print("|  |  | " + ", ".join(f"{op} {n}" for op, n in r["sass_top"]) + " | | | |")
+            print("|  |  | " + ", ".join(f"{op} {n}" for op, n in r["sass_top"]) + " | | | | |")
     found = problems(rows)
     if args.json:
         with open(args.json, "w") as f:

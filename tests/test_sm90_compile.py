@@ -67,6 +67,18 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
         [r for (variant, _), r in rows.items() if variant.startswith("fp8 ") and r["stack_bytes"]]
     for name in ("qkv", "o", "gate_up"):     # one row of these reads whole rows in the stream kernel
         assert rows[(f"fp8 {name} stream", "_stream_gemv_kernel")]["tile"]["DEPTH"] == 0
+    # No global load waits behind a barrier after the PDL wait in the loop-free kernels of a batch-1 step
+    # (such a load's latency adds to the one before it in every program: the row scales once did,
+    # benchmarks/results/decode_round_trips_h100.md). down_proj's pieces still load x a piece at a time.
+    for variant, kernel in (("fp8 qkv stream", "_stream_gemv_kernel"), ("fp8 o stream", "_stream_gemv_kernel"),
+                            ("fp8 gate_up stream", "_stream_gemv_kernel"),
+                            ("fp8 gate_up stream silu_mul channel", "_stream_gemv_kernel"),
+                            ("fp8 gate_up stream silu_mul block", "_stream_gemv_kernel"),
+                            ("rmsnorm + residual, pdl", "_rmsnorm_kernel"),
+                            ("rmsnorm + residual, fp8 out, pdl", "_rmsnorm_kernel"),
+                            ("qk norm + rope + store, bf16 cache, pdl", "_qk_norm_rope_store_kernel"),
+                            ("qk norm + rope + store, fp8 cache, pdl", "_qk_norm_rope_store_kernel")):
+        assert rows[(variant, kernel)]["late_loads"] == 0, rows[(variant, kernel)]
     # the 17-64-row tiles: x quantized ahead for qkv, gate_up and down; o_proj's 17-32 rows quantize in the kernel
     for kind in ("channel", "block"):
         for name in ("qkv", "gate_up", "down"):
