@@ -63,10 +63,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
     x_rows = x_ptr + offs_m[:, None] * stride_x
     if not W_TMA:
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-    if not BLOCK_SCALED:
-        # Asked for with the first tiles, not after the loop: there it was one more memory round trip at
-        # the end of every program.
-        row_scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
@@ -104,7 +100,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s
         else:
             acc += part
     if not BLOCK_SCALED:
-        acc = acc * row_scale[:, None]
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
     if GATED:
         y_ptrs = y_ptr + offs_m[None, :] * stride_y + cols[:, None]
@@ -138,8 +134,6 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
     x_rows = x_ptr + offs_m[:, None] * stride_x
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     s_row = s_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_sn
-    if not BLOCK_SCALED:
-        row_scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)     # with the first tiles (see above)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     lanes = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     k_lo = pid_k * k_per_split
@@ -160,7 +154,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
     if REDUCE_LATE:
         acc = tl.sum(lanes, axis=2)
     if not BLOCK_SCALED:
-        acc = acc * row_scale[:, None]
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_y + offs_n[:, None]
     store_split_k(acc, y_ptrs, n_mask[:, None] & m_mask[None, :], part_ptr, count_ptr, pid_n, pid_k, M,
