@@ -124,8 +124,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         loop_start = start
         if SPLIT:
             # The first tile's own rows (this call's, written by the kernel before) are read now. (Asked for
-            # with q instead, they saved a round trip at batch 1 but held the tile's registers longer: batch
-            # 16 took 6.539 -> 6.672 ms on an H100, benchmarks/results/decode_round_trips_h100.md.)
+            # with q instead, the SASS lost a round trip, but the tile's registers were held longer, 165 -> 186
+            # a thread: on an H100 batch 16 took 6.539 -> 6.672 ms and batch 1 gained nothing,
+            # benchmarks/results/decode_round_trips_h100.md.)
             late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
             k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
             v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
