@@ -69,9 +69,9 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
         assert rows[(f"fp8 {name} stream", "_stream_gemv_kernel")]["tile"]["DEPTH"] == 0
     # No global load waits behind a barrier after the PDL wait in the loop-free kernels of a batch-1 step
     # (such a load's latency adds to the one before it in every program: the row scales once did,
-    # benchmarks/results/decode_round_trips_h100.md). down_proj's pieces still load x a piece at a time.
+    # benchmarks/results/decode_round_trips_h100.md; down_proj's x, loaded a piece at a time, did too).
     for variant, kernel in (("fp8 qkv stream", "_stream_gemv_kernel"), ("fp8 o stream", "_stream_gemv_kernel"),
-                            ("fp8 gate_up stream", "_stream_gemv_kernel"),
+                            ("fp8 gate_up stream", "_stream_gemv_kernel"), ("fp8 down stream", "_stream_gemv_kernel"),
                             ("fp8 gate_up stream silu_mul channel", "_stream_gemv_kernel"),
                             ("fp8 gate_up stream silu_mul block", "_stream_gemv_kernel"),
                             ("rmsnorm + residual, pdl", "_rmsnorm_kernel"),

@@ -46,10 +46,11 @@ WHOLE_ROW_BYTES = 48 * 1024
 def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                        GATED: tl.constexpr, PIECES: tl.constexpr):
+                        GATED: tl.constexpr, PIECES: tl.constexpr, SPAN: tl.constexpr):
     """DEPTH: weight tiles in flight ahead of the one being multiplied (1 or 2), or 0 where a program's whole
     slice of W is read before the wait: PIECES (1-4) tiles of BLOCK_K columns side by side, K = PIECES x BLOCK_K
-    (rows whose length is no power of two, as down_proj's 12,288 = 3 x 4,096, in power-of-two tiles).
+    (rows whose length is no power of two, as down_proj's 12,288 = 3 x 4,096, in power-of-two tiles; SPAN is
+    PIECES rounded up to a power of two, the pieces' axis of one [BLOCK_N, SPAN, BLOCK_K] tile).
     GATED: W is a packed [gate | up] (N = 2 d) and y [d] = SiLU(x @ gate^T) * (x @ up^T) (silu_mul.gated_rows)."""
     pid = tl.program_id(0)
     if GATED:
@@ -61,13 +62,16 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
     # The first tiles are read before the grid dependency resolves: no kernel before this one writes W.
     # K is a multiple of BLOCK_K (stream_gemv_config): only prefetches past the last tile are masked off.
-    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    if DEPTH == 2 or PIECES >= 2:
+    if PIECES >= 2:
+        # Pieces side by side as one tile, so that x below is one load too: loaded a piece at a time, each
+        # piece's x waited behind the last one's layout change (a shared-memory round trip after its load).
+        rp = tl.arange(0, SPAN)
+        w = tl.load(w_ptrs[:, None, :] + rp[None, :, None] * BLOCK_K,
+                    mask=n_mask[:, None, None] & (rp < PIECES)[None, :, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+    if DEPTH == 2:
         w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & (BLOCK_K < K), other=0.0)
-    if PIECES >= 3:
-        w2 = tl.load(w_ptrs + 2 * BLOCK_K, mask=n_mask[:, None], other=0.0)
-    if PIECES >= 4:
-        w3 = tl.load(w_ptrs + 3 * BLOCK_K, mask=n_mask[:, None], other=0.0)
     # Scales are static too. Asked for after the reduction, as the arithmetic uses them, a row scale
     # was one more memory round trip at the end of every program (the barriers of the cross-warp sum keep
     # the load behind them).
@@ -86,14 +90,17 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         xk = tl.load(x_ptr + rk).to(tl.float32)
         per_block = tl.sum(tl.reshape(w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K)), 2)
         y = tl.sum(per_block * s, 1)
+    elif DEPTH == 0 and PIECES >= 2:
+        ks = rp[:, None] * BLOCK_K + rk[None, :]
+        xs = tl.load(x_ptr + ks, mask=(rp < PIECES)[:, None], other=0.0)
+        if BLOCK_SCALED:
+            xs = xs.to(tl.float32) * tl.load(s_row + ks // SCALE_K, mask=(rp < PIECES)[:, None], other=0.0)
+        y = tl.sum(tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :, :], 2), 1)
     elif DEPTH == 0:
-        y = _piece_products(w, x_ptr, s_row, 0, rk, BLOCK_SCALED, SCALE_K)
-        if PIECES >= 2:
-            y += _piece_products(w1, x_ptr, s_row, BLOCK_K, rk, BLOCK_SCALED, SCALE_K)
-        if PIECES >= 3:
-            y += _piece_products(w2, x_ptr, s_row, 2 * BLOCK_K, rk, BLOCK_SCALED, SCALE_K)
-        if PIECES >= 4:
-            y += _piece_products(w3, x_ptr, s_row, 3 * BLOCK_K, rk, BLOCK_SCALED, SCALE_K)
+        xk = tl.load(x_ptr + rk).to(tl.float32)
+        if BLOCK_SCALED:
+            xk = xk * tl.load(s_row + rk // SCALE_K)
+        y = tl.sum(w.to(tl.float32) * xk[None, :], 1)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -115,15 +122,6 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N // 2)
     else:
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _piece_products(w, x_ptr, s_row, k0, rk, BLOCK_SCALED: tl.constexpr, SCALE_K: tl.constexpr):
-    """Each row's products with x over the columns k0 + rk of a tile read whole: [BLOCK_N] float32."""
-    xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
-    if BLOCK_SCALED:
-        xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
-    return tl.sum(w.to(tl.float32) * xk[None, :], 1)
 
 
 def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132,
@@ -217,7 +215,8 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     _stream_gemv_kernel[(programs,)](
         x, weight, scale if scale is not None else weight, y, n, k, scale.stride(0) if block else 0,
         ROW_SCALED=scale is not None and block is None, BLOCK_SCALED=block is not None,
-        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, GATED=silu_mul, **cfg,
+        SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1, PDL=pdl, GATED=silu_mul,
+        SPAN=triton.next_power_of_2(cfg["PIECES"]), **cfg,
         **pdl_launch(pdl))
     return y
 
