@@ -97,19 +97,13 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
             xs = xs.to(tl.float32) * tl.load(s_row + ks // SCALE_K, mask=(rp < PIECES)[:, None], other=0.0)
         y = tl.sum(tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :, :], 2), 1)
     elif DEPTH == 0:
-        xk = tl.load(x_ptr + rk).to(tl.float32)
-        if BLOCK_SCALED:
-            xk = xk * tl.load(s_row + rk // SCALE_K)
-        y = tl.sum(w.to(tl.float32) * xk[None, :], 1)
+        y = tl.sum(w.to(tl.float32) * _x_columns(x_ptr, s_row, rk, BLOCK_SCALED, SCALE_K)[None, :], 1)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             nxt = k0 + DEPTH * BLOCK_K
             w_next = tl.load(w_ptrs + nxt, mask=n_mask[:, None] & (nxt < K), other=0.0)
-            xk = tl.load(x_ptr + k0 + rk).to(tl.float32)
-            if BLOCK_SCALED:
-                xk = xk * tl.load(s_row + (k0 + rk) // SCALE_K)
-            acc += w.to(tl.float32) * xk[None, :]
+            acc += w.to(tl.float32) * _x_columns(x_ptr, s_row, k0 + rk, BLOCK_SCALED, SCALE_K)[None, :]
             if DEPTH == 2:
                 w, w1 = w1, w_next
             else:
@@ -122,6 +116,16 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N // 2)
     else:
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _x_columns(x_ptr, s_row, cols, BLOCK_SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+    """x at the columns cols in float32, each times its scale block's column scale (from the program's
+    block row s_row) where the weight is block-scaled."""
+    xk = tl.load(x_ptr + cols).to(tl.float32)
+    if BLOCK_SCALED:
+        xk = xk * tl.load(s_row + cols // SCALE_K)
+    return xk
 
 
 def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132,
