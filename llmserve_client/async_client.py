@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator
 
 from llmserve_proto import ModelInfo
-from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
+from llmserve_client.cores import Cores, aggregate_stats, endpoint_list
 from llmserve_client.errors import LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
-from llmserve_client.request_state import RequestState
+from llmserve_client.request_stream import RequestStream
 from llmserve_client.transport import Transport
 from llmserve_client.types import Completion, StreamChunk
 
@@ -184,28 +183,7 @@ class AsyncClient:
         await self.close()
 
 
-class AsyncStream:
-    def __init__(self, cores: Cores, sink: _LoopSink, request_id: str, ids: list[int], params, tokenizer,
-                 detokenize: bool, skip_special_tokens: bool):
-        self.request_id = request_id
-        self._state = RequestState(request_id, ids, params, tokenizer, detokenize=detokenize,
-                                   skip_special_tokens=skip_special_tokens)
-        self._sink = sink
-        self._done = True      # until it is sent: a failed start leaves nothing to abort
-        self._state.timings.sent = time.monotonic()
-        self._request = open_request(cores, request_id, ids, params, sink)
-        self._transport = self._request.transport
-        self._done = False
-
-    @property
-    def completion(self) -> Completion:
-        return self._state.completion()
-
-    @property
-    def endpoint(self) -> str:
-        """The core serving this request (of the client's endpoints)."""
-        return self._transport.endpoint
-
+class AsyncStream(RequestStream):
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self
 
@@ -216,28 +194,10 @@ class AsyncStream:
             except asyncio.CancelledError:
                 self._abort()
                 raise
-            if kind == "output":
-                out, _batch_time, recv_time = rest
-                chunk = self._state.on_output(out, recv_time)
-                if self._state.finished:
-                    self._end(abort=self._state.needs_abort)
-                if chunk is not None:
-                    return chunk
-                continue
-            self._end(abort=False)
-            if kind == "error":
-                err = rest[0]
-                raise RequestError(err.field, err.message, self.request_id)
-            raise rest[0]
+            chunk = self._handle(kind, rest)
+            if chunk is not None:
+                return chunk
         raise StopAsyncIteration
-
-    def _end(self, abort: bool) -> None:
-        self._done = True
-        self._request.release(abort)
-
-    def _abort(self) -> None:
-        if not self._done:
-            self._end(abort=True)
 
     async def aclose(self) -> None:
         self._abort()
@@ -247,10 +207,6 @@ class AsyncStream:
 
     async def __aexit__(self, *exc) -> None:
         self._abort()
-
-    def __del__(self):
-        if not getattr(self, "_done", True):
-            self._abort()
 
 
 def _is_ids(prompt) -> bool:

@@ -7,10 +7,10 @@ import time
 from collections.abc import Iterator
 
 from llmserve_proto import ModelInfo
-from llmserve_client.cores import Cores, aggregate_stats, endpoint_list, open_request
+from llmserve_client.cores import Cores, aggregate_stats, endpoint_list
 from llmserve_client.errors import LLMServeError, RequestError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
-from llmserve_client.request_state import RequestState
+from llmserve_client.request_stream import RequestStream
 from llmserve_client.transport import Transport
 from llmserve_client.types import Completion, StreamChunk
 
@@ -107,7 +107,7 @@ class Client:
         self.close()
 
 
-class Stream:
+class Stream(RequestStream):
     """Iterator of StreamChunks for one request. `.completion` holds the whole result once it ends.
     Closing it early (close(), leaving a `with` block, or garbage collection) aborts the request."""
 
@@ -116,67 +116,28 @@ class Stream:
         if params.stop and not detokenize:
             raise RequestError("stop", "stop strings need detokenize=True")
         ids = to_token_ids(prompt, lambda: client.tokenizer)
-        self.request_id = request_id or new_request_id()
-        tok = client.tokenizer if detokenize else None
-        self._state = RequestState(self.request_id, ids, params, tok, detokenize=detokenize,
-                                   skip_special_tokens=skip_special_tokens)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = True      # until it is sent: a failed start leaves nothing to abort
-        self._state.timings.sent = time.monotonic()
-        self._request = open_request(client._cores, self.request_id, ids, params, self._queue)
-        self._transport = self._request.transport
-        self._done = False
-
-    @property
-    def completion(self) -> Completion:
-        return self._state.completion()
-
-    @property
-    def endpoint(self) -> str:
-        """The core serving this request (of the client's endpoints)."""
-        return self._transport.endpoint
+        super().__init__(client._cores, queue.SimpleQueue(), request_id or new_request_id(), ids, params,
+                         client.tokenizer if detokenize else None, detokenize, skip_special_tokens)
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self
 
     def __next__(self) -> StreamChunk:
         while not self._done:
-            kind, *rest = _get(self._queue, None, self._transport)
+            kind, *rest = _get(self._sink, None, self._transport)
             chunk = self._handle(kind, rest)
             if chunk is not None:
                 return chunk
         raise StopIteration
 
-    def _handle(self, kind, rest) -> StreamChunk | None:
-        if kind == "output":
-            out, _batch_time, recv_time = rest
-            chunk = self._state.on_output(out, recv_time)
-            if self._state.finished:
-                self._end(abort=self._state.needs_abort)
-            return chunk
-        self._end(abort=False)
-        if kind == "error":
-            err = rest[0]
-            raise RequestError(err.field, err.message, self.request_id)
-        raise rest[0]   # "dead"
-
-    def _end(self, abort: bool) -> None:
-        self._done = True
-        self._request.release(abort)
-
     def close(self) -> None:
-        if not self._done:
-            self._end(abort=True)
+        self._abort()
 
     def __enter__(self) -> "Stream":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self):
-        if not getattr(self, "_done", True):
-            self.close()
 
 
 def _core_stats(transport: Transport, timeout: float) -> dict:
