@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from llmserve_proto import ModelInfo
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list
-from llmserve_client.errors import LLMServeError, RequestError
+from llmserve_client.errors import LLMServeError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_stream import RequestStream
 from llmserve_client.transport import Transport
@@ -125,9 +125,7 @@ class AsyncClient:
         """Start a request; `async for chunk in await client.stream(...)`. Cancelling the consuming task, or
         aclose(), aborts the request in the engine."""
         await self.connect()
-        params = build_params(sampling)
-        if params.stop and not detokenize:
-            raise RequestError("stop", "stop strings need detokenize=True")
+        params = build_params(sampling, detokenize)
         tok = await self.get_tokenizer() if (detokenize or not _is_ids(prompt)) else None
         ids = to_token_ids(prompt, lambda: tok)
         return AsyncStream(self._cores, self._sink(), request_id or new_request_id(), ids, params, tok,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from llmserve_proto import ModelInfo
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list
-from llmserve_client.errors import LLMServeError, RequestError
+from llmserve_client.errors import LLMServeError
 from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_stream import RequestStream
 from llmserve_client.transport import Transport
@@ -112,9 +112,7 @@ class Stream(RequestStream):
     Closing it early (close(), leaving a `with` block, or garbage collection) aborts the request."""
 
     def __init__(self, client: Client, prompt, request_id, detokenize, skip_special_tokens, sampling):
-        params = build_params(sampling)
-        if params.stop and not detokenize:
-            raise RequestError("stop", "stop strings need detokenize=True")
+        params = build_params(sampling, detokenize)
         ids = to_token_ids(prompt, lambda: client.tokenizer)
         super().__init__(client._cores, queue.SimpleQueue(), request_id or new_request_id(), ids, params,
                          client.tokenizer if detokenize else None, detokenize, skip_special_tokens)

@@ -26,8 +26,9 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
 
 
-def build_params(sampling: dict) -> SamplingParams:
-    """SamplingParams from keyword arguments named like its fields; errors name the field."""
+def build_params(sampling: dict, detokenize: bool = True) -> SamplingParams:
+    """SamplingParams from keyword arguments named like its fields; errors name the field. Stop strings are
+    matched on the detokenized text, so a request without detokenize may not ask for them."""
     known = set(SamplingParams.__struct_fields__)
     for k in sampling:
         if k not in known:
@@ -55,9 +56,12 @@ def build_params(sampling: dict) -> SamplingParams:
         message = str(e).split(" - at ")[0] + (" (a key)" if " - at `key` in " in str(e) else "")
         raise RequestError(field, message) from None
     try:
-        return params.validate()
+        params = params.validate()
     except ValidationError as e:
         raise RequestError(e.field, e.message) from None
+    if params.stop and not detokenize:
+        raise RequestError("stop", "stop strings need detokenize=True")
+    return params
 
 
 _encoder = msgspec.msgpack.Encoder()

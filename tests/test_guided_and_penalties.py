@@ -648,6 +648,18 @@ def test_new_fields_survive_the_wire_and_extremes_are_refused_by_the_client():
         assert e.value.field == field
 
 
+def test_stop_strings_need_the_detokenized_text():
+    """Both clients build their requests' params here: stop strings match detokenized text only."""
+    from llmserve_client.errors import RequestError
+    from llmserve_client.inputs import build_params
+    for stop in ("x", ["x", "yz"]):
+        with pytest.raises(RequestError, match="detokenize=True") as e:
+            build_params(dict(max_tokens=4, stop=stop), detokenize=False)
+        assert e.value.field == "stop"
+        assert build_params(dict(max_tokens=4, stop=stop)).stop == ([stop] if isinstance(stop, str) else stop)
+    assert build_params(dict(max_tokens=4), detokenize=False).stop == []
+
+
 def test_logit_bias_token_outside_vocab_is_refused(tiny_model_dir):
     eng = engine(tiny_model_dir)
     with pytest.raises(ValidationError) as e:
