@@ -15,14 +15,22 @@ against the floor at the timed steps' middle context (`--ctx 512`: the timed ste
 floor 552); the kernel list comes from the profiled stretch after them (583-592 keys; CUDA graph replays
 included), so its attention reads a little more than the median timed step's.
 
+Each timed step is also split into the time step() spends blocked on the device (waiting for the step
+before to come back, StepHandle._wait) and the rest, the host's work: a step whose host time is its whole
+wall time starves the GPU, however fast its kernels. `--host-profile` runs that many more steps under
+cProfile and keeps the host functions that took the most time.
+
     python benchmarks/decode_profile.py --label now --out $OUT/decode_now.json
     python benchmarks/decode_profile.py --label fp8 --out $OUT/decode_fp8.json --batches 1 --quantization fp8
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -49,8 +57,41 @@ def step_floor_ms(batch: int, ctx: int, bw: float, peak: float, linear_bytes: in
             "floor_ms": f.ms}
 
 
+class DeviceWaits:
+    """Seconds Engine.step() has spent blocked on the device (StepHandle._wait) since entering."""
+
+    def __enter__(self) -> "DeviceWaits":
+        from llmserve_core.engine.step_result import StepHandle
+        self.total, self._handle_cls, self._wait = 0.0, StepHandle, StepHandle._wait
+
+        def timed_wait(handle) -> None:
+            t0 = time.perf_counter()
+            self._wait(handle)
+            self.total += time.perf_counter() - t0
+        StepHandle._wait = timed_wait
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle_cls._wait = self._wait
+
+
+def host_profile(step, steps: int, top: int = 25) -> list[dict]:
+    """The host functions that took the most time (their own, not their callees') over `steps` steps."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = [{"function": f"{Path(file).name}:{line} {fn}", "calls": nc / steps, "own_us": tt / steps * 1e6,
+             "cumulative_us": ct / steps * 1e6}
+            for (file, line, fn), (_, nc, tt, ct, _) in stats.stats.items()]
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
+
+
 def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, steps: int, eager: bool,
-              quantization: str | None = None, kv_cache_dtype: str = "auto", fp8_weights: bool = False) -> dict:
+              quantization: str | None = None, kv_cache_dtype: str = "auto", fp8_weights: bool = False,
+              host_profile_steps: int = 0) -> dict:
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
     engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
@@ -65,16 +106,19 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     for _ in range(WARM_STEPS):
         engine.step()
     all_running(engine, batch)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
+    times, waits = [], []
+    with DeviceWaits() as blocked:
+        for _ in range(steps):
+            t0, w0 = time.perf_counter(), blocked.total
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+            waits.append((blocked.total - w0) * 1e3)
     step_ms = statistics.median(times)
+    host = host_profile(engine.step, host_profile_steps) if host_profile_steps else []
     kernels, _ = profile_calls(engine.step, PROFILED_STEPS)
     summary = summarize(kernels, PROFILED_STEPS)
     all_running(engine, batch)
-    timed, profiled = attended_keys(ctx, steps)
+    timed, profiled = attended_keys(ctx, steps + host_profile_steps)
     # The floor of the median step: the timed steps attend timed[0]..timed[1] keys, so their middle.
     floor = step_floor_ms(batch, round(sum(timed) / 2), bw, peak, 1 if quantization or fp8_weights else 2,
                           1 if kv_cache_dtype == "fp8_e4m3" else 2)
@@ -88,7 +132,9 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
         "kernels_per_step": summary["kernels_per_step"], "gpu_ms_per_step": summary["gpu_ms_by_kind"],
         "busy_ms_per_step": summary["busy_ms_per_step"], "idle_fraction": summary["idle_fraction"],
-        "kernel_table": summary["kernels"],
+        "kernel_table": summary["kernels"], "idle_gaps": summary["idle_gaps"],
+        "device_wait_ms": statistics.median(waits),
+        "host_ms": statistics.median(t - w for t, w in zip(times, waits)), "host_profile": host,
     }
 
 
@@ -121,6 +167,8 @@ def main() -> None:
     ap.add_argument("--block-scaled", action="store_true",
                     help="a Qwen FP8 checkpoint's config (128 x 128 block scales) instead of a bf16 one")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                    help="after the timed steps, run STEPS more under cProfile and keep the costliest host functions")
     args = ap.parse_args()
     if args.quantization and args.block_scaled:
         ap.error("--quantization fp8 quantizes a bf16 checkpoint; --block-scaled is an FP8 one already")
@@ -130,12 +178,18 @@ def main() -> None:
     res = {"label": args.label, "copy_bandwidth_tb_s": bw / 1e12, "bf16_peak_tflops": peak / 1e12, "runs": []}
     for b in map(int, args.batches.split(",")):
         r = run_batch(model_dir, b, args.ctx, bw, peak, args.steps, args.eager, args.quantization,
-                      args.kv_cache_dtype, fp8_weights=args.block_scaled)
+                      args.kv_cache_dtype, fp8_weights=args.block_scaled, host_profile_steps=args.host_profile)
         res["runs"].append(r)
         print(f"[{args.label}] batch {b}: step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({100 * r['fraction_of_floor']:.0f}%), {r['kernels_per_step']:.0f} kernels/step, GPU busy "
               f"{r['busy_ms_per_step']:.3f} ms {json.dumps({k: round(v, 3) for k, v in r['gpu_ms_per_step'].items()})}",
               flush=True)
+        print(f"    host {r['host_ms']:.3f} ms a step, blocked on the device {r['device_wait_ms']:.3f} ms")
+        for row in r["host_profile"][:12]:
+            print(f"    host {row['own_us']:8.1f} us own, {row['cumulative_us']:8.1f} us cumulative, "
+                  f"{row['calls']:5.1f} calls  {row['function']}")
+        for gap in r["idle_gaps"][:8]:
+            print(f"    idle {gap['us']:7.1f} us in {gap['count']:5.1f} gaps after {gap['after'][:40]} before {gap['before'][:40]}")
         for row in r["kernel_table"][:14]:
             print(f"    {row['calls']:7.1f} x {row['us'] / max(row['calls'], 1):8.2f} us = {row['us']:9.1f} us "
                   f"(frontier {row['frontier_us']:8.1f} us)  {row['name']}")

@@ -88,6 +88,22 @@ def frontier_us(kernels) -> list[float]:
     return out
 
 
+def idle_gaps(kernels, calls: int, top: int = 10) -> list[dict]:
+    """Where the GPU idles: each gap between the end of all work started so far and the next kernel's
+    start, summed per (the kernel that ended last, the kernel after the gap), per call, longest first."""
+    gaps = collections.defaultdict(lambda: [0, 0.0])
+    frontier, last = None, None
+    for name, s, d in sorted(kernels, key=lambda k: k[1]):
+        if frontier is not None and s > frontier:
+            gap = gaps[(last[:60], name[:60])]
+            gap[0] += 1
+            gap[1] += s - frontier
+        if frontier is None or s + d >= frontier:
+            frontier, last = s + d, name
+    rows = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"after": a, "before": b, "count": c / calls, "us": t / calls} for (a, b), (c, t) in rows]
+
+
 def summarize(kernels, calls: int) -> dict:
     """Per call: kernel count, GPU ms by kind (summed durations), busy ms, and every kernel name's calls,
     summed microseconds (longest first) and frontier microseconds (frontier_us: its share of the busy
@@ -106,5 +122,6 @@ def summarize(kernels, calls: int) -> dict:
             "gpu_ms_by_kind": {k: v / calls / 1e3 for k, v in by_kind.items()},
             "busy_ms_per_step": busy / calls / 1e3,
             "idle_fraction": 1 - busy / span if span else None,
+            "idle_gaps": idle_gaps(kernels, calls),
             "kernels": [{"name": n[:90], "calls": c / calls, "us": t / calls, "frontier_us": f / calls}
                         for n, (c, t, f) in rows]}
