@@ -28,6 +28,11 @@ SCHEDULES = {
     "async": dict(async_scheduling=True),
     "async-chunked-preempting": dict(async_scheduling=True, num_kv_blocks=14, block_size=4,
                                      max_num_batched_tokens=7),
+    # The decode graph's bookkeeping (StepGraphs, capture off): decode steps load straight into its inputs,
+    # the last step's tokens filling the placeholders there, batches padded up to their bucket.
+    "async-graphs": dict(async_scheduling=True, step_graphs=True),
+    "async-graphs-chunked-preempting": dict(async_scheduling=True, num_kv_blocks=14, block_size=4,
+                                            max_num_batched_tokens=7, step_graphs=True),
 }
 
 
@@ -61,9 +66,12 @@ def model_case(request, make_random_qwen3_dir):
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_greedy_matches_transformers(model_case, schedule):
+def test_greedy_matches_transformers(model_case, schedule, monkeypatch):
     path, prompts, expected, max_new = model_case
-    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32", **SCHEDULES[schedule]))
+    cfg = dict(SCHEDULES[schedule])
+    if cfg.pop("step_graphs", False):
+        monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
+    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32", **cfg))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     # Twice: the second pass hits the prefix cache where it is on.
     for _ in range(2):
@@ -72,6 +80,8 @@ def test_greedy_matches_transformers(model_case, schedule):
         assert all(c.finish_reason == "length" for c in got)
     if "preempting" in schedule:
         assert engine.stats()["num_preemptions"] > 0
+    if "graphs" in schedule:
+        assert engine.runner.graphs.replays > 0 and engine.runner.graphs._loads == engine.runner.graphs.replays
     if schedule == "plain":
         assert engine.stats()["prefix_hit_rate"] > 0
     _assert_all_blocks_free(engine)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve_core.config import EngineConfig
@@ -34,11 +35,12 @@ log = logging.getLogger("llmserve.runner")
 @dataclass
 class PreparedBatch:
     input_ids: torch.Tensor
-    batch: ForwardBatch
-    sample_rows: torch.Tensor        # [S] rows of the packed tokens whose logits are sampled
+    batch: ForwardBatch | None       # None where the step went straight into the decode graph's inputs
+    sample_rows: torch.Tensor | None  # [S] rows of the packed tokens whose logits are sampled
     sample_requests: list[Request]   # the requests those rows belong to
     samples_every_row: bool          # a decode: sample_rows is 0..S-1, so hidden[:S] needs no gather
     prompt: PromptRows               # rows scoring prompt tokens (prompt logprobs)
+    graph_seqs: int | None = None    # sequences loaded into the decode graph (StepGraphs.load), to replay
 
 
 class ModelRunner:
@@ -212,9 +214,10 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     # ---- one step --------------------------------------------------------------------------------
-    def prepare(self, sched: ScheduledBatch) -> PreparedBatch:
+    def prepare(self, sched: ScheduledBatch, into_graph: bool = False) -> PreparedBatch:
         """Pack the scheduled chunks into device tensors. A PLACEHOLDER input (a token the previous,
-        still running step sampled) is filled on the device from that step's output tensor."""
+        still running step sampled) is filled on the device from that step's output tensor. into_graph:
+        a batch the decode graph can run goes straight into its inputs (no ForwardBatch; _forward replays)."""
         self.staging.new_step()
         b = self.builder
         sample_rows: list[int] = []
@@ -233,6 +236,17 @@ class ModelRunner:
                 req.sample_index = len(sample_rows)
                 sample_rows.append(row + n - 1)
                 sample_requests.append(req)
+        if into_graph and self._loads_graph(sched, len(sample_rows), prompt):
+            # Straight into the decode graph's inputs: one copy from the host, where building a ForwardBatch
+            # on the device and copying it into the graph's buffers took five more launches, each a gap on
+            # the GPU between two steps.
+            graphs = self.graphs
+            n = graphs.load(b.finish_host(), np.asarray(fill_rows + fill_from, dtype=np.int64))
+            if fill_rows:
+                k = len(fill_rows)
+                graphs.input_ids.index_copy_(0, graphs.extra[:k], self.last_sampled[graphs.extra[k:2 * k]])
+            return PreparedBatch(graphs.input_ids[:n], None, None, sample_requests, samples_every_row=True,
+                                 prompt=prompt, graph_seqs=n)
         built = b.finish((sample_rows, fill_rows, fill_from) + prompt.extras())
         rows, fill_at, fill_src = built.extras[:3]
         prompt.placed(built.extras[3:])
@@ -242,7 +256,16 @@ class ModelRunner:
         return PreparedBatch(input_ids, built.batch, rows, sample_requests,
                              samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt)
 
+    def _loads_graph(self, sched: ScheduledBatch, sampled: int, prompt: PromptRows) -> bool:
+        """Whether prepare() loads this step straight into the decode graph: one row a sequence, each sampled
+        and none scoring a prompt token, within the largest bucket. Under tensor parallelism rank 0 hands
+        the workers the ForwardBatch itself (run_graphs), so there the step keeps building one."""
+        return (self.graphs is not None and self.tp is None and not prompt.rows and sampled == len(sched.requests)
+                and all(n == 1 for n in sched.num_new_tokens) and self.graphs.bucket_for(sampled) is not None)
+
     def _forward(self, prepared: PreparedBatch) -> torch.Tensor:
+        if prepared.graph_seqs is not None:
+            return self.graphs.replay(prepared.graph_seqs)[0]
         batch = prepared.batch
         if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
             return self.run_graphs(self.graphs, prepared.input_ids, batch)[0]
@@ -278,7 +301,7 @@ class ModelRunner:
         """launch() in two parts: queue the forward here, the sampling in launch_sample(). In between the
         engine may read the previous step back (its grammar matchers and penalty counts must see that
         step's tokens before this one samples) while this forward runs on the device."""
-        prepared = self.prepare(sched)
+        prepared = self.prepare(sched, into_graph=True)
         hidden = self._forward(prepared)
         reqs = prepared.sample_requests
         # A view of a captured graph's output is safe: the engine queues this step's sampling before the

@@ -46,9 +46,10 @@ class StepGraphs:
         total = max_batch * rows
         i32, i64 = torch.int32, torch.int64
         # Every per-step integer input lives in one device buffer (block tables last), so a batch built on
-        # the host arrives in one copy from a pinned mirror of it (load); `extra` carries a caller's indices.
+        # the host arrives in one copy from a pinned mirror of it (load); `extra` carries a caller's indices,
+        # up to two a row (a decode's placeholder rows and the rows of the last step's tokens that fill them).
         sections = [("input_ids", i64, (total,)), ("positions", i64, (total,)), ("slot_mapping", i64, (total,)),
-                    ("extra", i64, (total,)), ("seq_lens", i32, (max_batch,)),
+                    ("extra", i64, (2 * total,)), ("seq_lens", i32, (max_batch,)),
                     ("block_tables", i32, (max_batch, max_blocks_per_seq))]
         self._offsets, nbytes = {}, 0
         for section, kind, shape in sections:
@@ -136,6 +137,7 @@ class StepGraphs:
             self._mirror_done[which].synchronize()       # its last copy must be done before it is rewritten
         m = self._mirror_views[which]
         m["input_ids"][:t] = spans.input_ids
+        m["input_ids"][t:bucket * self.rows] = 0         # a padding row's id is read: never a PLACEHOLDER (-1)
         m["positions"][:t] = spans.positions
         m["slot_mapping"][:t] = spans.slots
         m["slot_mapping"][t:bucket * self.rows] = -1
