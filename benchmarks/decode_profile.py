@@ -118,7 +118,7 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     kernels, _ = profile_calls(engine.step, PROFILED_STEPS)
     summary = summarize(kernels, PROFILED_STEPS)
     all_running(engine, batch)
-    timed, profiled = attended_keys(ctx, steps + host_profile_steps)
+    timed, profiled = attended_keys(ctx, steps, host_profile_steps)
     # The floor of the median step: the timed steps attend timed[0]..timed[1] keys, so their middle.
     floor = step_floor_ms(batch, round(sum(timed) / 2), bw, peak, 1 if quantization or fp8_weights else 2,
                           1 if kv_cache_dtype == "fp8_e4m3" else 2)
@@ -138,12 +138,14 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     }
 
 
-def attended_keys(ctx: int, steps: int) -> tuple[list[int], list[int]]:
+def attended_keys(ctx: int, steps: int, between: int = 0) -> tuple[list[int], list[int]]:
     """The keys each sequence attends in the first and last timed step, and in the first and last profiled
     one. Decode step j after a ctx-token prefill feeds token ctx + j (sampled by the step before) and
-    attends ctx + j keys; WARM_STEPS steps come before the timed ones and PROFILED_STEPS after."""
+    attends ctx + j keys; WARM_STEPS steps come before the timed ones, `between` (the host profile's)
+    between them and the PROFILED_STEPS."""
     first = ctx + WARM_STEPS + 1
-    return [first, first + steps - 1], [first + steps, first + steps + PROFILED_STEPS - 1]
+    profiled = first + steps + between
+    return [first, first + steps - 1], [profiled, profiled + PROFILED_STEPS - 1]
 
 
 def all_running(engine, batch: int) -> None:
