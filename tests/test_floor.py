@@ -108,6 +108,17 @@ def test_frontier_time_splits_the_busy_time_among_the_kernels():
     assert sum(frontier_us(kernels)) == pytest.approx(busy_us(kernels))
 
 
+def test_idle_gaps_are_named_by_the_kernel_that_ended_last_and_the_one_after():
+    from kernel_trace import busy_us, idle_gaps, span_us
+    # b ends after a (so b ended last before the first gap), c is nested in b; then two steps' gaps.
+    kernels = [("a", 0.0, 10.0), ("b", 4.0, 9.0), ("c", 5.0, 2.0), ("copy", 16.0, 1.0), ("a", 20.0, 10.0),
+               ("b", 24.0, 9.0), ("copy", 35.0, 1.0), ("a", 40.0, 2.0)]
+    gaps = idle_gaps(kernels, calls=2)
+    assert gaps == [{"after": "copy", "before": "a", "count": 1.0, "us": pytest.approx(3.5)},
+                    {"after": "b", "before": "copy", "count": 1.0, "us": pytest.approx(2.5)}]
+    assert sum(g["us"] * 2 for g in gaps) == pytest.approx(span_us(kernels) - busy_us(kernels))
+
+
 def test_busy_time_is_the_union_of_intervals_in_any_order():
     from kernel_trace import busy_us, span_us
     # Nested, touching and disjoint intervals, given out of order (as a filter by kind leaves them).
