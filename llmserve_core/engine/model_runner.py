@@ -240,21 +240,20 @@ class ModelRunner:
             # Straight into the decode graph's inputs: one copy from the host, where building a ForwardBatch
             # on the device and copying it into the graph's buffers took five more launches, each a gap on
             # the GPU between two steps.
-            graphs = self.graphs
+            graphs, k = self.graphs, len(fill_rows)
             n = graphs.load(b.finish_host(), np.asarray(fill_rows + fill_from, dtype=np.int64))
-            if fill_rows:
-                k = len(fill_rows)
-                graphs.input_ids.index_copy_(0, graphs.extra[:k], self.last_sampled[graphs.extra[k:2 * k]])
-            return PreparedBatch(graphs.input_ids[:n], None, None, sample_requests, samples_every_row=True,
-                                 prompt=prompt, graph_seqs=n)
-        built = b.finish((sample_rows, fill_rows, fill_from) + prompt.extras())
-        rows, fill_at, fill_src = built.extras[:3]
-        prompt.placed(built.extras[3:])
-        input_ids = built.input_ids
+            prepared = PreparedBatch(graphs.input_ids[:n], None, None, sample_requests, samples_every_row=True,
+                                     prompt=prompt, graph_seqs=n)
+            fill_at, fill_src = graphs.extra[:k], graphs.extra[k:2 * k]
+        else:
+            built = b.finish((sample_rows, fill_rows, fill_from) + prompt.extras())
+            rows, fill_at, fill_src = built.extras[:3]
+            prompt.placed(built.extras[3:])
+            prepared = PreparedBatch(built.input_ids, built.batch, rows, sample_requests,
+                                     samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt)
         if fill_rows:
-            input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])
-        return PreparedBatch(input_ids, built.batch, rows, sample_requests,
-                             samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt)
+            prepared.input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])
+        return prepared
 
     def _loads_graph(self, sched: ScheduledBatch, sampled: int, prompt: PromptRows) -> bool:
         """Whether prepare() loads this step straight into the decode graph: one row a sequence, each sampled
