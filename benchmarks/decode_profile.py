@@ -48,6 +48,7 @@ from qwen3_8b import QWEN3_8B_CONFIG, QWEN_FP8_BLOCK_CONFIG, write_qwen3_8b_dir 
 C = QWEN3_8B_CONFIG
 WARM_STEPS = 10         # decode steps after the prefills, before the timed ones
 PROFILED_STEPS = 10     # after the timed ones: the kernel table's stretch
+MAX_DECODE_STEPS = 1000  # each request's max_tokens: warm, timed, host-profiled and profiled steps must fit
 
 
 def step_floor_ms(batch: int, ctx: int, bw: float, peak: float, linear_bytes: int = 2, kv_bytes: int = 2) -> dict:
@@ -94,11 +95,11 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
               host_profile_steps: int = 0) -> dict:
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
-    engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + 1100,
+    engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + MAX_DECODE_STEPS + 100,
                                  max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
                                  gpu_memory_utilization=0.85, enforce_eager=eager, warmup=False,
                                  quantization=quantization, kv_cache_dtype=kv_cache_dtype))
-    params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=MAX_DECODE_STEPS, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
@@ -172,6 +173,10 @@ def main() -> None:
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="after the timed steps, run STEPS more under cProfile and keep the costliest host functions")
     args = ap.parse_args()
+    if args.steps < 1 or args.host_profile < 0 or \
+            WARM_STEPS + args.steps + args.host_profile + PROFILED_STEPS > MAX_DECODE_STEPS:
+        ap.error(f"--steps (1 or more) and --host-profile (0 or more) must leave the warm-up's and the profile's "
+                 f"{WARM_STEPS + PROFILED_STEPS} steps room in {MAX_DECODE_STEPS} (got {args.steps} and {args.host_profile})")
     if args.quantization and args.block_scaled:
         ap.error("--quantization fp8 quantizes a bf16 checkpoint; --block-scaled is an FP8 one already")
     bw, peak = measure_copy_bandwidth(), measure_bf16_peak()
