@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import inspect
 import logging
 import os
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-tiny-model":
         return make_tiny_model_main(argv[1:])
     engine_cfg, daemon_cfg, level = parse_serve_args(argv)
+    faulthandler.enable()                    # a native crash leaves the Python stacks in the log
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if engine_cfg.node_rank > 0:             # another host of a tensor-parallel group: workers only, no sockets
         from llmserve_core.distributed.launch import serve_node

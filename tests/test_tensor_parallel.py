@@ -481,30 +481,72 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+def _log_tails(*paths) -> str:
+    return "".join(f"\n--- {p} ---\n{Path(p).read_text(errors='replace')[-3000:]}" for p in paths)
+
+
 @pytest.mark.slow
 def test_two_nodes_over_loopback_serve_what_one_rank_does(tiny_model_dir, tmp_path):
-    from daemon_helpers import ENV, free_port, start_core, stop_core, wait_ready
+    from daemon_helpers import ENV, STOP_TIMEOUT, free_port, start_core, wait_ready
     from llmserve_client import Client
     want = run(tiny_model_dir, 1)[0][1]                 # PROMPTS[1], greedy
     addr = f"127.0.0.1:{free_port()}"
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    node1_log = tmp_path / "node1.log"
     node1 = subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", tiny_model_dir, "--device", "cpu",
                               "--block-size", "4", "--num-kv-blocks", "24", "--max-num-batched-tokens", "9",
                               "--max-num-seqs", "4", *flags, "--node-rank", "1"], env=ENV,
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "node1.log", "wb"))
+                             stdout=subprocess.DEVNULL, stderr=open(node1_log, "wb"))
     endpoint = f"ipc://{tmp_path}/core.sock"
     log = str(tmp_path / "core.log")
     core = start_core(tiny_model_dir, endpoint, log, *flags, "--node-rank", "0", "--block-size", "4",
                       "--num-kv-blocks", "24", "--max-num-batched-tokens", "9", "--max-num-seqs", "4")
+    worker = None
     try:
         wait_ready(endpoint, core, log)
         with Client(endpoint) as c:
             got = c.generate(PROMPTS[1], max_tokens=10, temperature=0, ignore_eos=True).token_ids
         assert got == want
-        assert stop_core(core) == 0
-        assert node1.wait(timeout=60) == 0              # told to stop by the core, not killed
+        # Rank 1 held back (stopped) while the core stops: the core must not tear its group down under a
+        # rank that has not exited yet, whatever the order the two processes get to run in.
+        worker = next(p for p in _children(node1.pid) if b"resource_tracker" not in _cmdline(p))
+        os.kill(worker, signal.SIGSTOP)
+        core.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            core.wait(timeout=2)
+        os.kill(worker, signal.SIGCONT)
+        assert core.wait(timeout=STOP_TIMEOUT) == 0, _log_tails(log, node1_log)
+        assert node1.wait(timeout=STOP_TIMEOUT) == 0, _log_tails(log, node1_log)   # told to stop, not killed
+        assert "did not report" not in Path(log).read_text()
     finally:
+        if worker is not None and _state(worker) == "T":
+            os.kill(worker, signal.SIGCONT)
         for p in (core, node1):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
+
+
+def test_remote_nodes_are_waited_for_until_they_report(tmp_path):
+    from daemon_helpers import free_port
+    from llmserve_core.distributed.launch import RemoteNodes, report_node_stopped
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    nodes = RemoteNodes(store, 3)
+    assert RemoteNodes(store, 1).wait_stopped(timeout=0) == []
+    assert nodes.wait_stopped(timeout=0.2) == [1, 2]
+    reporter = threading.Thread(target=lambda: (time.sleep(0.3), report_node_stopped(f"127.0.0.1:{port}", 2),
+                                                report_node_stopped(f"127.0.0.1:{port}", 1)))
+    reporter.start()
+    assert nodes.wait_stopped(timeout=120) == []       # returns as soon as both have reported
+    reporter.join()
+    del store
+    assert report_node_stopped(f"127.0.0.1:{free_port()}", 1, timeout=1.0) is False    # nobody hosts the store

@@ -88,10 +88,11 @@ class DrivenModel:
 
 
 class Driver:
-    """Owns rank 0's group, the step channel and the worker processes (those on this host)."""
+    """Owns rank 0's group, the step channel, the worker processes on this host and the wait for the other
+    hosts' ranks."""
 
-    def __init__(self, tp, channel: StepChannel, workers):
-        self.tp, self.channel, self.workers = tp, channel, workers
+    def __init__(self, tp, channel: StepChannel, workers, remote_nodes):
+        self.tp, self.channel, self.workers, self.remote_nodes = tp, channel, workers, remote_nodes
         self.live = False
         self.failure: str | None = None
 
@@ -139,11 +140,19 @@ class Driver:
         # Not live before the stop goes out: the workers exit as soon as they read it, and the watchdog
         # must not take that for a lost worker.
         was_live, self.live = self.live, False
+        told = False
         if self.failure is None and was_live:
             try:
                 self.channel.send_stop()
+                told = True
             except RuntimeError:
                 pass
         self.workers.stop(timeout=0 if self.failure else 10.0)   # after a failure they may wait in a collective
+        # The group is torn down only once every rank has exited, on the other hosts as on this one: a peer
+        # closing its connections in the middle of this side's teardown (or the interpreter's finalization
+        # after it) can abort this process in gloo, exit -6 on a clean stop.
+        missing = self.remote_nodes.wait_stopped(timeout=10.0 if told else 0)
+        if missing and told:
+            log.warning("tensor-parallel node(s) %s did not report their ranks stopped within 10 s", missing)
         if dist.is_initialized():
             dist.destroy_process_group()     # so a later engine in this process can form its own group

@@ -22,6 +22,7 @@ class TPGroup:
     cpu_group: object
     step_group: object
     device: torch.device
+    store: object = None       # the rendezvous TCPStore (rank 0 hosts it)
     driver: object = None      # rank 0: the driver.Driver that announces each call to the workers
 
     def wrap(self, model):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -103,7 +104,7 @@ def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, addre
     # as the core is idle.
     step_group = dist.new_group(backend="gloo", timeout=timeout)
     _set_pg_timeout(IDLE_TIMEOUT, step_group)
-    return TPGroup(ShardSpec.of(model_config, rank, size), dist.group.WORLD, cpu_group, step_group, device)
+    return TPGroup(ShardSpec.of(model_config, rank, size), dist.group.WORLD, cpu_group, step_group, device, store)
 
 
 class Workers:
@@ -126,6 +127,40 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
+
+
+def _node_done_key(node_rank: int) -> str:
+    return f"llmserve/node-done/{node_rank}"
+
+
+class RemoteNodes:
+    """The other hosts' ranks, seen from rank 0, which cannot join their processes: each host's launcher
+    (serve_node) says in the rendezvous store when all its ranks have exited."""
+
+    def __init__(self, store, nnodes: int):
+        self.store, self.nodes = store, range(1, nnodes)
+
+    def wait_stopped(self, timeout: float) -> list[int]:
+        """Wait up to `timeout` s for every other host's ranks to exit; -> the nodes that did not say so."""
+        deadline = time.monotonic() + timeout
+        missing = list(self.nodes)
+        while missing:
+            missing = [n for n in missing if not self.store.check([_node_done_key(n)])]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return missing
+
+
+def report_node_stopped(address: str, node_rank: int, timeout: float = 5.0) -> bool:
+    """On another host, once its ranks have exited: tell rank 0 (False if its store is gone: nobody waits)."""
+    host, port = host_and_port(address)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        store.set(_node_done_key(node_rank), "1")
+        return True
+    except RuntimeError:                 # DistError: the core has gone (connection refused, timed out)
+        return False
 
 
 def spawn_workers(config: EngineConfig, ranks: range, address: str) -> Workers:
@@ -151,7 +186,7 @@ def start_rank0(config: EngineConfig, model_config: ModelConfig) -> TPGroup:
     except Exception:
         workers.stop(timeout=0)
         raise
-    tp.driver = Driver(tp, StepChannel(tp, config.max_num_seqs), workers)
+    tp.driver = Driver(tp, StepChannel(tp, config.max_num_seqs), workers, RemoteNodes(tp.store, config.nnodes))
     return tp
 
 
@@ -171,14 +206,16 @@ def die_with_parent(parent_pid: int) -> None:
 
 def worker_main(config: EngineConfig, rank: int, address: str, parent_pid: int) -> None:
     die_with_parent(parent_pid)
+    faulthandler.enable()                    # a native crash leaves the Python stacks in the log
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     from llmserve_core.distributed.worker import serve_worker
     model_config = ModelConfig.from_hf_dir(config.model)
     tp = join_group(config, model_config, rank, address)
     serve_worker(dataclasses.replace(config, warmup=False), tp)
-    # Told to stop: leave without tearing the process group down. The core tears its side down at the
-    # same moment, and gloo's threads here could then abort the process ("terminate called without an
-    # active exception", exit -6) in destroy_process_group or in the interpreter's finalization.
+    # Told to stop: leave at once, without tearing the process group down. The core waits for this
+    # process to exit before it tears its side down (Driver.shutdown); a teardown here, with the core's side
+    # still open, could abort in gloo ("terminate called without an active exception", exit -6) in
+    # destroy_process_group or in the interpreter's finalization.
     logging.shutdown()
     os._exit(0)
 
@@ -194,5 +231,7 @@ def serve_node(config: EngineConfig) -> int:
     log.info("node %d: ranks %d-%d started, rendezvous at %s", config.node_rank, first, first + per_node - 1,
              config.dist_init_addr)
     workers.stop(timeout=float("inf"))
-    codes = [p.exitcode for _, p in workers.procs]
-    return 0 if all(c == 0 for c in codes) else 1
+    if all(p.exitcode == 0 for _, p in workers.procs):     # stopped by the core, which waits to hear it
+        report_node_stopped(config.dist_init_addr, config.node_rank)
+        return 0
+    return 1
