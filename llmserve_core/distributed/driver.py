@@ -148,9 +148,9 @@ class Driver:
             except RuntimeError:
                 pass
         self.workers.stop(timeout=0 if self.failure else 10.0)   # after a failure they may wait in a collective
-        # The group is torn down only once every rank has exited, on the other hosts as on this one: a peer
-        # closing its connections in the middle of this side's teardown (or the interpreter's finalization
-        # after it) can abort this process in gloo, exit -6 on a clean stop.
+        # The group is torn down only once every rank has exited, on the other hosts as on this one (whose
+        # workers were always joined first): a core that tore its side down while another host's rank was
+        # still exiting aborted (exit -6, in gloo's teardown or the interpreter's after it) on a clean stop.
         missing = self.remote_nodes.wait_stopped(timeout=10.0 if told else 0)
         if missing and told:
             log.warning("tensor-parallel node(s) %s did not report their ranks stopped within 10 s", missing)
