@@ -150,7 +150,8 @@ class Driver:
         self.workers.stop(timeout=0 if self.failure else 10.0)   # after a failure they may wait in a collective
         # The group is torn down only once every rank has exited, on the other hosts as on this one (whose
         # workers were always joined first): a core that tore its side down while another host's rank was
-        # still exiting aborted (exit -6, in gloo's teardown or the interpreter's after it) on a clean stop.
+        # still alive now and then aborted on a clean stop ("terminate called without an active exception",
+        # exit -6).
         missing = self.remote_nodes.wait_stopped(timeout=10.0 if told else 0)
         if missing and told:
             log.warning("tensor-parallel node(s) %s did not report their ranks stopped within 10 s", missing)
