@@ -72,18 +72,30 @@ def rendezvous(size: int, rank: int, address: str, workers: "Workers | None",
         store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
     except dist.DistError as e:          # the port is taken, or the address is not this host's
         raise ValueError(f"dist_init_addr: cannot host the rendezvous at {address}: {e}") from None
-    deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-    missing = range(1, size)
-    while missing:
-        missing = [r for r in missing if not store.check([f"llmserve/joined/{r}"])]
+
+    def no_worker_lost() -> None:
         failure = workers.failure() if workers is not None else None
         if failure is not None:
             raise WorkerLost(f"{failure} before it joined the others")
-        if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"dist_init_addr: tensor-parallel ranks {missing} did not join at {address} within "
-                               f"{START_TIMEOUT.total_seconds():.0f} s")
-        time.sleep(0.05)
+    missing = wait_for_keys(store, {r: f"llmserve/joined/{r}" for r in range(1, size)},
+                            START_TIMEOUT.total_seconds(), each_round=no_worker_lost)
+    if missing:
+        raise TimeoutError(f"dist_init_addr: tensor-parallel ranks {missing} did not join at {address} within "
+                           f"{START_TIMEOUT.total_seconds():.0f} s")
     return store
+
+
+def wait_for_keys(store, keys: dict, timeout: float, each_round=lambda: None) -> list:
+    """Poll the store until every key of `keys` ({name: key}) is set or `timeout` s have passed; -> the names
+    whose keys are still missing. each_round() runs after every look at the store (it may raise)."""
+    deadline = time.monotonic() + timeout
+    missing = list(keys)
+    while True:
+        missing = [name for name in missing if not store.check([keys[name]])]
+        each_round()
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.05)
 
 
 def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, address: str,
@@ -142,14 +154,7 @@ class RemoteNodes:
 
     def wait_stopped(self, timeout: float) -> list[int]:
         """Wait up to `timeout` s for every other host's ranks to exit; -> the nodes that did not say so."""
-        deadline = time.monotonic() + timeout
-        missing = list(self.nodes)
-        while missing:
-            missing = [n for n in missing if not self.store.check([_node_done_key(n)])]
-            if not missing or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        return missing
+        return wait_for_keys(self.store, {n: _node_done_key(n) for n in self.nodes}, timeout)
 
 
 def report_node_stopped(address: str, node_rank: int, timeout: float = 5.0) -> bool:
