@@ -31,7 +31,7 @@ from llmserve_core.kernels.fp8_format import quantize_per_block  # noqa: E402
 from llmserve_core.kernels.fp8_gemm import (scaled_mm_supported, w8a8_block_linear,  # noqa: E402
                                              w8a8_gemm_reference, w8a8_gemm_triton)
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
-from fp8_narrow_tiles import time_configs  # noqa: E402
+from fp8_tma_tiles import time_configs  # noqa: E402
 from qwen3_8b import QWEN_FP8_BLOCK_CONFIG, write_qwen3_8b_dir  # noqa: E402
 
 BLOCK = (128, 128)

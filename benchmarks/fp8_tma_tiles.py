@@ -32,7 +32,7 @@ from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference  # noqa: E402
 from floor import measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from fp8_gemv_sweep import ROTATE_BYTES, SHAPES, split_for  # noqa: E402
-from fp8_narrow_tiles import time_configs  # noqa: E402
+from gemv_bench import launches_us  # noqa: E402
 from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
 
 SMS = 132   # the table's card (kernels/fp8_gemv.py's TABLE_SMS)
@@ -40,6 +40,27 @@ X_AHEAD = ("qkv", "gate_up")       # the shapes whose candidates read x quantize
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM the K split aims at)
 CANDIDATES = ((64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 6, 4), (64, 128, 4, 6, 2), (128, 128, 4, 4, 2),
               (128, 128, 8, 4, 2), (128, 128, 4, 6, 2), (64, 256, 4, 4, 4), (128, 256, 4, 3, 2), (32, 128, 4, 8, 2))
+
+
+def time_configs(configs: dict, call_and_reference, x, weights, tolerance: float = 2e-2) -> dict:
+    """label -> {config, us, tb_s, rel_err} (or the error) for each config: call_and_reference(cfg) gives
+    the (x, weight, scale) -> y call and what it must compute on weights[0] (within `tolerance`, relative);
+    timed over every weight copy, twice, in one CUDA graph."""
+    n, k = weights[0][0].shape
+    case = {}
+    for label, cfg in configs.items():
+        try:
+            call, ref = call_and_reference(cfg)
+            ref = ref.float()
+            err = ((call(x, *weights[0]).float() - ref).norm() / ref.norm()).item()
+            if err > tolerance:
+                case[label] = {"config": cfg, "error": f"relative error {err:.3g} against the reference"}
+                continue
+            us = launches_us([lambda q=q, s=s: call(x, q, s) for q, s in weights] * 2)
+            case[label] = {"config": cfg, "us": us, "tb_s": n * k / us / 1e6, "rel_err": err}
+        except Exception as e:       # a tile the compiler refuses is reported, not fatal
+            case[label] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]}
+    return case
 
 
 def call_for(name: str, cfg: dict | None, x_ahead):
