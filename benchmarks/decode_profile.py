@@ -22,6 +22,7 @@ cProfile and keeps the host functions that took the most time.
 
     python benchmarks/decode_profile.py --label now --out $OUT/decode_now.json
     python benchmarks/decode_profile.py --label fp8 --out $OUT/decode_fp8.json --batches 1 --quantization fp8
+    python benchmarks/decode_profile.py --smoke --out /tmp/decode_smoke.json      # tiny model on the CPU
 """
 from __future__ import annotations
 
@@ -43,12 +44,25 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from kernel_trace import profile_calls, summarize  # noqa: E402
-from qwen3_8b import QWEN3_8B_CONFIG, QWEN_FP8_BLOCK_CONFIG, write_qwen3_8b_dir  # noqa: E402
+from qwen3_8b import QWEN3_8B_CONFIG, QWEN_FP8_BLOCK_CONFIG, smoke_shape, write_qwen3_8b_dir  # noqa: E402
 
 C = QWEN3_8B_CONFIG
 WARM_STEPS = 10         # decode steps after the prefills, before the timed ones
 PROFILED_STEPS = 10     # after the timed ones: the kernel table's stretch
 MAX_DECODE_STEPS = 1000  # each request's max_tokens: warm, timed, host-profiled and profiled steps must fit
+ENGINE = dict(load_format="dummy", gpu_memory_utilization=0.85)     # what every run's EngineConfig adds
+SMOKE_RATES = (1e11, 1e12)     # bytes/s and FLOP/s a smoke run's floors assume (nothing is measured there)
+
+
+def use_smoke_model(tmp: str, **overrides) -> str:
+    """A smoke run: the tiny model's shape (config.json, `overrides` on top) on the CPU, short runs. Sets this
+    module's shape and engine settings for every run_batch after it; returns the model directory."""
+    global C, WARM_STEPS, PROFILED_STEPS, MAX_DECODE_STEPS
+    shape = smoke_shape()
+    C = dict(QWEN3_8B_CONFIG, **shape)
+    WARM_STEPS, PROFILED_STEPS, MAX_DECODE_STEPS = 2, 2, 100
+    ENGINE.update(device="cpu", num_kv_blocks=256)
+    return write_qwen3_8b_dir(tmp, **shape, **overrides)
 
 
 def step_floor_ms(batch: int, ctx: int, bw: float, peak: float, linear_bytes: int = 2, kv_bytes: int = 2) -> dict:
@@ -95,13 +109,13 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
               host_profile_steps: int = 0) -> dict:
     from llmserve_core import Engine, EngineConfig
     from llmserve_proto import SamplingParams
-    engine = Engine(EngineConfig(model=model_dir, load_format="dummy", max_model_len=ctx + MAX_DECODE_STEPS + 100,
+    engine = Engine(EngineConfig(model=model_dir, max_model_len=ctx + MAX_DECODE_STEPS + 100,
                                  max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
-                                 gpu_memory_utilization=0.85, enforce_eager=eager, warmup=False,
-                                 quantization=quantization, kv_cache_dtype=kv_cache_dtype))
+                                 enforce_eager=eager, warmup=False,
+                                 quantization=quantization, kv_cache_dtype=kv_cache_dtype, **ENGINE))
     params = SamplingParams(max_tokens=MAX_DECODE_STEPS, ignore_eos=True, temperature=0.0)
     for i in range(batch):
-        engine.add_request(f"r{i}", [(1000 + 7 * i + j) % 150000 for j in range(ctx)], params)
+        engine.add_request(f"r{i}", [(1000 + 7 * i + j) % C["vocab_size"] for j in range(ctx)], params)
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
         engine.step()
     for _ in range(WARM_STEPS):
@@ -127,7 +141,8 @@ def run_batch(model_dir: str, batch: int, ctx: int, bw: float, peak: float, step
     # engine sizes its KV pool around this one's leftovers (batch 256 after 64 and 128 once found no room).
     del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {
         "batch": batch, "ctx": ctx, "timed_keys": timed, "profiled_keys": profiled, "eager": eager, "quantization": quantization or ("fp8-block" if fp8_weights else None), "kv_cache_dtype": kv_cache_dtype, "step_ms": step_ms, "step_ms_p10": sorted(times)[len(times) // 10],
         **floor, "fraction_of_floor": floor["floor_ms"] / step_ms,
@@ -172,16 +187,23 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="after the timed steps, run STEPS more under cProfile and keep the costliest host functions")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model's shape on the CPU (checks the script runs)")
     args = ap.parse_args()
+    block = {"quantization_config": QWEN_FP8_BLOCK_CONFIG} if args.block_scaled else {}
+    if args.smoke:     # the tiny shape's widths take 16-wide scale blocks, which only the CPU accepts
+        block = {"quantization_config": dict(QWEN_FP8_BLOCK_CONFIG, weight_block_size=[16, 16])} if block else {}
+        model_dir = use_smoke_model(tempfile.mkdtemp(), **block)
     if args.steps < 1 or args.host_profile < 0 or \
             WARM_STEPS + args.steps + args.host_profile + PROFILED_STEPS > MAX_DECODE_STEPS:
         ap.error(f"--steps (1 or more) and --host-profile (0 or more) must leave the warm-up's and the profile's "
                  f"{WARM_STEPS + PROFILED_STEPS} steps room in {MAX_DECODE_STEPS} (got {args.steps} and {args.host_profile})")
     if args.quantization and args.block_scaled:
         ap.error("--quantization fp8 quantizes a bf16 checkpoint; --block-scaled is an FP8 one already")
-    bw, peak = measure_copy_bandwidth(), measure_bf16_peak()
-    model_dir = write_qwen3_8b_dir(tempfile.mkdtemp(),
-                                   **({"quantization_config": QWEN_FP8_BLOCK_CONFIG} if args.block_scaled else {}))
+    if args.smoke:
+        bw, peak = SMOKE_RATES
+    else:
+        bw, peak = measure_copy_bandwidth(), measure_bf16_peak()
+        model_dir = write_qwen3_8b_dir(tempfile.mkdtemp(), **block)
     res = {"label": args.label, "copy_bandwidth_tb_s": bw / 1e12, "bf16_peak_tflops": peak / 1e12, "runs": []}
     for b in map(int, args.batches.split(",")):
         r = run_batch(model_dir, b, args.ctx, bw, peak, args.steps, args.eager, args.quantization,

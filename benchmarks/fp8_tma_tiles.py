@@ -10,6 +10,9 @@ tables, and the FP8 batch-1 decode step then runs with the tables as committed a
 twice each, in the same process: the step is the verdict, not the kernel alone. Needs a Hopper GPU.
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_tma_tiles.py --out $OUT/fp8_tma.json   # H200, ~2 min
+    python3 benchmarks/fp8_tma_tiles.py --smoke --out /tmp/fp8_tma.json    # tiny shapes, CPU interpreter
+
+A smoke run patches the best candidate in whatever it measured, so the table-patching path runs too.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
+    os.environ["TRITON_INTERPRET"] = "1"
 import llmserve_core.kernels.fp8_gemv as fp8_gemv_module  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fp8_gemv import (X_AHEAD_GROUP, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
@@ -40,6 +45,10 @@ X_AHEAD = ("qkv", "gate_up")       # the shapes whose candidates read x quantize
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM the K split aims at)
 CANDIDATES = ((64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 6, 4), (64, 128, 4, 6, 2), (128, 128, 4, 4, 2),
               (128, 128, 8, 4, 2), (128, 128, 4, 6, 2), (64, 256, 4, 4, 4), (128, 256, 4, 3, 2), (32, 128, 4, 8, 2))
+# What main() runs: the GPU at the 8B shapes under PDL, or (--smoke) the CPU interpreter on tiny ones.
+RUN = {"dev": "cuda", "dt": torch.bfloat16, "shapes": SHAPES, "pdl": True, "candidates": CANDIDATES, "copies": None}
+SMOKE = dict(dev="cpu", dt=torch.float32, shapes={"qkv": (192, 256), "down": (128, 384)}, pdl=False,
+             candidates=(CANDIDATES[0], CANDIDATES[4]), copies=1)
 
 
 def time_configs(configs: dict, call_and_reference, x, weights, tolerance: float = 2e-2) -> dict:
@@ -65,13 +74,14 @@ def time_configs(configs: dict, call_and_reference, x, weights, tolerance: float
 
 def call_for(name: str, cfg: dict | None, x_ahead):
     """(x, weight, scale) -> y in this config, under PDL (None: the stream kernel)."""
+    pdl = RUN["pdl"]
     if cfg is None:
-        return lambda x, q, s: stream_gemv(x, q, s, None, pdl=True)
+        return lambda x, q, s: stream_gemv(x, q, s, None, pdl=pdl)
     if name in X_AHEAD:
         xq, xs = x_ahead
-        return lambda x, q, s: fp8_gemv(xq, q, s, None, config=dict(cfg), pdl=True, x_scale=xs,
+        return lambda x, q, s: fp8_gemv(xq, q, s, None, config=dict(cfg), pdl=pdl, x_scale=xs,
                                         x_group=X_AHEAD_GROUP, out_dtype=x.dtype)
-    return lambda x, q, s: fp8_gemv(x, q, s, None, config=dict(cfg), pdl=True)
+    return lambda x, q, s: fp8_gemv(x, q, s, None, config=dict(cfg), pdl=pdl)
 
 
 def engine_config(name: str, n: int, k: int) -> dict | None:
@@ -82,16 +92,17 @@ def engine_config(name: str, n: int, k: int) -> dict | None:
 
 
 def time_shape(name: str, n: int, k: int, gen) -> dict:
-    copies = max(2, -(-ROTATE_BYTES // (n * k)))
-    weights = [quantize_per_channel(torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02)
+    copies = RUN["copies"] or max(2, -(-ROTATE_BYTES // (n * k)))
+    dev, dt = RUN["dev"], RUN["dt"]
+    weights = [quantize_per_channel(torch.randn(n, k, device=dev, generator=gen).to(dt) * 0.02)
                for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, k, device=dev, generator=gen).to(dt)
     x_ahead = quantize_activation(x, X_AHEAD_GROUP)
     current = engine_config(name, n, k)
     configs = {"current": current}
     if current is not None:
         configs["current_tma"] = dict(current, TMA=True)
-    for bn, bk, warps, stages, per_sm in CANDIDATES:
+    for bn, bk, warps, stages, per_sm in RUN["candidates"]:
         if name in X_AHEAD and X_AHEAD_GROUP % bk:
             continue        # a K tile may not straddle two of x's scales
         split = split_for(n, k, bn, bk, SMS, per_sm)
@@ -118,14 +129,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks the script runs)")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+    if args.smoke:
+        RUN.update(SMOKE)
+    elif not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         sys.exit("fp8_tma_tiles: needs a Hopper (or later) GPU: TMA, and the chain's kernels launch under PDL")
-    out = {"commit": args.commit, "device": torch.cuda.get_device_name(),
-           "copy_tb_s": measure_copy_bandwidth() / 1e12, "cases": {}, "engine": {}}
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_rate = (lambda: 1e11) if args.smoke else measure_copy_bandwidth
+    out = {"commit": args.commit, "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+           "copy_tb_s": copy_rate() / 1e12, "cases": {}, "engine": {}}
+    gen = torch.Generator(device=RUN["dev"]).manual_seed(0)
     patch = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in RUN["shapes"].items():
         case = out["cases"][name] = time_shape(name, n, k, gen)
         for label, r in case.items():
             if "error" in r:
@@ -137,28 +152,34 @@ def main() -> None:
         print(f"{name:8s} engine {timed['current']['us']:6.2f} us {timed['current']['tb_s']:.2f} TB/s; "
               f"same tile by TMA {timed.get('current_tma', {}).get('tb_s', float('nan')):.2f}; "
               f"best {best} {timed[best]['us']:.2f} us {timed[best]['tb_s']:.2f} TB/s", flush=True)
-        if best != "current" and timed[best]["us"] < 0.97 * timed["current"]["us"]:
+        if args.smoke:      # the interpreter's times mean nothing: patch any candidate, to run that path
+            best = next((label for label in timed if label != "current"), "current")
+        if best != "current" and (args.smoke or timed[best]["us"] < 0.97 * timed["current"]["us"]):
             patch[name] = timed[best]["config"]
-        torch.cuda.empty_cache()
+        if not args.smoke:
+            torch.cuda.empty_cache()
     out["patch"] = patch
     if not patch:
         print("no TMA tile beat the engine's kernel by 3%: no engine run", flush=True)
     else:
         import decode_profile
-        peak, model_dir = measure_bf16_peak(), write_qwen3_8b_dir(tempfile.mkdtemp())
+        if args.smoke:
+            peak, model_dir = 1e12, decode_profile.use_smoke_model(tempfile.mkdtemp())
+        else:
+            peak, model_dir = measure_bf16_peak(), write_qwen3_8b_dir(tempfile.mkdtemp())
         tables = (dict(fp8_gemv_module.DEFAULT_CONFIGS), dict(fp8_gemv_module.X_AHEAD_CONFIGS))
-        for variant in ("table", "patched", "table2", "patched2"):
+        for variant in ("table", "patched") if args.smoke else ("table", "patched", "table2", "patched2"):
             for live, saved in zip((fp8_gemv_module.DEFAULT_CONFIGS, fp8_gemv_module.X_AHEAD_CONFIGS), tables):
                 live.clear()
                 live.update(saved)
             if variant.startswith("patched"):
                 for name, cfg in patch.items():
-                    n, k = SHAPES[name]
+                    n, k = RUN["shapes"][name]
                     table = fp8_gemv_module.X_AHEAD_CONFIGS if name in X_AHEAD else fp8_gemv_module.DEFAULT_CONFIGS
                     for kind in ("channel", "block"):
                         table[(n, k, 1, kind)] = dict(cfg)
-            r = decode_profile.run_batch(model_dir, 1, 512, measure_copy_bandwidth(), peak, args.steps, False,
-                                         "fp8", "auto")
+            r = decode_profile.run_batch(model_dir, 1, 16 if args.smoke else 512, copy_rate(), peak,
+                                         2 if args.smoke else args.steps, False, "fp8", "auto")
             out["engine"][variant] = {key: r[key] for key in ("step_ms", "floor_ms", "fraction_of_floor",
                                                               "kernels_per_step")}
             print(f"fp8 batch 1, {variant:9s} step {r['step_ms']:.3f} ms ({100 * r['fraction_of_floor']:.1f}% of "

@@ -6,13 +6,20 @@ weight from HBM. Times are triton.testing.do_bench medians.
 
     python benchmarks/gemv_bench.py --out $OUT/gemv.json            # on the GPU
     python benchmarks/gemv_bench.py --sweep --out $OUT/gemv.json    # also try every config in CONFIGS
+    python benchmarks/gemv_bench.py --smoke --sweep                 # tiny shapes, CPU interpreter
+
+Its timing helpers (graph_us, launches_us, bench, copy_bandwidth) serve the other kernel benchmarks too.
+Under Triton's interpreter (their smoke runs) they time eagerly on the CPU: the figures mean nothing there,
+the run only shows that the script still works.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +27,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from llmserve_core.kernels.gemv import gemv, gemv_config, gemv_reference  # noqa: E402
 
@@ -28,9 +37,15 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
 ROWS = (1, 2, 4, 8, 16)
 
 
+SMOKE_SHAPES = {"qkv": (96, 64), "lm_head": (160, 64)}
 SWEEP_SHAPES = ("qkv", "o_proj", "down", "lm_head")     # the distinct (N, K) regimes
 SWEEP_ROWS = (1, 4, 16)
 GRAPH_CALLS = 24
+
+
+def eager_timing() -> bool:
+    """Under the interpreter (or without a GPU) nothing can be captured: time eager calls on the CPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
 
 
 def sweep_configs(m: int, n: int, k: int, sms: int):
@@ -40,6 +55,11 @@ def sweep_configs(m: int, n: int, k: int, sms: int):
 
 
 def copy_bandwidth() -> float:
+    if eager_timing():
+        x = torch.empty(1 << 24, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        x.clone()
+        return 2 * x.numel() / (time.perf_counter() - t0)
     from triton.testing import do_bench
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -49,6 +69,10 @@ def copy_bandwidth() -> float:
 
 def graph_us(run, per: int, replays: int = 20) -> tuple[float, object]:
     """(median microseconds per `per` units of one CUDA-graph replay of run(), the captured output)."""
+    if eager_timing():
+        t0 = time.perf_counter()
+        out = run()
+        return (time.perf_counter() - t0) * 1e6 / per, out
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()
@@ -68,6 +92,8 @@ def graph_us(run, per: int, replays: int = 20) -> tuple[float, object]:
 
 def warm_up_on_side_stream(launches: list) -> None:
     """Run each launch once on a side stream, as capturing cuBLAS wants before a graph takes it."""
+    if eager_timing():
+        return
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -81,7 +107,8 @@ def launches_us(launches: list, reps: int = 7) -> float:
     first, eagerly and on a side stream."""
     for fn in launches:
         fn()
-    torch.cuda.synchronize()
+    if not eager_timing():
+        torch.cuda.synchronize()
     warm_up_on_side_stream(launches)
     return graph_us(lambda: [fn() for fn in launches], len(launches), reps)[0]
 
@@ -89,6 +116,8 @@ def launches_us(launches: list, reps: int = 7) -> float:
 def bench(fn_for, copies: int, replays: int = 10) -> float:
     """Milliseconds per call inside a CUDA graph of GRAPH_CALLS back-to-back calls cycling over the weight
     copies: launch gaps count as they do in a captured decode step, and no call finds its weight in L2."""
+    if eager_timing():        # one call: the interpreter's time means nothing
+        return graph_us(lambda: fn_for(0), 1)[0] / 1e3
     for i in range(copies):
         fn_for(i)
     torch.cuda.synchronize()
@@ -100,19 +129,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=None, help=f"some of {','.join(SHAPES)} (default: all)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and one sweep tile on the CPU interpreter")
     args = ap.parse_args()
     torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    dev, dt = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth()
-    results = {"copy_bandwidth_tb_s": bw / 1e12, "device": torch.cuda.get_device_name(), "rows": {}}
+    results = {"copy_bandwidth_tb_s": bw / 1e12, "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+               "rows": {}}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name]
-        copies = max(3, -(-256 * 2**20 // (n * k * 2)))
+    for name in args.shapes.split(",") if args.shapes else shapes:
+        n, k = shapes[name]
+        copies = 1 if args.smoke else max(3, -(-256 * 2**20 // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(copies)]
         nbytes = n * k * 2
-        for m in ROWS:
+        for m in (1, 16) if args.smoke else ROWS:
             x = torch.randn(m, k, device=dev, dtype=dt)
             row = {"cublas_ms": bench(lambda i: F.linear(x, ws[i]), copies)}
             row["gemv_ms"] = bench(lambda i: gemv(x, ws[i]), copies)
@@ -121,7 +154,8 @@ def main() -> None:
             row["gemv_rel_err"] = err
             if args.sweep and name in SWEEP_SHAPES and m in SWEEP_ROWS:
                 best = None
-                for cfg in sweep_configs(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count):
+                configs = list(sweep_configs(m, n, k, sms))
+                for cfg in configs[:1] if args.smoke else configs:
                     try:
                         ms = bench(lambda i: gemv(x, ws[i], config=cfg), copies, replays=3)
                     except Exception as e:          # a config the compiler rejects (registers, shared memory)
@@ -137,7 +171,8 @@ def main() -> None:
             print(f"{name:8s} m={m:2d} " + " ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}"
                                                       for k_, v in row.items()), flush=True)
         del ws
-        torch.cuda.empty_cache()
+        if not args.smoke:
+            torch.cuda.empty_cache()
     print("\n| shape | rows | cuBLAS TB/s | gemv TB/s | gemv % copy | best sweep TB/s |")
     print("|---|---|---|---|---|---|")
     for key, r in results["rows"].items():

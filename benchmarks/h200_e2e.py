@@ -12,6 +12,7 @@ Measures, each as a ratio taken in this same run:
 and, for every timed run, how many kernels the engine JIT-compiled inside it (the stats key
 jit_compilations): any at all fails the run (exit status 1), since the start-up warm-up should leave none.
 Usage: python benchmarks/h200_e2e.py --out DIR [--quick] [--skip SECTION ...]
+       python benchmarks/h200_e2e.py --out DIR --smoke      # every section on the tiny shape, CPU, seconds
 """
 from __future__ import annotations
 
@@ -30,10 +31,30 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from floor import decode_floor, measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from kernel_trace import KINDS, busy_us, kernel_kind, profile_calls, span_us  # noqa: E402
-from qwen3_8b import QWEN3_8B_CONFIG, write_qwen3_8b_dir  # noqa: E402
+from qwen3_8b import QWEN3_8B_CONFIG, smoke_shape, write_qwen3_8b_dir  # noqa: E402
 from llmserve_client.child_process import die_with_parent  # noqa: E402
 
 RESULTS: dict = {}
+# The sizes of every section: the 8B shape on the GPU, or (--smoke) the tiny shape on the CPU for seconds.
+P = dict(
+    config=QWEN3_8B_CONFIG, device="cuda", dtype=torch.bfloat16, vocab=(1000, 100000),
+    engine=dict(load_format="dummy", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
+                gpu_memory_utilization=0.85),
+    core=["--max-model-len", "4096", "--max-num-seqs", "256", "--gpu-memory-utilization", "0.85"],
+    b1_contexts=(512, 4096 - 300), b1_tokens=200, step_batches=(64, 256), step_prompt=512, step_context=630,
+    steps=20, prompt=512, output=256, windows=((3, 6), (5, 15)), mix_windows=((3, 8), (5, 20)),
+    mix="0.8:128:128,0.2:4096:128", mix_len=4400, mix_seqs=128, mix_budget=2048,
+    peer=((1, 64), (8, 128), (64, 128)), peer_prompt=512,
+)
+SMOKE = dict(
+    device="cpu", dtype=torch.float32, vocab=(3, 1024),     # config: the tiny shape, set by main()
+    engine=dict(load_format="dummy", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
+                device="cpu", num_kv_blocks=256),
+    core=["--max-model-len", "512", "--max-num-seqs", "4", "--device", "cpu", "--num-kv-blocks", "256"],
+    b1_contexts=(16,), b1_tokens=8, step_batches=(2,), step_prompt=16, step_context=18, steps=2, prompt=16,
+    output=8, windows=((0.5, 1), (0.5, 1)), mix_windows=((0.5, 1), (0.5, 1)), mix="0.8:16:8,0.2:64:8",
+    mix_len=128, mix_seqs=4, mix_budget=32, peer=((1, 4), (2, 4)), peer_prompt=16,
+)
 
 
 SECTIONS: list[str] = []    # every section's name, in run order: what --skip may name
@@ -61,12 +82,18 @@ def section(name):
 
 @section("copy_bandwidth")
 def copy_bandwidth(args):
-    return {"tb_per_s": measure_copy_bandwidth() / 1e12}
+    return {"tb_per_s": 0.1 if args.smoke else measure_copy_bandwidth() / 1e12}
 
 
 @section("bf16_peak")
 def bf16_peak(args):
-    return {"tflop_per_s": measure_bf16_peak() / 1e12}
+    return {"tflop_per_s": 1.0 if args.smoke else measure_bf16_peak() / 1e12}
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def rates() -> tuple[float, float]:
@@ -78,8 +105,7 @@ def rates() -> tuple[float, float]:
 
 def make_engine(model_dir, **kw):
     from llmserve_core import Engine, EngineConfig
-    cfg = dict(model=model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=256,
-               max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+    cfg = dict(model=model_dir, **P["engine"])
     cfg.update(kw)
     return Engine(EngineConfig(**cfg))
 
@@ -90,9 +116,10 @@ def batch1_decode(args, model_dir):
     bw, peak = rates()
     out = {}
     for backend in ("triton",):
-        engine = make_engine(model_dir, attention_backend=backend, max_num_seqs=64)
-        for ctx in (512, 4096 - 300):
-            engine.add_request(f"r{ctx}", list(range(1000, 1000 + ctx)), SamplingParams(max_tokens=200, ignore_eos=True))
+        engine = make_engine(model_dir, **({} if args.smoke else dict(attention_backend=backend, max_num_seqs=64)))
+        for ctx in P["b1_contexts"]:
+            engine.add_request(f"r{ctx}", [P["vocab"][0] + i for i in range(ctx)],
+                               SamplingParams(max_tokens=P["b1_tokens"], ignore_eos=True))
             engine.step()                              # prefill
             jit0 = engine.stats()["jit_compilations"]
             times = []
@@ -100,16 +127,15 @@ def batch1_decode(args, model_dir):
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
-            times = sorted(times[5:])
+            times = sorted(times[len(times) // 4:])
             per_tok = times[len(times) // 2]
-            # The mean context over the 200 decoded tokens.
-            floor = decode_floor(QWEN3_8B_CONFIG, [ctx + 100], bw, peak)
+            # The mean context over the decoded tokens.
+            floor = decode_floor(P["config"], [ctx + P["b1_tokens"] // 2], bw, peak)
             out[f"{backend}_ctx{ctx}"] = {"ms_per_token": per_tok * 1e3, "floor_ms": floor.ms,
                                           "fraction_of_floor": floor.ms / (per_tok * 1e3),
                                           "jit_compilations": engine.stats()["jit_compilations"] - jit0}
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_device_memory()
     return out
 
 
@@ -120,35 +146,35 @@ def decode_steps(args, model_dir):
     from llmserve_proto import SamplingParams
     bw, peak = rates()
     out = {}
-    for batch in (64, 256):
+    for batch in P["step_batches"]:
         engine = make_engine(model_dir, max_num_seqs=batch)
         for i in range(batch):
-            engine.add_request(f"r{i}", [1000 + i + j for j in range(512)], SamplingParams(max_tokens=256, ignore_eos=True))
+            engine.add_request(f"r{i}", [P["vocab"][0] + i + j for j in range(P["step_prompt"])],
+                               SamplingParams(max_tokens=256, ignore_eos=True))
         while engine.stats()["waiting"] or any(r.is_prefilling for r in engine.scheduler.running):
             engine.step()
         contexts = lambda: [r.num_tokens for r in engine.scheduler.running]  # noqa: E731
-        while sum(contexts()) / batch < 630:
+        while sum(contexts()) / batch < P["step_context"]:
             engine.step()
-        steps, floors, times = 20, [], []
+        steps, floors, times = P["steps"], [], []
         jit0 = engine.stats()["jit_compilations"]
         for _ in range(steps):
-            floors.append(decode_floor(QWEN3_8B_CONFIG, contexts(), bw, peak).ms)
+            floors.append(decode_floor(P["config"], contexts(), bw, peak).ms)
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
         kernels, _ = profile_calls(engine.step, steps)
         span = span_us(kernels)
         busy = busy_us(kernels)
-        split = {c: busy_us([k for k in kernels if kernel_kind(k[0]) == c]) / span for c in KINDS}
+        split = {c: busy_us([k for k in kernels if kernel_kind(k[0]) == c]) / span if span else 0.0 for c in KINDS}
         ms = sorted(times)[steps // 2] * 1e3
         floor = sum(floors) / steps
         out[f"b{batch}"] = {"mean_context": sum(contexts()) / batch, "ms_per_step": ms, "floor_ms": floor,
-                            "fraction_of_floor": floor / ms, "idle_fraction": 1 - busy / span,
+                            "fraction_of_floor": floor / ms, "idle_fraction": 1 - busy / span if span else 0.0,
                             "jit_compilations": engine.stats()["jit_compilations"] - jit0,
                             **{f"{c}_fraction": v for c, v in split.items()}}
         engine = None      # frees the pool before the next batch (a closure above reads the name)
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_device_memory()
     return out
 
 
@@ -160,16 +186,16 @@ def inprocess_closed_loop(args, model_dir):
     engine = make_engine(model_dir)
     out = {}
     rnd = random.Random(0)
-    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    params = SamplingParams(max_tokens=P["output"], ignore_eos=True)
     for conc in args.inprocess_concurrency:
         n = 0
         def add():
             nonlocal n
-            engine.add_request(f"c{conc}-{n}", [rnd.randrange(1000, 100000) for _ in range(512)], params)
+            engine.add_request(f"c{conc}-{n}", [rnd.randrange(*P["vocab"]) for _ in range(P["prompt"])], params)
             n += 1
         for _ in range(conc):
             add()
-        warm, secs = (3.0, 6.0) if args.quick else (5.0, 15.0)
+        warm, secs = P["windows"][0 if args.quick else 1]
         jit0 = engine.stats()["jit_compilations"]
         t0 = time.perf_counter()
         tokens = 0
@@ -190,8 +216,7 @@ def inprocess_closed_loop(args, model_dir):
         out[f"c{conc}"] = {"output_throughput": tokens / secs,
                            "jit_compilations": engine.stats()["jit_compilations"] - jit0}
     engine = None
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_device_memory()
     return out
 
 
@@ -237,15 +262,15 @@ def pick(summary):
 @section("closed_loop_ipc")
 def closed_loop(args, model_dir, tmp):
     endpoint = f"ipc://{tmp}/core.sock"
-    core = start_core(model_dir, endpoint, ["--max-model-len", "4096", "--max-num-seqs", "256",
-                                            "--gpu-memory-utilization", "0.85"] + shlex.split(args.core_args))
+    core = start_core(model_dir, endpoint, P["core"] + shlex.split(args.core_args))
     out = {}
     try:
         for conc in args.concurrency:
-            secs = "6" if args.quick else "15"
-            out[f"c{conc}"] = pick(bench(endpoint, ["closed-loop", "--max-concurrency", str(conc), "--input-len", "512",
-                                                    "--output-len", "256", "--warmup-seconds", "3" if args.quick else "5",
-                                                    "--measurement-seconds", secs, "--prompt-mode", "random"],
+            warm, secs = P["windows"][0 if args.quick else 1]
+            out[f"c{conc}"] = pick(bench(endpoint, ["closed-loop", "--max-concurrency", str(conc),
+                                                    "--input-len", str(P["prompt"]), "--output-len", str(P["output"]),
+                                                    "--warmup-seconds", str(warm), "--measurement-seconds", str(secs),
+                                                    "--prompt-mode", "random"],
                                          os.path.join(args.out, f"closed_loop_c{conc}.json")))
     finally:
         stop_core(core)
@@ -257,14 +282,15 @@ def chunked_mix(args, model_dir, tmp):
     out = {}
     for chunked in (True, False):
         endpoint = f"ipc://{tmp}/core-chunk{int(chunked)}.sock"
-        flags = ["--max-model-len", "4400", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.85",
-                 "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill",
-                 "--max-num-batched-tokens", "2048" if chunked else "4400"]
+        warm, secs = P["mix_windows"][0 if args.quick else 1]
+        flags = P["core"] + ["--max-model-len", str(P["mix_len"]), "--max-num-seqs", str(P["mix_seqs"]),
+                             "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill",
+                             "--max-num-batched-tokens", str(P["mix_budget"] if chunked else P["mix_len"])]
         core = start_core(model_dir, endpoint, flags)
         try:
             out["chunked" if chunked else "whole_prompt"] = pick(bench(
-                endpoint, ["closed-loop", "--max-concurrency", "32", "--mix", "0.8:128:128,0.2:4096:128",
-                           "--warmup-seconds", "3" if args.quick else "5", "--measurement-seconds", "8" if args.quick else "20",
+                endpoint, ["closed-loop", "--max-concurrency", "32", "--mix", P["mix"],
+                           "--warmup-seconds", str(warm), "--measurement-seconds", str(secs),
                            "--prompt-mode", "random"],
                 os.path.join(args.out, f"mix_chunked{int(chunked)}.json")))
         finally:
@@ -278,39 +304,42 @@ def chunked_mix(args, model_dir, tmp):
 @section("transformers_peer")
 def transformers_peer(args, model_dir):
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-    config = Qwen3Config(**{k: v for k, v in QWEN3_8B_CONFIG.items() if k not in ("architectures", "model_type")})
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    config = Qwen3Config(**{k: v for k, v in P["config"].items() if k not in ("architectures", "model_type")})
+    torch.set_default_dtype(P["dtype"])
+    with torch.device(P["device"]):
         model = Qwen3ForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
+    sync = torch.cuda.synchronize if P["device"] == "cuda" else (lambda: None)
     out = {}
     g = torch.Generator().manual_seed(0)
-    for batch, new in ((1, 64), (8, 128), (64, 128)):
-        ids = torch.randint(1000, 100000, (batch, 512), generator=g).cuda()
+    for batch, new in P["peer"]:
+        ids = torch.randint(*P["vocab"], (batch, P["peer_prompt"]), generator=g).to(P["device"])
         gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         with torch.no_grad():
             model.generate(ids[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)   # warm up
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             model.generate(ids, **gen)
-            torch.cuda.synchronize()
+            sync()
             sec = time.perf_counter() - t0
         out[f"generate_b{batch}"] = {"output_throughput": batch * new / sec, "seconds": sec, "new_tokens": new}
     try:
-        ids = torch.randint(1000, 100000, (64, 512), generator=g).tolist()
-        gc_ = GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        batch, new = P["peer"][-1]
+        if args.smoke:
+            raise RuntimeError("not run in a smoke run (a minute on the CPU)")
+        ids = torch.randint(*P["vocab"], (batch, P["peer_prompt"]), generator=g).tolist()
+        gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
         with torch.no_grad():
             t0 = time.perf_counter()
             res = model.generate_batch(inputs=ids, generation_config=gc_)
-            torch.cuda.synchronize()
+            sync()
             sec = time.perf_counter() - t0
         toks = sum(len(r.generated_tokens) for r in res.values())
-        out["generate_batch_c64"] = {"output_throughput": toks / sec, "seconds": sec, "tokens": toks}
+        out[f"generate_batch_c{batch}"] = {"output_throughput": toks / sec, "seconds": sec, "tokens": toks}
     except Exception as e:
-        out["generate_batch_c64"] = {"error": f"{type(e).__name__}: {e}"}
+        out[f"generate_batch_c{batch}"] = {"error": f"{type(e).__name__}: {e}"}
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_device_memory()
     return out
 
 
@@ -377,18 +406,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--inprocess-concurrency", type=int, nargs="+", default=[64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed loops over IPC (default 1 8 64 256)")
+    ap.add_argument("--inprocess-concurrency", type=int, nargs="+", default=None, help="in-process loops (default 64)")
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, metavar="SECTION",
                     help=f"sections not to run: {' '.join(SECTIONS)}")
     ap.add_argument("--core-args", default="",
                     help="more flags for the closed loops' core, e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every section on the tiny shape, on the CPU, in seconds (checks the script runs)")
     args = ap.parse_args()
+    if args.smoke:
+        P.update(SMOKE, config=dict(QWEN3_8B_CONFIG, **smoke_shape()))
+    args.concurrency = args.concurrency or ([2] if args.smoke else [1, 8, 64, 256])
+    args.inprocess_concurrency = args.inprocess_concurrency or ([2] if args.smoke else [64])
     RESULTS["core_args"] = args.core_args
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="llmserve-bench-")
-    model_dir = write_qwen3_8b_dir(os.path.join(tmp, "qwen3-8b-dummy"))
-    RESULTS["device"] = torch.cuda.get_device_name()
+    model_dir = write_qwen3_8b_dir(os.path.join(tmp, "qwen3-8b-dummy"), **(smoke_shape() if args.smoke else {}))
+    RESULTS["device"] = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
     RESULTS["torch"] = torch.__version__
     try:
         RESULTS["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -21,14 +21,17 @@ KINDS = ("gemm", "attention", "other")
 
 
 def profile_calls(fn, calls: int) -> tuple[list[tuple[str, float, float]], float]:
-    """(kernels, wall ms) over `calls` calls of fn(), the device synchronized before and after."""
+    """(kernels, wall ms) over `calls` calls of fn(), the device synchronized before and after. Without a
+    GPU (a smoke run on the CPU) there are no kernels to list."""
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) * 1e3
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")

@@ -11,11 +11,13 @@ Three parts, on the H200 at the Qwen3-8B shape (bf16, and FP8 weights with per-r
 Every kernel is checked against its torch reference first. Prints a table last; --out writes the JSON.
 
     python benchmarks/pdl_chain_bench.py --out $OUT/pdl_chain.json
+    python benchmarks/pdl_chain_bench.py --smoke        # tiny shapes, CPU interpreter, no PDL: checks only
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from gemv_bench import SHAPES, bench, copy_bandwidth, graph_us  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
@@ -35,6 +39,12 @@ from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, s
 
 LAYERS = 8
 EPS = 1e-6
+# What main() runs on: the GPU at the 8B shapes, or (--smoke) the CPU interpreter at tiny ones without PDL
+# (one swept shape, whose K the sweep's tiles divide; a 64-wide layer for the chain).
+RUN = {"dev": "cuda", "dt": torch.bfloat16, "shapes": SHAPES, "swept": ("qkv", "o_proj", "gate_up", "down"),
+       "pdl": True, "layers": LAYERS, "copies": None}
+SMOKE = dict(dev="cpu", dt=torch.float32, shapes={"qkv": (96, 64), "o_proj": (64, 64), "gate_up": (128, 64),
+             "down": (64, 64), "swept": (64, 256)}, swept=("swept",), pdl=False, layers=1, copies=1)
 
 
 def rel_err(y, ref) -> float:
@@ -67,24 +77,24 @@ def sweep(name: str, x, weights: list, scales: list | None, copies: int) -> tupl
 
 def shapes_part() -> dict:
     out = {}
-    dev, dt = "cuda", torch.bfloat16
-    for name in ("qkv", "o_proj", "gate_up", "down"):
-        n, k = SHAPES[name]
-        copies = max(3, -(-256 * 2**20 // (n * k * 2)))
+    dev, dt, pdl = RUN["dev"], RUN["dt"], RUN["pdl"]
+    for name in RUN["swept"]:
+        n, k = RUN["shapes"][name]
+        copies = RUN["copies"] or max(3, -(-256 * 2**20 // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(copies)]
         qs, ss = zip(*(quantize_per_channel(w) for w in ws))
         x = torch.randn(1, k, device=dev, dtype=dt)
         row = {"cublas_us": 1e3 * bench(lambda i: F.linear(x, ws[i]), copies)}
         best, row["sweep_us"] = sweep(name, x, ws, None, copies)
         row["stream_config"], row["stream_us"] = best, min(us for _, us in row["sweep_us"])
-        row["stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=True, config=best), copies)
+        row["stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=pdl, config=best), copies)
         row["default_config"] = stream_gemv_config(n, k)
-        row["default_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=True), copies)
+        row["default_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=pdl), copies)
         # FP8 weights (per-channel scales): the tensor-core FP8 GEMV against the stream kernel's own sweep
         row["fp8_gemv_us"] = 1e3 * bench(lambda i: fp8_gemv(x, qs[i], ss[i]), copies)
         best8, row["fp8_sweep_us"] = sweep(f"fp8 {name}", x, qs, ss, copies)
         row["fp8_stream_config"], row["fp8_stream_us"] = best8, min(us for _, us in row["fp8_sweep_us"])
-        row["fp8_stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, qs[i], ss[i], pdl=True, config=best8), copies)
+        row["fp8_stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, qs[i], ss[i], pdl=pdl, config=best8), copies)
         for key in ("cublas_us", "stream_us", "stream_pdl_us", "default_pdl_us"):
             row[key.replace("_us", "_tb_s")] = n * k * 2 / (row[key] * 1e-6) / 1e12
         for key in ("fp8_gemv_us", "fp8_stream_us", "fp8_stream_pdl_us"):
@@ -120,18 +130,18 @@ def layer_chain(hidden: torch.Tensor, layers: list[dict], lin, pdl: bool = False
 
 def chain_part() -> dict:
     """LAYERS decoder layers without attention in one graph; microseconds per layer."""
-    dev, dt = "cuda", torch.bfloat16
-    h = 4096
+    dev, dt, shapes = RUN["dev"], RUN["dt"], RUN["shapes"]
+    h = shapes["o_proj"][0]
     layers = []
-    for _ in range(LAYERS):
-        ws = {name: torch.randn(*SHAPES[name], device=dev, dtype=dt) * SHAPES[name][1] ** -0.5
+    for _ in range(RUN["layers"]):
+        ws = {name: torch.randn(*shapes[name], device=dev, dtype=dt) * shapes[name][1] ** -0.5
               for name in ("qkv", "o_proj", "gate_up", "down")}
         layers.append({"w": ws, "q": {k: quantize_per_channel(v) for k, v in ws.items()},
                        "n1": torch.rand(h, device=dev, dtype=dt) + 0.5, "n2": torch.rand(h, device=dev, dtype=dt) + 0.5})
     hidden0 = torch.randn(1, h, device=dev, dtype=dt)
 
     def run(kind: str):
-        pdl = kind.endswith("pdl")
+        pdl = kind.endswith("pdl") and RUN["pdl"]
         fp8 = kind.startswith("fp8")
 
         def lin(x, layer, name):
@@ -149,8 +159,10 @@ def chain_part() -> dict:
     ref = run("reference")
     row = {}
     for kind in ("cublas", "stream", "stream_pdl", "fp8_stream", "fp8_stream_pdl"):
+        if kind.endswith("pdl") and not RUN["pdl"]:
+            continue
         eager = run(kind)
-        row[f"{kind}_us_per_layer"], captured = graph_us(lambda: run(kind), LAYERS)
+        row[f"{kind}_us_per_layer"], captured = graph_us(lambda: run(kind), RUN["layers"])
         if not kind.startswith("fp8"):
             row[f"{kind}_rel_err"] = rel_err(eager, ref)
             assert row[f"{kind}_rel_err"] < 5e-2, (kind, row[f"{kind}_rel_err"])
@@ -162,11 +174,14 @@ def chain_part() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, no PDL (checks the script runs)")
     args = ap.parse_args()
+    if args.smoke:
+        RUN.update(SMOKE)
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    res = {"copy_bandwidth_tb_s": bw / 1e12, "device": torch.cuda.get_device_name()}
+    res = {"copy_bandwidth_tb_s": bw / 1e12, "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()}
     res["shapes"] = shapes_part()
     res["chain"] = chain_part()
     print("\n| shape | rows | cuBLAS TB/s | stream (best tile) | stream+PDL | default tile+PDL | fp8_gemv | fp8 stream | fp8 stream+PDL |")
@@ -180,8 +195,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for key, r in res["chain"].items():
         print(f"| {key[1:]} | {r['cublas_us_per_layer']:.1f} | {r['stream_us_per_layer']:.1f} | "
-              f"{r['stream_pdl_us_per_layer']:.1f} | {r['fp8_stream_us_per_layer']:.1f} | "
-              f"{r['fp8_stream_pdl_us_per_layer']:.1f} |")
+              f"{r.get('stream_pdl_us_per_layer', float('nan')):.1f} | {r['fp8_stream_us_per_layer']:.1f} | "
+              f"{r.get('fp8_stream_pdl_us_per_layer', float('nan')):.1f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))

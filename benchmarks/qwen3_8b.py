@@ -19,10 +19,18 @@ QWEN_FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_schem
 
 def write_qwen3_8b_dir(path: str, **overrides) -> str:
     """The 8B config.json (with `overrides` on top: a smaller smoke shape, a quantization_config) at `path`."""
+    config = dict(QWEN3_8B_CONFIG, **overrides)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(dict(QWEN3_8B_CONFIG, **overrides), f, indent=1)
+        json.dump(config, f, indent=1)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [151645, 151643]}, f)
+        json.dump({"eos_token_id": [config["eos_token_id"], config["bos_token_id"]]}, f)
     return path
+
+
+def smoke_shape() -> dict:
+    """The tiny test model's widths (llmserve_core/models/tiny.py) as overrides of the 8B config: what the
+    benchmarks' smoke runs load, with dummy weights, on the CPU."""
+    from llmserve_core.models.tiny import TINY_CONFIG
+    return dict(TINY_CONFIG, bos_token_id=0, eos_token_id=2)
 

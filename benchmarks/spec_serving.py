@@ -9,6 +9,7 @@ off, in one call.
           cost: this shows the executor's overhead, not what an 8B model gains.
 
     python benchmarks/spec_serving.py --out $OUT/serving [--quick] [--only 8b|trained]
+    python benchmarks/spec_serving.py --out /tmp/serving --smoke    # the 8b section on tiny models, CPU
 """
 from __future__ import annotations
 
@@ -42,20 +43,23 @@ def loops(endpoint: str, out_dir: str, tag: str, concurrencies, argv: list[str],
 
 
 def run_8b(args, tmp: Path) -> dict:
-    target, draft = write_models(tmp, smoke=False)
+    target, draft = write_models(tmp, smoke=args.smoke)
     common = ["--max-model-len", "2048", "--max-num-seqs", "256", "--gpu-memory-utilization", "0.85"]
     argv = ["--input-len", "512", "--output-len", "256", "--prompt-mode", "random"]
+    windows = ("3", "8") if args.quick else ("5", "15")
+    if args.smoke:      # the tiny target and draft on the CPU, for seconds
+        common = ["--max-model-len", "512", "--max-num-seqs", "4", "--device", "cpu", "--num-kv-blocks", "256"]
+        argv, windows = ["--input-len", "16", "--output-len", "8", "--prompt-mode", "random"], ("0.5", "1")
     out = {}
     for tag, extra in (("plain", []), ("spec_adaptive", ["--speculative-model", draft, "--speculative-policy", "adaptive"])):
         endpoint = f"ipc://{tmp}/{tag}.sock"
         core = start_core(target, endpoint, common + extra)                   # dummy weights
         try:
-            out[tag] = loops(endpoint, args.out, f"8b_{tag}", args.concurrency, argv,
-                             "3" if args.quick else "5", "8" if args.quick else "15")
+            out[tag] = loops(endpoint, args.out, f"8b_{tag}", args.concurrency, argv, *windows)
         finally:
             stop_core(core)
-    out["ratio_spec_over_plain"] = {c: out["spec_adaptive"][c]["output_throughput"] / out["plain"][c]["output_throughput"]
-                                    for c in out["plain"]}
+    out["ratio_spec_over_plain"] = {c: out["spec_adaptive"][c]["output_throughput"] /
+                                    max(out["plain"][c]["output_throughput"], 1e-9) for c in out["plain"]}
     return out
 
 
@@ -113,9 +117,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["8b", "trained"])
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--concurrency", default="1,16,64,256", type=lambda v: [int(c) for c in v.split(",")],
-                    help="the 8B section's concurrencies")
+    ap.add_argument("--concurrency", default=None, type=lambda v: [int(c) for c in v.split(",")],
+                    help="the 8B section's concurrencies (default 1,16,64,256)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the 8b section on tiny models on the CPU at concurrency 2, in seconds (checks the script runs)")
     args = ap.parse_args()
+    args.concurrency = args.concurrency or ([2] if args.smoke else [1, 16, 64, 256])
+    if args.smoke and args.only is None:
+        args.only = "8b"
     os.makedirs(args.out, exist_ok=True)
     res = {"commit": args.commit}
     with tempfile.TemporaryDirectory() as tmp:
