@@ -29,7 +29,7 @@
 #            per channel and per block)
 #            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json, $OUT/fp8_skinny.json
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
-# README "GPU checks"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
+# benchmarks/README.md, "Running on a GPU"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
 set -uo pipefail
 out=${OUT:?OUT must name the folder for results}

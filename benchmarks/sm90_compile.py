@@ -315,7 +315,7 @@ def late_loads(ops: list[str]) -> int:
     """Global loads (LDG) issued after the first barrier (BAR) that follows the PDL wait (ACQBULK; the
     start where there is none). A load there waits for what the barrier waits for, a reduction or a layout
     change, so its memory latency adds to the one before it instead of overlapping it: a kernel without a
-    loop should have none (benchmarks/results/decode_round_trips_h100.md)."""
+    loop should have none (benchmarks/results/LOG.md, the round trips behind barriers)."""
     start = ops.index("ACQBULK") if "ACQBULK" in ops else 0
     barriers = [i for i in range(start, len(ops)) if ops[i] == "BAR"]
     return sum(op == "LDG" for op in ops[barriers[0]:]) if barriers else 0

@@ -22,7 +22,7 @@ norm_before_residual, aux layers 2, 18, 33). Per batch size, with every request 
 and the implied speedup AL * t_decode / (t_catchup + (gamma - 1) * t_draft + t_verify) at acceptance
 lengths 2.0, 2.5, 3.0 (plus AL * t_decode / t_step). Times are CUDA-event medians after warmup.
 
-    python benchmarks/spec_timing.py --out benchmarks/results/spec_timing_h200        # on the GPU
+    python benchmarks/spec_timing.py --out $OUT/spec_timing                            # on the GPU
     python benchmarks/spec_timing.py --smoke --out /tmp/spec_smoke                     # tiny shapes on the CPU
 """
 from __future__ import annotations
