@@ -40,7 +40,7 @@ P = dict(
     config=QWEN3_8B_CONFIG, device="cuda", dtype=torch.bfloat16, vocab=(1000, 100000),
     engine=dict(load_format="dummy", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
                 gpu_memory_utilization=0.85),
-    core=["--max-model-len", "4096", "--max-num-seqs", "256", "--gpu-memory-utilization", "0.85"],
+    core=["--gpu-memory-utilization", "0.85"], loop_len=4096, loop_seqs=256,
     b1_contexts=(512, 4096 - 300), b1_tokens=200, step_batches=(64, 256), step_prompt=512, step_context=630,
     steps=20, prompt=512, output=256, windows=((3, 6), (5, 15)), mix_windows=((3, 8), (5, 20)),
     mix="0.8:128:128,0.2:4096:128", mix_len=4400, mix_seqs=128, mix_budget=2048,
@@ -50,7 +50,7 @@ SMOKE = dict(
     device="cpu", dtype=torch.float32, vocab=(3, 1024),     # config: the tiny shape, set by main()
     engine=dict(load_format="dummy", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
                 device="cpu", num_kv_blocks=256),
-    core=["--max-model-len", "512", "--max-num-seqs", "4", "--device", "cpu", "--num-kv-blocks", "256"],
+    core=["--device", "cpu", "--num-kv-blocks", "256"], loop_len=512, loop_seqs=4,
     b1_contexts=(16,), b1_tokens=8, step_batches=(2,), step_prompt=16, step_context=18, steps=2, prompt=16,
     output=8, windows=((0.5, 1), (0.5, 1)), mix_windows=((0.5, 1), (0.5, 1)), mix="0.8:16:8,0.2:64:8",
     mix_len=128, mix_seqs=4, mix_budget=32, peer=((1, 4), (2, 4)), peer_prompt=16,
@@ -127,7 +127,7 @@ def batch1_decode(args, model_dir):
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
-            times = sorted(times[len(times) // 4:])
+            times = sorted(times[5:])
             per_tok = times[len(times) // 2]
             # The mean context over the decoded tokens.
             floor = decode_floor(P["config"], [ctx + P["b1_tokens"] // 2], bw, peak)
@@ -262,7 +262,8 @@ def pick(summary):
 @section("closed_loop_ipc")
 def closed_loop(args, model_dir, tmp):
     endpoint = f"ipc://{tmp}/core.sock"
-    core = start_core(model_dir, endpoint, P["core"] + shlex.split(args.core_args))
+    core = start_core(model_dir, endpoint, ["--max-model-len", str(P["loop_len"]), "--max-num-seqs",
+                                            str(P["loop_seqs"])] + P["core"] + shlex.split(args.core_args))
     out = {}
     try:
         for conc in args.concurrency:
@@ -283,9 +284,9 @@ def chunked_mix(args, model_dir, tmp):
     for chunked in (True, False):
         endpoint = f"ipc://{tmp}/core-chunk{int(chunked)}.sock"
         warm, secs = P["mix_windows"][0 if args.quick else 1]
-        flags = P["core"] + ["--max-model-len", str(P["mix_len"]), "--max-num-seqs", str(P["mix_seqs"]),
-                             "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill",
-                             "--max-num-batched-tokens", str(P["mix_budget"] if chunked else P["mix_len"])]
+        flags = ["--max-model-len", str(P["mix_len"]), "--max-num-seqs", str(P["mix_seqs"])] + P["core"] + [
+            "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(P["mix_budget"] if chunked else P["mix_len"])]
         core = start_core(model_dir, endpoint, flags)
         try:
             out["chunked" if chunked else "whole_prompt"] = pick(bench(
