@@ -156,7 +156,7 @@ def component_times(engine, batch: int, vocab: int, reps: int) -> dict:
     from llmserve_core.layers.logits_processors import apply_token_bitmask, apply_token_bitmask_reference
     from llmserve_proto import GuidedDecoding
 
-    g = engine._grammar_service().submit(GuidedDecoding(kind="json", spec=json.dumps(SCHEMA)))
+    g = engine.grammars.submit(GuidedDecoding(kind="json", spec=json.dumps(SCHEMA)))
     compiled = g.future.result()
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     for m in matchers:
@@ -235,8 +235,7 @@ def main() -> None:
                 row.update(component_times(engine, batch, vocab, reps=50))
             if args.profile and batch == batches[-1] and name != "none_sync":
                 row[f"{name}_profile"] = profile_steps(engine, batch, params, prompt_len, vocab, name)
-            if engine.grammars is not None:
-                engine.grammars.shutdown()
+            engine.grammars.shutdown()
             del engine
             gc.collect()
             if torch.cuda.is_available():

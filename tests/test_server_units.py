@@ -2,7 +2,9 @@
 queue's round-robin order, and the busy loop's request bookkeeping (end to end in test_hostile_clients.py)."""
 from __future__ import annotations
 
+import os
 import queue
+import threading
 import time
 import types
 
@@ -17,7 +19,7 @@ from llmserve_core.server.log_safety import LogLimiter, printable
 from llmserve_core.server.outbox import Outbox
 from llmserve_core.server import socket_thread
 from llmserve_core.server.socket_thread import STATS_BURST, SocketThread
-from llmserve_proto import Generate, Hello, ModelInfo, SamplingParams, StatsRequest, Welcome, decode_core, encode
+from llmserve_proto import Generate, GuidedDecoding, Hello, ModelInfo, SamplingParams, StatsRequest, Welcome, decode_core, encode
 
 from daemon_helpers import recv_reply
 
@@ -208,6 +210,61 @@ def test_repeated_and_unknown_aborts_count_each_aborted_request_once(tiny_engine
                                           AbortRequests(b"A", ["r"]), AbortRequests(b"B", ["r"])])
     assert _finals(out) == [(b"A", "r", "abort")]
     assert busy.counters["requests_aborted_by_client"] == 1
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """CPU seconds (user + system) one thread of this process has used, from /proc."""
+    stat = open(f"/proc/self/task/{native_id}/stat").read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_loop_sleeps_while_its_only_request_waits_for_its_grammar(tiny_engine, monkeypatch):
+    """A grammar still compiling (held here) leaves the loop with nothing to step: it sleeps, using no CPU
+    and taking no steps, rather than spinning (which starved the compiler of the GIL); a plain request that
+    comes meanwhile is served at once; the compilation's end wakes the loop and the guided request runs."""
+    from llmserve_core.engine.grammar import GrammarService
+    gate = threading.Event()
+    real = GrammarService._compile
+    monkeypatch.setattr(GrammarService, "_compile", lambda self, g: (gate.wait(120), real(self, g))[1])
+    steps = [0]
+    real_step = tiny_engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    monkeypatch.setattr(tiny_engine, "step", counted_step)
+    in_q, out_q = queue.SimpleQueue(), queue.SimpleQueue()
+    busy = BusyLoop(tiny_engine, in_q, out_q, log_interval=0)
+    native = []
+    loop = threading.Thread(target=lambda: (native.append(threading.get_native_id()), busy.run()))
+    loop.start()
+    try:
+        guided = SamplingParams(max_tokens=8, temperature=0.0, guided=GuidedDecoding(kind="choice", choices=["ok"]))
+        in_q.put(NewRequest(b"A", Generate(request_id="g", prompt_token_ids=[1, 2, 3], params=guided), 0.0))
+        deadline = time.monotonic() + 60
+        while not any(k.endswith("/g") for k in tiny_engine.requests):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)                        # the loop's turn that found nothing to run has ended
+        steps0, cpu0, t0 = steps[0], _thread_cpu_s(native[0]), time.monotonic()
+        time.sleep(1.0)
+        cpu = (_thread_cpu_s(native[0]) - cpu0) / (time.monotonic() - t0)
+        assert steps[0] - steps0 <= 2 and cpu < 0.05, (steps[0] - steps0, cpu)
+        in_q.put(_generate(b"B", "p", 3))      # served while the grammar still compiles
+        finals = []
+        while (b"B", "p", "length") not in finals:
+            finals += _finals([out_q.get(timeout=60)])
+        assert not gate.is_set() and (b"A", "g", "stop") not in finals
+        gate.set()
+        while (b"A", "g", "stop") not in finals:
+            finals += _finals([out_q.get(timeout=60)])
+    finally:
+        gate.set()
+        busy.stop_reason = "test over"
+        loop.join(60)
+    assert not loop.is_alive()
 
 
 def test_saying_hello_again_does_not_refill_the_stats_rate(tmp_path):

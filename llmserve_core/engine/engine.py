@@ -6,12 +6,13 @@ The daemon drives the same object from its busy loop; tests and embedders call i
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
-from llmserve_core.engine.grammar import GrammarService
+from llmserve_core.engine.grammar import GrammarService, grammars_available
 from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, load_draft, lookahead_tokens
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.request import Request
@@ -77,6 +78,10 @@ class Engine:
                              f"(config.json's max_position_embeddings, or factor x original_max_position_embeddings "
                              f"with YaRN rope_scaling)")
         self.max_model_len = config.max_model_len or max_len
+        self.grammars = GrammarService(config.tokenizer or config.model, self.model_config.vocab_size,
+                                       list(self.model_config.eos_token_ids))
+        if config.resolved_warmup() and grammars_available(self.grammars.tokenizer_dir):
+            self.grammars.prepare_async()        # beside the weights' load; the warm-up's grammar rounds wait for it
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens: {config.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
@@ -119,7 +124,6 @@ class Engine:
         # so it first completes the plain step in flight (speculative steps are synchronous).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        self.grammars: GrammarService | None = None     # started by the first guided request
         self.reset_counters()
         try:
             self.warmup_report = warm_up(self) if config.resolved_warmup() else None
@@ -149,8 +153,7 @@ class Engine:
         self.policy = SpecPolicy(self.spec.policy_widths(), self.config.speculative_policy) if self.spec else None
         self.step_costs = MeasuredCosts()
         self._last_step: tuple[int, int, bool] | None = None   # (draft depth, batch bucket, pure decode) of the last step
-        if self.grammars is not None:
-            self.grammars.reset_counters()
+        self.grammars.reset_counters()
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -165,7 +168,7 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params, frozenset(self.model_info.eos_token_ids),
                       self.max_model_len, client=client)
         if params.guided is not None:
-            req.grammar = self._grammar_service().submit(params.guided)    # raises ValidationError
+            req.grammar = self.grammars.submit(params.guided)    # raises ValidationError
         if self.spec is not None:
             req.spec_state = SpecState()
             req.speculative = self._drafts(params)
@@ -236,12 +239,6 @@ class Engine:
         if params.guided is not None and any(t >= vocab for t in params.guided.start_after):
             raise ValidationError("guided.start_after", f"token ids must be below the vocabulary size {vocab}")
 
-    def _grammar_service(self) -> GrammarService:
-        if self.grammars is None:
-            self.grammars = GrammarService(self.config.tokenizer or self.config.model, self.model_info.vocab_size,
-                                           list(self.model_info.eos_token_ids))
-        return self.grammars
-
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
         req = self.requests.pop(request_id, None)
@@ -270,6 +267,14 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending) or self._in_flight is not None
+
+    @property
+    def stalled(self) -> bool:
+        """Nothing can happen until a grammar compiles (or a request comes or goes): every unfinished request
+        waits for its grammar, and no outputs or step are pending. A step now would do nothing."""
+        if self._pending or self._in_flight is not None or self.scheduler.running:
+            return False
+        return all(r.grammar is not None and not r.grammar.future.done() for r in self.scheduler.waiting.admission_order())
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -376,8 +381,6 @@ class Engine:
     def _drop_failed_grammars(self) -> None:
         """A grammar that parsed but failed to compile (rare: e.g. too large) ends its request (its abort
         notice goes out with this step's outputs)."""
-        if self.grammars is None:
-            return
         failed = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.failed is not None]
         for req in failed:
             log.error("request %s: grammar compilation failed: %r", req.request_id, req.grammar.failed)
@@ -448,7 +451,12 @@ class Engine:
                 self.add_request(rid, p, sp)
                 added.append(rid)
             pending = set(ids)
+            compiled = threading.Event()         # a grammar compiled: what a stalled loop waits for
+            self.grammars.listeners.append(compiled.set)
             while pending:
+                compiled.clear()
+                if self.stalled:
+                    compiled.wait(1.0)
                 for out in self.step():
                     res = results.get(out.request_id)
                     if res is None:
@@ -464,6 +472,8 @@ class Engine:
                         res.finish_reason = out.finish_reason
                         pending.discard(out.request_id)
         finally:
+            if compiled.set in self.grammars.listeners:
+                self.grammars.listeners.remove(compiled.set)
             for rid in added:
                 self.abort(rid)   # no-op for the finished ones; frees the rest if we were interrupted
             self._pending = others + [o for o in self._pending if o.request_id not in results]
@@ -489,7 +499,7 @@ class Engine:
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
             "jit_compilations": jit_compilations(),
-            **(self.grammars.stats() if self.grammars is not None else {}),
+            **self.grammars.stats(),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self._policy_stats() if self.policy is not None else {}),
         }

@@ -3,10 +3,14 @@
 The core never tokenizes text, but xgrammar needs the vocabulary's byte strings to know which tokens can
 continue a grammar, so the tokenizer's vocabulary is loaded here (once, on the compile thread).
 
+- `GrammarService.prepare` builds what xgrammar needs once per vocabulary (the tokenizer, its TokenizerInfo
+  and the GrammarCompiler): the daemon calls it before it says it is ready, so no request pays for it.
 - `GrammarService.submit` parses the request's grammar on the caller's thread (fast: it catches invalid
   schemas, regexes and grammars as a ValidationError naming the field) and hands the expensive part,
   compiling against the vocabulary, to a worker thread. Compiled grammars are cached by their spec, so
-  repeated schemas compile once per model; the scheduler keeps a request waiting until its grammar is ready.
+  repeated schemas compile once per model; the scheduler keeps a request waiting until its grammar is ready,
+  and each compilation's end calls the service's listeners, so a step loop with nothing else to do sleeps
+  until then instead of spinning (a spinning loop also starves the compiler's Python parts of the GIL).
 - `RequestGrammar` holds the request's matcher: it fills the request's row of the step's token bitmask
   and advances on every accepted token. The mask depends on the previous token, so with async scheduling
   a step with grammar rows launches its forward first, then reads the previous step back (each matcher
@@ -22,8 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -42,6 +48,15 @@ def _xgr():
     except ImportError as e:   # pragma: no cover - xgrammar is a dependency; the message says what to do
         raise ValidationError("guided", "structured outputs need the xgrammar package (pip install xgrammar)") from e
     return xgrammar
+
+
+def grammars_available(tokenizer_dir: str) -> bool:
+    """Structured outputs can be served: xgrammar imports and the folder has a tokenizer."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return any(os.path.exists(os.path.join(tokenizer_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def ebnf_literal(text: str) -> str:
@@ -108,8 +123,22 @@ class GrammarService:
         # Requests holding each compilation, so the last one to end cancels it if it has not started: the
         # worker never works through a queue of grammars that every request waiting on them left.
         self._holders: dict[Future, int] = {}
+        self._prepared: Future | None = None
+        # Called (on the compile thread) whenever a compilation ends, however it ends.
+        self.listeners: list[Callable[[], None]] = []
         self.num_compiled = 0
         self.num_cache_hits = 0
+
+    def prepare_async(self) -> None:
+        """Start building the compiler on the worker thread (a first compilation would wait for it)."""
+        if self._prepared is None:
+            self._prepared = self._pool.submit(self._get_compiler)
+
+    def prepare(self) -> BaseException | None:
+        """Build the compiler now (or wait for prepare_async's build); the error if it cannot be built
+        (then each guided request fails with it, and the engine serves everything else)."""
+        self.prepare_async()
+        return self._prepared.exception()
 
     def submit(self, g: GuidedDecoding) -> "RequestGrammar":
         """Parse now (raising ValidationError), compile later; the result is shared through the cache."""
@@ -122,6 +151,7 @@ class GrammarService:
         else:
             grammar = parse_grammar(g)
             fut = self._pool.submit(self._compile, grammar)
+            fut.add_done_callback(self._notify)
             self._cache[key] = fut
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -136,6 +166,10 @@ class GrammarService:
             self._holders[fut] = n
         elif fut.cancel() and self._cache.get(key) is fut:
             del self._cache[key]
+
+    def _notify(self, _fut: Future) -> None:
+        for listener in list(self.listeners):
+            listener()
 
     def _compile(self, grammar):
         compiled = self._get_compiler().compile_grammar(grammar)

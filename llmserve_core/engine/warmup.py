@@ -26,7 +26,6 @@ The prefix cache is off meanwhile, and afterwards the counters, the policy and r
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from llmserve_core.engine.grammar import grammars_available
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_proto import GuidedDecoding, SamplingParams
@@ -141,16 +141,6 @@ def grammar_rounds(max_num_seqs: int) -> list[Round]:
     return [Round(n, 2, 3, guided=True) for n in small_row_classes(max_num_seqs)]
 
 
-def grammars_available(engine) -> bool:
-    """Structured outputs can be served: xgrammar imports and the model (or --tokenizer) has a tokenizer."""
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    folder = engine.config.tokenizer or engine.config.model
-    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-
-
 def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
     vocab = engine.model_info.vocab_size
 
@@ -161,6 +151,9 @@ def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
     for i in range(rnd.num_requests):
         # (a mixed round of one request samples: plain greedy rows are the decode rounds')
         add(i, rnd.prompt_len, GUIDED if rnd.guided else MIXED[(i + 1) % len(MIXED)] if rnd.mixed else GREEDY)
+    if rnd.guided:     # every rank of a tensor-parallel start-up must take the same steps: none before it compiles
+        for i in range(rnd.num_requests):
+            engine.requests[f"__warmup-{tag}-{i}"].grammar.future.exception()
     if rnd.late_prompt_len:
         for _ in range(3):                        # the short prompts are past their prefill: decoding
             engine.step()
@@ -180,7 +173,7 @@ def warm_up(engine) -> dict:
     plan = warmup_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens, longest,
                        engine.config.enable_chunked_prefill, buckets, engine.model_config.num_key_value_heads,
                        engine.lookahead)
-    if grammars_available(engine):
+    if grammars_available(engine.config.tokenizer or engine.config.model):
         plan += grammar_rounds(engine.config.max_num_seqs)
     drafting = draft_rounds(engine, plan) if engine.policy is not None else []
     caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False

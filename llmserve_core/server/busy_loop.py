@@ -2,7 +2,9 @@
 
 Each turn drains the input queue (add/abort requests, forget vanished clients, answer stats), runs one
 engine step when there is work, and queues the step's outputs for the output thread. It never touches a
-socket and never encodes; when idle it blocks on the input queue (with a short timeout to notice shutdown).
+socket and never encodes; when idle it blocks on the input queue (with a short timeout to notice shutdown),
+and so it does while its only requests wait for their grammars to compile: the compile thread wakes it with
+a GrammarReady item (a loop stepping meanwhile would burn a core and starve the compiler of the GIL).
 
 Engine request ids are "<client routing id hex>/<serial>/<client's request id>", so clients may reuse each
 other's ids, and a client may reuse its own once a request has ended in the daemon but not yet in the engine
@@ -18,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 from llmserve_proto import EngineError, RequestMetrics, Shutdown, ValidationError
-from llmserve_core.server.events import (AbortRequests, Broadcast, ClientGone, ErrorReply, NewRequest, SocketFailed,
-                                         StatsQuery, StatsResult, StepResult)
+from llmserve_core.server.events import (AbortRequests, Broadcast, ClientGone, ErrorReply, GrammarReady, NewRequest,
+                                         SocketFailed, StatsQuery, StatsResult, StepResult)
 from llmserve_core.server.log_safety import printable
 
 log = logging.getLogger("llmserve_core.server")
@@ -62,6 +64,9 @@ class BusyLoop:
         self.start_time = time.monotonic()
         self._last_log = (self.start_time, 0, 0, 0)          # time, prompt tokens, generated tokens, steps
         self._idle_logged = False
+        grammars = getattr(engine, "grammars", None)
+        if grammars is not None:
+            grammars.listeners.append(lambda: in_q.put(GrammarReady()))
 
     # ---- inputs -------------------------------------------------------------------------------------
     def _drain_inputs(self, block: bool) -> None:
@@ -94,6 +99,7 @@ class BusyLoop:
             self.out_q.put(StatsResult(item.client, item.nonce, self.stats()))
         elif isinstance(item, SocketFailed):
             self.fatal = item.reason
+        # GrammarReady only wakes the loop: the next step finds the compiled grammar.
 
     def _add(self, item: NewRequest) -> None:
         msg = item.msg
@@ -171,7 +177,7 @@ class BusyLoop:
         while True:
             if self.fatal is not None:
                 return self._die(self.fatal)
-            self._drain_inputs(block=not self.engine.has_unfinished())
+            self._drain_inputs(block=not self._can_step())
             if self.stop_event is not None and self.stop_event.is_set() and self.stop_reason is None:
                 self.stop_reason = "asked to stop"
             if self.stop_reason is not None and deadline is None:
@@ -184,7 +190,7 @@ class BusyLoop:
                 self.out_q.put(Broadcast(Shutdown(reason=self.stop_reason or ""), last=True))
                 log.info("shut down")
                 return 0
-            if self.engine.has_unfinished():
+            if self._can_step():
                 try:
                     self._step()
                     self.consecutive_step_failures = 0
@@ -197,6 +203,10 @@ class BusyLoop:
                         return self._die(f"engine step failed {self.consecutive_step_failures} times in a row: {e!r}")
                     self._fail_step(e)
             self._maybe_log()
+
+    def _can_step(self) -> bool:
+        """A step would do something: not when every request waits for its grammar (see Engine.stalled)."""
+        return self.engine.has_unfinished() and not getattr(self.engine, "stalled", False)
 
     def _fail_step(self, error: Exception) -> None:
         """The step raised: its requests end with a request_error; the rest of the engine serves on."""

@@ -173,6 +173,19 @@ def _stop_while_loading(signum, _frame):
     raise _StopWhileLoading(signal.Signals(signum).name)
 
 
+def _prepare_grammars(engine) -> None:
+    """Build the grammar compiler for the vocabulary before saying ready, so no structured request pays for it."""
+    from llmserve_core.engine.grammar import grammars_available
+    if not grammars_available(engine.grammars.tokenizer_dir):
+        return
+    t0 = time.monotonic()
+    error = engine.grammars.prepare()
+    if error is not None:
+        log.warning("structured outputs are unavailable: the grammar compiler failed to build: %r", error)
+    else:
+        log.info("grammar compiler built in %.1f s", time.monotonic() - t0)
+
+
 def run_daemon(engine_config, cfg: DaemonConfig) -> int:
     """Resolve the endpoint, load the engine, serve. Endpoint problems surface before the (slow) load; a
     SIGTERM/SIGINT during the load is a clean exit too."""
@@ -182,6 +195,7 @@ def run_daemon(engine_config, cfg: DaemonConfig) -> int:
     try:
         t0 = time.monotonic()
         engine = Engine(engine_config)
+        _prepare_grammars(engine)
         log.info("engine loaded in %.1f s: %s", time.monotonic() - t0, engine.stats())
     except _StopWhileLoading as e:
         log.info("received %s while loading the model: exiting", e)

@@ -39,6 +39,14 @@ class SocketFailed:
     reason: str
 
 
+# compile thread -> busy loop
+
+
+@dataclass
+class GrammarReady:
+    """A grammar finished compiling (or failed to): a loop asleep while its requests waited for it wakes."""
+
+
 # busy loop -> output thread
 
 
