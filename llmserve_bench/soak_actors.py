@@ -233,7 +233,8 @@ def chaos_http(base: str, tally: Tally, stop: threading.Event, seed: int) -> Non
             drop = rng.random() < 0.4
             body["stream"] = drop or rng.random() < 0.3
             try:
-                with h.stream("POST", path, content=json.dumps(body)) as r:
+                with h.stream("POST", path, content=json.dumps(body),
+                              headers={"Content-Type": "application/json"}) as r:
                     if r.status_code != 200:
                         r.read()
                         kind = ("rejected" if not valid and r.status_code == 400

@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
-from llmserve_client.http import schemas
+from llmserve_client.http import responses, schemas
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from llmserve_client.http.chat_output import ChoiceShaper, guided_after_reasoning, render_chat
 from llmserve_client.http.guided import error_param, guided_from_request
@@ -39,7 +39,10 @@ from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
 from llmserve_client.http.reasoning import END as THINK_END
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
-from llmserve_client.http.tool_parsers import forced_call_guided
+from llmserve_client.http.request_fields import HEADER as IGNORED_HEADER, IgnoredFieldLog, check_content_type, \
+    check_neutral, decode as decode_request, header_value, thinking_switch
+from llmserve_client.http.tool_parsers import detect_parser
+from llmserve_client.http.tools import tool_setup
 from llmserve_client.inputs import to_token_ids
 from llmserve_client.types import Completion, StreamChunk, Usage
 
@@ -58,10 +61,14 @@ log = logging.getLogger("llmserve_client.http")
 
 class Frontend:
     def __init__(self, client: AsyncClient, served_model_names: list[str] | None = None,
-                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 strict_requests: bool = False):
         self.client = client
         self.reasoning_parser = reasoning_parser
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = tool_call_parser     # None: chosen from the chat template at start()
+        self.strict_requests = strict_requests       # unknown request fields are a 400, not ignored
+        self.thinking_switch = False                 # the chat template reads enable_thinking
+        self.ignored_log = IgnoredFieldLog()
         self.names = list(served_model_names or [])
         self.tokenizer = None
         self.reasoning_end_ids: list[int] | None = None    # `</think>`'s token ids, with a reasoning parser
@@ -87,6 +94,12 @@ class Frontend:
         if self.reasoning_parser is not None:
             self.reasoning_end_ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, lambda: list(self.tokenizer.encode(THINK_END, add_special_tokens=False)))
+        template = getattr(self.tokenizer, "chat_template", None)
+        if self.tool_call_parser is None:
+            self.tool_call_parser = detect_parser(template)
+            log.info("tool calls with tool_choice auto: %s", f"parsed as {self.tool_call_parser} (from the chat "
+                     f"template)" if self.tool_call_parser else "unavailable (the chat template shows no format)")
+        self.thinking_switch = "enable_thinking" in str(template or "")
         if not self.names:
             self.names = [info.name or info.model.rstrip("/").rsplit("/", 1)[-1]]
         self.metrics = Metrics(self.names[0])
@@ -139,6 +152,13 @@ class Frontend:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    async def responses(self, request: Request) -> Response:
+        try:
+            return await responses.serve(self, request)
+        except Exception:
+            log.exception("request failed")
+            return self._error(ApiError("internal error", None, status=500, type="server_error"))
+
     # ---------------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
@@ -151,7 +171,10 @@ class Frontend:
 
     async def _generate_or_raise(self, request: Request, chat: bool) -> Response:
         try:
-            req, streams, ctx = await self._start(await request.body(), chat)
+            req, ignored = self.decode(request, await request.body(),
+                                       schemas.ChatRequest if chat else schemas.CompletionRequest,
+                                       "chat" if chat else "completions")
+            streams, ctx = await self._start(req, chat, ignored)
         except ApiError as e:
             return self._error(e)
         merged = merge(streams)
@@ -161,7 +184,7 @@ class Frontend:
                 completions = ctx.completions(streams)
                 for c in completions:
                     self.metrics.on_finished(c)
-                return JSONResponse(self._full_response(ctx, completions))
+                return JSONResponse(self._full_response(ctx, completions), headers=ctx.headers)
             # The first chunk is awaited before answering, so a request the core rejects still gets a 400.
             first = await until_disconnect(request, anext(merged, None))
         except ClientGone:
@@ -171,39 +194,58 @@ class Frontend:
         except LLMServeError as e:
             return self._error(self._api_error(e, chat, ctx.guided_source, ctx.error_names(e)))
         return StreamingResponse(self._sse(ctx, streams, merged, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ctx.headers})
 
-    async def _start(self, body: bytes, chat: bool):
-        """Parse, validate, tokenize and send the request (n engine requests per prompt, choice i of a
-        seeded request seeded with seed + i); ApiError for anything wrong with it."""
-        req = schemas.decode(body, schemas.ChatRequest if chat else schemas.CompletionRequest)
+    def decode(self, request: Request, body: bytes, kind: type, endpoint: str):
+        """(the request Struct, the set fields it ignores) from a body; a 400 for anything wrong with it."""
+        check_content_type(request.headers.get("content-type"))
+        req, ignored = decode_request(body, kind, endpoint, self.strict_requests)
+        check_neutral(req, endpoint)
+        return req, ignored
+
+    def note_ignored(self, endpoint: str, ignored: list[str]) -> dict:
+        """Log the ignored fields; the response headers that name them."""
+        self.ignored_log.note(endpoint, ignored)
+        return {IGNORED_HEADER: header_value(ignored)} if ignored else {}
+
+    async def _start(self, req, chat: bool, ignored: list[str], endpoint: str | None = None,
+                     max_calls: int | None = None):
+        """Validate, tokenize and send a decoded request (n engine requests per prompt, choice i of a seeded
+        request seeded with seed + i); ApiError for anything wrong with it. ignored: the request's fields
+        the server ignores, logged and named in a response header; endpoint: whose they are (default: chat
+        or completions); max_calls: tool calls kept per choice."""
         if req.model is not None and req.model not in self.names:
             raise _model_not_found(req.model)
         guided, source = guided_from_request(req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ctx = _Ctx(rid, self.names[0] if req.model is None else req.model, chat,
                    req.stream and req.stream_options is not None and req.stream_options.include_usage)
+        ignored = list(ignored)
         ctx.continuous_usage = ctx.include_usage and req.stream_options.continuous_usage_stats
         ctx.echo_logprobs = not chat and req.echo and req.logprobs is not None
         ctx.vllm_prompt_logprobs = req.prompt_logprobs is not None
         loop = asyncio.get_running_loop()
         if chat:
             sampling = schemas.chat_sampling(req)
-            tools, forced = self._tool_setup(req)
-            if forced is not None:
+            setup = tool_setup(req.tools, req.tool_choice, self.tool_call_parser)
+            if setup.guided is not None:
                 if guided is not None:
                     raise ApiError(f"{source} cannot be combined with tool_choice {req.tool_choice!r}", source)
-                guided, source = forced, "tool_choice"
+                guided, source = setup.guided, "tool_choice"
+            template_kwargs, effort_ignored = thinking_switch(req.reasoning_effort, req.chat_template_kwargs,
+                                                              self.thinking_switch, "reasoning_effort")
+            if effort_ignored:
+                ignored.append("reasoning_effort")
             messages = schemas.chat_messages(req)
             self._check_length_early(messages, chat, "messages")
             ids, prompt_text = await loop.run_in_executor(self._tokenize_pool, render_chat, self.tokenizer, messages,
-                                                          tools, req.chat_template_kwargs)
+                                                          setup.tools, template_kwargs)
             prompts = [(ids, prompt_text)]
             guided = guided_after_reasoning(guided, prompt_text, self.reasoning_end_ids)
             max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                                  if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-            shaper = lambda: ChoiceShaper(self.reasoning_parser is not None, prompt_text, tools is not None,
-                                          req.parallel_tool_calls is not False)
+            shaper = lambda: ChoiceShaper(self.reasoning_parser is not None, prompt_text, setup.parser,
+                                          req.parallel_tool_calls is not False, setup.tools, max_calls)
         else:
             sampling = schemas.completion_sampling(req)
             prompts = []
@@ -252,38 +294,8 @@ class Frontend:
                 e.choice_index = jobs[len(streams)][0]             # the choice whose request was refused
                 raise self._api_error(e, chat, source, ctx.error_names(e)) from None
             raise
-        return req, streams, ctx
-
-    def _tool_setup(self, req) -> tuple[list[dict] | None, dict | None]:
-        """(tools for the chat template, the grammar a required or named tool_choice forces)."""
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
-        if not req.tools:
-            if choice != "none":
-                raise ApiError("tool_choice needs tools", "tool_choice")
-            return None, None
-        if choice == "none":
-            return None, None      # OpenAI: the model calls no tool, so the prompt offers none
-        if self.tool_call_parser is None:
-            raise ApiError("tool calls need the server to run with --tool-call-parser (e.g. hermes)", "tools")
-        tools = []
-        for i, t in enumerate(req.tools):
-            if t.type != "function":
-                raise ApiError(f"tool type {t.type!r} is not supported (function only)", f"tools[{i}].type")
-            f = t.function
-            tools.append({"type": "function", "function": {k: v for k, v in (
-                ("name", f.name), ("description", f.description), ("parameters", f.parameters)) if v is not None}})
-        if choice == "auto":
-            return tools, None
-        if choice == "required":
-            return tools, forced_call_guided(tools, None)
-        function = choice.get("function") if isinstance(choice, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None   # a client may send any JSON here
-        if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
-            raise ApiError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
-                           "{\"name\": ...}}", "tool_choice")
-        if name not in [t["function"]["name"] for t in tools]:
-            raise ApiError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return tools, forced_call_guided(tools, name)
+        ctx.headers = self.note_ignored(endpoint or ("chat" if chat else "completions"), ignored)
+        return streams, ctx
 
     def _get_tokenizer(self):
         return self.tokenizer
@@ -502,6 +514,7 @@ class _Ctx:
         self.echo_only = False                   # echo with max_tokens 0: the answer is the prompt alone
         self.vllm_prompt_logprobs = False        # vLLM's prompt_logprobs field was asked for
         self.generated: Counter[int] = Counter()   # continuous_usage: choice -> tokens streamed so far
+        self.headers: dict[str, str] = {}          # extra response headers (the ignored fields)
 
     def shown(self, c):
         """A Completion or StreamChunk as the answer shows it: with echo_only, without the token the core
@@ -602,14 +615,15 @@ class _RequireApiKey:
 def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None) -> Starlette:
+              tool_call_parser: str | None = None, strict_requests: bool = False) -> Starlette:
     """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected).
     With api_key, /v1/* requires it as a bearer token. Bodies over max_body_bytes get 413, bodies not in
-    within body_timeout_s of their head get 408. reasoning_parser ("qwen3") and tool_call_parser ("hermes")
-    shape chat outputs (see reasoning.py, tool_parsers.py)."""
+    within body_timeout_s of their head get 408. reasoning_parser ("qwen3") and tool_call_parser ("hermes",
+    "qwen3_coder"; None: the chat template's) shape chat outputs (see reasoning.py, tool_parsers.py);
+    strict_requests refuses request fields no schema knows (see request_fields.py)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key: must not be empty (None serves without a key)")
-    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser)
+    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser, strict_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -624,6 +638,7 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
     routes = [
         Route("/v1/completions", fe.completions, methods=["POST"]),
         Route("/v1/chat/completions", fe.chat_completions, methods=["POST"]),
+        Route("/v1/responses", fe.responses, methods=["POST"]),
         Route("/v1/models", fe.models, methods=["GET"]),
         Route("/v1/models/{model:path}", fe.model, methods=["GET"]),
         Route("/health", fe.health, methods=["GET"]),

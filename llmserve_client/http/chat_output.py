@@ -9,7 +9,7 @@ from __future__ import annotations
 from llmserve_client.http.reasoning import ReasoningStream, prompt_closes_thinking, prompt_opens_thinking, \
     split_reasoning
 from llmserve_client.http.schemas import ApiError
-from llmserve_client.http.tool_parsers import ToolCallStream, parse_tool_calls
+from llmserve_client.http.tool_parsers import new_stream, parse_tool_calls
 
 # Arguments the server passes itself; a request may not override them through chat_template_kwargs.
 _RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict",
@@ -44,26 +44,30 @@ def guided_after_reasoning(guided: dict | None, prompt_text: str, end_ids: list[
 
 
 class ChoiceShaper:
-    """One chat choice's text -> message fields, whole or as stream deltas."""
+    """One chat choice's text -> message fields, whole or as stream deltas.
 
-    def __init__(self, reasoning: bool, prompt_text: str, tools: bool, parallel_tool_calls: bool = True):
+    tool_parser: the format its tool calls are parsed in (None: no tools, the text is content); tools: the
+    request's, whose schemas type qwen3_coder's arguments; max_calls: calls kept (OpenAI's
+    parallel_tool_calls=false allows one: as vLLM does, the first is kept, later ones dropped)."""
+
+    def __init__(self, reasoning: bool, prompt_text: str, tool_parser: str | None = None,
+                 parallel_tool_calls: bool = True, tools: list[dict] | None = None, max_calls: int | None = None):
         self.reasoning = reasoning
         # A grammar holds only after the model's </think> here (guided_after_reasoning): its output is content.
         self.opened = reasoning and prompt_opens_thinking(prompt_text)
-        self.tools = tools
-        # OpenAI's parallel_tool_calls=false allows one call: as vLLM does, the first is kept, later ones dropped.
-        self.max_calls = None if parallel_tool_calls else 1
+        self.tool_parser, self.tools = tool_parser, tools
+        self.max_calls = 1 if not parallel_tool_calls else max_calls
         self._reasoning = ReasoningStream(self.opened) if reasoning else None
-        self._tools = ToolCallStream() if tools else None
+        self._tools = new_stream(tool_parser, tools) if tool_parser else None
 
     # ---- whole responses ------------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        if not self.reasoning and not self.tools:
+        if not self.reasoning and not self.tool_parser:
             return {"role": "assistant", "content": text}, finish_reason
         reasoning, content = split_reasoning(text, self.opened) if self.reasoning else (None, text)
         msg: dict = {"role": "assistant"}
-        if self.tools and content:
-            content, calls = parse_tool_calls(content)
+        if self.tool_parser and content:
+            content, calls = parse_tool_calls(content, self.tool_parser, self.tools)
             calls = calls[:self.max_calls]
             if calls:
                 msg["tool_calls"] = calls

@@ -44,8 +44,8 @@ MAX_DATA_PARALLEL = 1024
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmserve-serve", allow_abbrev=False,   # a core flag must never be taken for a prefix of ours
-        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
-                    "/health, /metrics) in front of llmserve-core. Flags not listed here are passed to "
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
+                    "/v1/models, /health, /metrics) in front of llmserve-core. Flags not listed here are passed to "
                     "llmserve-core when --model is given.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -77,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split thinking (<think>...</think>) into message.reasoning_content (qwen3)")
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
-                   help="return <tool_call> blocks as message.tool_calls (hermes: Qwen3's format)")
+                   help="the format of tool calls that tool_choice auto returns as message.tool_calls: hermes "
+                        "(Qwen3's <tool_call> JSON) or qwen3_coder (Qwen3-Coder's XML) (default: the one the "
+                        "model's chat template shows; required and named tool choices need no parser)")
+    p.add_argument("--strict-requests", action="store_true",
+                   help="refuse (400) request fields that no OpenAI or vLLM schema defines, instead of ignoring "
+                        "them (fields OpenAI defines but this server does not implement are ignored either way, "
+                        "and named in the llmserve-ignored-fields response header)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -129,7 +135,7 @@ async def _serve(args, endpoints: list[str], cores: list[OwnedCore], stopping: l
     try:
         app = build_app(client, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout_s=args.body_timeout, reasoning_parser=args.reasoning_parser,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, strict_requests=args.strict_requests)
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)

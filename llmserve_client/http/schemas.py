@@ -1,9 +1,11 @@
 """OpenAI request bodies as msgspec Structs, and their translation into the protocol's SamplingParams.
 
-Decoding is strict: an unknown field, a wrong type or a value out of range becomes an ApiError naming the
-field, which the app turns into OpenAI's 400 shape. Fields that OpenAI defines but this engine cannot honour
-(best_of > 1, suffix) are accepted only at their neutral values, so a client never silently gets something
-other than what it asked for.
+A wrong type or a value out of range becomes an ApiError naming the field, which the app turns into OpenAI's
+400 shape. A request's top level may hold fields these Structs do not declare: request_fields.py decides
+which of those are ignored (and says so) and which are refused. Fields that OpenAI defines but whose
+honouring matters (best_of > 1, suffix, audio output, ...) are accepted only at their neutral values, so a
+client never silently gets something other than what it asked for. Nested objects (messages, tools) stay
+strict, and declare every field of the official SDK's types.
 """
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ class ApiError(Exception):
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
     continuous_usage_stats: bool = False   # vLLM's: with include_usage, every chunk carries its choice's usage
+    include_obfuscation: bool | None = None   # OpenAI pads its stream events against side channels: nothing to do here
+
+    def __post_init__(self):
+        self.include_usage = bool(self.include_usage)
 
 
-class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Request(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints. top_k, min_p, stop_token_ids, ignore_eos and skip_special_tokens
     are vLLM's extensions, with vLLM's meaning."""
     model: str | None = None
@@ -46,7 +52,6 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
@@ -61,6 +66,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None   # vLLM's newer spelling of the guided_* options
     prompt_logprobs: int | None = None     # vLLM's: answered as the choice's (chat: the response's) prompt_logprobs
 
     def __post_init__(self):
@@ -83,6 +89,12 @@ class CompletionRequest(_Request):
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
+    refusal: str | None = None                      # an assistant turn's refusal part: its text
+    # Parts this text-only model refuses by their type (chat_messages); declared so the refusal says why.
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    prompt_cache_breakpoint: Any = None             # a caching hint: nothing to do here
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,9 +103,10 @@ class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
-    function: FunctionCall
+    function: FunctionCall | None = None
     id: str | None = None
     type: str = "function"
+    custom: Any = None                              # a custom tool's call: refused by chat_messages
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -121,7 +134,8 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
     type: str
-    function: FunctionDef
+    function: FunctionDef | None = None
+    custom: Any = None                              # a custom (free-text) tool: refused by tools.tool_setup
 
 
 class ChatRequest(_Request):
@@ -133,6 +147,13 @@ class ChatRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None             # onto the template's thinking switch (request_fields.py)
+    # OpenAI fields honoured only at their neutral values (request_fields.check_neutral).
+    audio: Any = None
+    modalities: list[str] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    moderation: Any = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -143,14 +164,14 @@ def decode(body: bytes, kind: type[_Request]) -> _Request:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        raise ApiError(f"invalid request: {e}", _param_of(str(e))) from None
+        raise ApiError(f"invalid request: {e}", param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError("the request body nests JSON too deeply") from None
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     """msgspec says "... - at `$.messages[0].content`" or "unknown field `foo`" / "missing required field `x`"."""
     m = re.search(r"field `([^`]+)`", message)
     at = re.search(r"at `\$\.?([^`]*)`", message)
@@ -273,13 +294,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             if getattr(m, name) is not None:
                 raise ApiError(f"{name} is not supported in messages (only null)", f"messages[{i}].{name}")
         if isinstance(m.content, list):
-            texts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise ApiError(f"content part of type {part.type!r} is not supported (text only)",
-                                   f"messages[{i}].content[{j}]")
-                texts.append(part.text)
-            content = "".join(texts)
+            content = "".join(_part_text(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content))
         else:
             content = m.content or ""
         # Qwen's templates know system, user, assistant and tool; OpenAI's developer role means system.
@@ -288,6 +303,10 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             if m.role != "assistant":
                 raise ApiError("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
             # Arguments arrive as JSON text; Qwen3's template writes a string as is and a mapping as JSON.
+            for j, c in enumerate(m.tool_calls):
+                if c.type != "function" or c.function is None:
+                    raise ApiError(f"tool call of type {c.type!r} is not supported (function calls only)",
+                                   f"messages[{i}].tool_calls[{j}]")
             msg["tool_calls"] = [{"id": c.id, "type": c.type,
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                                  for c in m.tool_calls]
@@ -297,6 +316,20 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
+
+
+TEXT_ONLY = "this model takes text only"
+
+
+def _part_text(part: ContentPart, where: str) -> str:
+    """A content part's text; a part of another kind (an image, audio, a file) is refused."""
+    if part.type == "text" and part.text is not None:
+        return part.text
+    if part.type == "refusal" and part.refusal is not None:
+        return part.refusal
+    if part.type in ("image_url", "input_audio", "file", "input_image", "input_file"):
+        raise ApiError(f"{TEXT_ONLY}: a content part of type {part.type!r} cannot be used", where)
+    raise ApiError(f"content part of type {part.type!r} is not supported (text only)", where)
 
 
 def _arguments(args: str | dict) -> dict | str:
