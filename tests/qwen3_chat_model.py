@@ -22,7 +22,7 @@ ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>",
 VOCAB_SIZE = 1056          # the tokenizer's 1024 + the added tokens, padded as real checkpoints are
 
 NL = "\\n"
-QWEN3_TEMPLATE = (
+_TOOLS_HERMES = (
     "{%- if tools %}"
     "{{- '<|im_start|>system" + NL + "' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '" + NL + NL + "' }}{%- endif %}"
@@ -35,6 +35,17 @@ QWEN3_TEMPLATE = (
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system" + NL + "' + messages[0].content + '<|im_end|>" + NL + "' }}"
     "{%- endif %}"
+)
+# An assistant turn's end, a tool's answer (as a user turn, as Qwen's templates write it) and the loop's end.
+_END_TURNS = (
+    "{{- '<|im_end|>" + NL + "' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user" + NL + "<tool_response>" + NL + "' + message.content + '" + NL
+    + "</tool_response><|im_end|>" + NL + "' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+_TURNS_HERMES = (
     "{%- for message in messages %}"
     "{%- if message.role == 'user' %}"
     "{{- '<|im_start|>user" + NL + "' + message.content + '<|im_end|>" + NL + "' }}"
@@ -50,55 +61,13 @@ QWEN3_TEMPLATE = (
     "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
     "{{- '}" + NL + "</tool_call>' }}"
     "{%- endfor %}"
-    "{{- '<|im_end|>" + NL + "' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user" + NL + "<tool_response>" + NL + "' + message.content + '" + NL
-    + "</tool_response><|im_end|>" + NL + "' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
+) + _END_TURNS
+QWEN3_TEMPLATE = _TOOLS_HERMES + _TURNS_HERMES + (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant" + NL + "' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>" + NL + NL + "</think>"
     + NL + NL + "' }}"
     "{%- elif open_think is defined and open_think %}{{- '<think>" + NL + "' }}{%- endif %}"
     "{%- endif %}"
-)
-
-
-_TOOLS_HERMES = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system" + NL + "' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '" + NL + NL + "' }}{%- endif %}"
-    "{{- '# Tools" + NL + NL + "You may call one or more functions to assist with the user query." + NL + NL
-    + "You are provided with function signatures within <tools></tools> XML tags:" + NL + "<tools>' }}"
-    "{%- for tool in tools %}{{- '" + NL + "' + (tool | tojson) }}{%- endfor %}"
-    "{{- '" + NL + "</tools>" + NL + NL + "For each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:" + NL + "<tool_call>" + NL
-    + "{\"name\": <function-name>, \"arguments\": <args-json-object>}" + NL + "</tool_call><|im_end|>" + NL + "' }}"
-    "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system" + NL + "' + messages[0].content + '<|im_end|>" + NL + "' }}"
-    "{%- endif %}"
-)
-_TURNS_HERMES = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}"
-    "{{- '<|im_start|>user" + NL + "' + message.content + '<|im_end|>" + NL + "' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant" + NL + "' }}"
-    "{%- if message.reasoning_content %}{{- '<think>" + NL + "' + message.reasoning_content + '" + NL
-    + "</think>" + NL + NL + "' }}{%- endif %}"
-    "{{- message.content or '' }}"
-    "{%- for tc in message.tool_calls or [] %}"
-    "{{- '" + NL + "<tool_call>" + NL + "{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
-    "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
-    "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
-    "{{- '}" + NL + "</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>" + NL + "' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user" + NL + "<tool_response>" + NL + "' + message.content + '" + NL
-    + "</tool_response><|im_end|>" + NL + "' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
 )
 QWEN3_THINKING_2507_TEMPLATE = (
     _TOOLS_HERMES + _TURNS_HERMES
@@ -143,14 +112,7 @@ QWEN3_CODER_TEMPLATE = (
     "{%- endfor %}{%- endif %}"
     "{{- '</function>" + NL + "</tool_call>' }}"
     "{%- endfor %}"
-    "{{- '<|im_end|>" + NL + "' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user" + NL + "<tool_response>" + NL + "' + message.content + '" + NL
-    + "</tool_response><|im_end|>" + NL + "' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant" + NL + "' }}{%- endif %}"
-)
+) + _END_TURNS + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant" + NL + "' }}{%- endif %}"
 
 
 def make_qwen3_chat_model(out_dir, seed: int = 0, template: str = QWEN3_TEMPLATE) -> str:

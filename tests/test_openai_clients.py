@@ -115,8 +115,10 @@ def thinking(stack):
 
 # ---- no stall, no spin -------------------------------------------------------------------------------------
 def test_first_structured_request_on_a_fresh_server_costs_what_a_plain_one_does(stack):
+    """Target: within 1 s of a plain request; the factor 2 is slack for a busy machine (where the grammar
+    compiler built on the first request, beside a spinning step loop, took 2-25 s)."""
     plain, structured, plain_again = stack["timings"]
-    assert structured < max(plain, plain_again) + FIRST_STRUCTURED_SLACK_S, stack["timings"]
+    assert structured < 2 * max(plain, plain_again) + FIRST_STRUCTURED_SLACK_S, stack["timings"]
 
 
 def test_an_idle_server_uses_no_cpu(stack):

@@ -71,7 +71,9 @@ def test_unknown_fields_are_ignored_and_named_unless_strict():
         decode(body, schemas.ChatRequest, "chat", strict=True)
     assert e.value.param == "my_extension" and "--strict-requests" in e.value.message
     assert decode(body.replace(b', "my_extension": 1', b""), schemas.ChatRequest, "chat", strict=True)[1] == ["store"]
-    for bad, why in ((b"[1]", "JSON object"), (b"{nope", "not valid JSON"), (b'{"messages": 5}', "messages")):
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for bad, why in ((b"[1]", "JSON object"), (b"{nope", "not valid JSON"), (b'{"messages": 5}', "messages"),
+                     (deep, "too deeply")):
         with pytest.raises(ApiError) as e:
             decode(bad, schemas.ChatRequest, "chat", strict=False)
         assert why in e.value.message or e.value.param == why

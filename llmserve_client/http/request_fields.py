@@ -60,6 +60,8 @@ def decode(body: bytes, kind: type, endpoint: str, strict: bool) -> tuple[object
         raise ApiError("the request body must be a JSON object") from None
     except msgspec.DecodeError as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError("the request body nests JSON too deeply") from None
     known = kind.__struct_fields__
     if strict:
         unknown = [k for k in top if k not in known and k not in IGNORED[endpoint]]

@@ -357,6 +357,8 @@ async def serve(fe, request: Request) -> Response:
             chat = msgspec.convert(to_chat(req), schemas.ChatRequest)
         except msgspec.ValidationError as e:     # e.g. a vLLM extension of the wrong type
             raise ApiError(f"invalid request: {e}", schemas.param_of(str(e))) from None
+        except RecursionError:
+            raise ApiError("the request nests JSON too deeply") from None
         streams, ctx = await fe._start(chat, True, ignored, endpoint="responses", max_calls=req.max_tool_calls)
     except ApiError as e:
         return fe._error(e)
