@@ -274,7 +274,8 @@ class Engine:
         waits for its grammar, and no outputs or step are pending. A step now would do nothing."""
         if self._pending or self._in_flight is not None or self.scheduler.running:
             return False
-        return all(r.grammar is not None and not r.grammar.future.done() for r in self.scheduler.waiting.admission_order())
+        return all(r.grammar is not None and not r.grammar.future.done()
+                   for r in self.scheduler.waiting.admission_order())
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -446,12 +447,12 @@ class Engine:
         ids = [f"generate-{self.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
         added, others = [], []
+        compiled = threading.Event()         # a grammar compiled: what a stalled loop waits for
         try:
             for rid, p, sp in zip(ids, prompts, params_list):
                 self.add_request(rid, p, sp)
                 added.append(rid)
             pending = set(ids)
-            compiled = threading.Event()         # a grammar compiled: what a stalled loop waits for
             self.grammars.listeners.append(compiled.set)
             while pending:
                 compiled.clear()
