@@ -325,6 +325,9 @@ def test_responses_json_schema_text_format(client):
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]),
      "input[0].content[0]"),
     (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
+    (dict(max_output_tokens=0), "max_output_tokens"),              # errors of the chat pipeline, renamed
+    (dict(reasoning={"effort": "extreme"}), "reasoning.effort"),
+    (dict(text={"format": {"type": "yaml"}}), "text.format.type"),
 ])
 def test_responses_refusals_name_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

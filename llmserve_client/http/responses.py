@@ -338,6 +338,21 @@ class ResponseBuilder:
         return out
 
 
+# The chat request's names for what this request calls otherwise, for errors the chat pipeline raises.
+CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+              "reasoning_effort": "reasoning.effort"}
+
+
+def _renamed(e: ApiError) -> ApiError:
+    """An error of the chat pipeline, naming the field as this request spells it."""
+    head = (e.param or "").split(".", 1)[0].split("[", 1)[0]
+    if head not in CHAT_NAMES:
+        return e
+    name = CHAT_NAMES[head]
+    param = "input" if head == "messages" else name + e.param[len(head):]
+    return ApiError(e.message.replace(head, name), param, status=e.status, type=e.type, code=e.code)
+
+
 def _usage(c) -> dict:
     u = c.usage
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
@@ -359,7 +374,10 @@ async def serve(fe, request: Request) -> Response:
             raise ApiError(f"invalid request: {e}", schemas.param_of(str(e))) from None
         except RecursionError:
             raise ApiError("the request nests JSON too deeply") from None
-        streams, ctx = await fe._start(chat, True, ignored, endpoint="responses", max_calls=req.max_tool_calls)
+        try:
+            streams, ctx = await fe._start(chat, True, ignored, endpoint="responses", max_calls=req.max_tool_calls)
+        except ApiError as e:
+            raise _renamed(e) from None
     except ApiError as e:
         return fe._error(e)
     builder = ResponseBuilder("resp_" + uuid.uuid4().hex, ctx.model, req)
@@ -378,7 +396,7 @@ async def serve(fe, request: Request) -> Response:
             fe.metrics.on_finished(c)
         return Response(status_code=499)
     except LLMServeError as e:
-        return fe._error(fe._api_error(e, True, ctx.guided_source, ctx.error_names(e)))
+        return fe._error(_renamed(fe._api_error(e, True, ctx.guided_source, ctx.error_names(e))))
     return StreamingResponse(_events(fe, ctx, streams, merged, first, builder, shaper), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ctx.headers})
 
