@@ -15,14 +15,15 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
 
 sys.path.insert(0, os.path.dirname(__file__))
 from qwen3_chat_model import QWEN3_CODER_TEMPLATE, QWEN3_THINKING_2507_TEMPLATE, make_qwen3_chat_model  # noqa: E402
 from test_http import ENV, sdk, start_serve, stop, wait_healthy  # noqa: E402
-
-openai = pytest.importorskip("openai")
 
 CORE = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16",
         "--log-interval", "0"]

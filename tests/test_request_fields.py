@@ -8,13 +8,14 @@ import typing
 
 import pytest
 
-from llmserve_client.http import schemas
-from llmserve_client.http.request_fields import IGNORED, IgnoredFieldLog, check_content_type, decode, header_value, \
-    thinking_switch
-from llmserve_client.http.responses import ResponsesRequest
-from llmserve_client.http.schemas import ApiError
-
 openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")         # the responses endpoint's module answers through starlette
+
+from llmserve_client.http import schemas  # noqa: E402
+from llmserve_client.http.request_fields import IGNORED, IgnoredFieldLog, check_content_type, decode, \
+    header_value, thinking_switch  # noqa: E402
+from llmserve_client.http.responses import ResponsesRequest  # noqa: E402
+from llmserve_client.http.schemas import ApiError  # noqa: E402
 
 
 def typed_dict_keys(*types) -> set[str]:
