@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmserve_core.layers import index_checks
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.speculative.tree import batch_tree_mask
 
@@ -114,6 +115,7 @@ class BatchBuilder:
         self.query_start = np.zeros(seqs + 1, dtype=np.int32)
         self.seq_lens = np.zeros(seqs, dtype=np.int32)
         self.tables = np.zeros((seqs, max_blocks_per_seq), dtype=np.int32)
+        self.limits: index_checks.IndexLimits | None = None    # set by the runner once the KV pool exists
         self.begin()
 
     def begin(self) -> None:
@@ -123,6 +125,7 @@ class BatchBuilder:
         self.query_lens: list[int] = []
         self.seq_lens_list: list[int] = []
         self.masks: list[torch.Tensor | None] = []
+        self.owners: list[list[int]] = []          # each span's block list, kept only for the index checks
 
     # ---- spans -----------------------------------------------------------------------------------
     def add(self, block_ids: list[int], start: int, n: int, token_ids=None, seq_len: int | None = None) -> int:
@@ -183,6 +186,8 @@ class BatchBuilder:
         self.query_lens += [w] * b
         self.seq_lens_list += seq_lens.tolist()
         self.masks += [None] * b
+        if index_checks.ENABLED:
+            self.owners += block_ids
         return t
 
     def _close(self, block_ids: list[int], n: int, seq_len: int, mask) -> None:
@@ -195,6 +200,8 @@ class BatchBuilder:
         self.query_lens.append(n)
         self.seq_lens_list.append(seq_len)
         self.masks.append(mask)
+        if index_checks.ENABLED:
+            self.owners.append(block_ids)
 
     def _reserve(self, rows: int, seqs: int, blocks: int) -> None:
         if rows > self.ids.size:
@@ -214,6 +221,8 @@ class BatchBuilder:
         itself (StepGraphs.load), with nothing sent to the device here."""
         t, b = self.t, len(self.query_lens)
         np.minimum(self.pos[:t], self.max_position - 1, out=self.pos[:t])
+        if index_checks.ENABLED:
+            self._check_indices("a CUDA graph's batch")
         spans = HostSpans(self.ids[:t] if self.has_ids else None, self.pos[:t], self.slots[:t], self.seq_lens[:b],
                           self.tables[:b, :self.width], self.query_lens)
         self.begin()
@@ -228,6 +237,8 @@ class BatchBuilder:
         # Rows past the model's positions (drafts of a request about to hit its limit) only feed tokens
         # that will be cut off: clamping their rotary position just keeps the tables in range.
         np.minimum(self.pos[:t], self.max_position - 1, out=self.pos[:t])
+        if index_checks.ENABLED:
+            self._check_indices("a batch")
         self.query_start[0] = 0
         arrays = [self.pos[:t], self.slots[:t], self.query_start[:b + 1], self.seq_lens[:b], self.tables[:b, :self.width]]
         if self.has_ids:
@@ -251,3 +262,16 @@ class BatchBuilder:
         built = BuiltBatch(input_ids, batch, dev[5 + self.has_ids:])
         self.begin()
         return built
+
+    def _check_indices(self, where: str) -> None:
+        """index_checks.check_spans over the spans added since begin(), before anything goes to the device."""
+        if self.limits is None:
+            return
+        t, b = self.t, len(self.query_lens)
+        try:
+            index_checks.check_spans(where, self.limits, self.pos[:t], self.slots[:t], self.query_lens,
+                                     self.seq_lens[:b], self.tables[:b, :self.width],
+                                     self.ids[:t] if self.has_ids else None, owners=self.owners)
+        except index_checks.IndexCheckError:
+            self.begin()            # the next step's batch starts empty
+            raise

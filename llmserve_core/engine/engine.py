@@ -114,6 +114,7 @@ class Engine:
         self.model_info = ModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
                                     tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
         self.requests: dict[str, Request] = {}
+        self.runner.index_limits.requests = self.requests     # an index check names the request at fault
         # What the next step() returns: abort notices, and each step's outputs as it completes (kept here at
         # once, so a failure later in the same step() cannot lose the end of a request it finished).
         self._pending: list[StepOutput] = []

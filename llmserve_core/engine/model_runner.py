@@ -20,6 +20,7 @@ from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.step_graphs import StepGraphs
 from llmserve_core.engine.step_result import StepHandle
+from llmserve_core.layers import index_checks
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.fast_path import use_cuda_graphs
@@ -70,6 +71,8 @@ class ModelRunner:
         # lookahead: KV slots past the last token that speculative verification writes.
         self.max_blocks_per_seq = -(-(max_model_len + lookahead_tokens) // self.block_size)
         self.staging = HostToDevice(self.device, self.pin)
+        # What every forward's indices must stay inside (layers/index_checks.py), once the KV pool exists.
+        self.index_limits: index_checks.IndexLimits | None = None
         # Rows of float32 logits one sampling call may hold: the memory profile's, so scoring a long prompt
         # chunk a slice of this many rows at a time stays within the profiled peak.
         self.logits_rows = min(config.max_num_seqs, 1024)
@@ -93,7 +96,9 @@ class ModelRunner:
     def batch_builder(self, rows: int, seqs: int) -> BatchBuilder:
         """A builder over this runner's staging (the executor keeps its own, so its batches never clobber
         the scratch of one being built here)."""
-        return BatchBuilder(self.block_size, self.max_model_len, self.staging, rows, seqs, self.max_blocks_per_seq)
+        builder = BatchBuilder(self.block_size, self.max_model_len, self.staging, rows, seqs, self.max_blocks_per_seq)
+        builder.limits = self.index_limits
+        return builder
 
     def allocate_kv_cache(self, extra_kv_bytes_per_block: int = 0) -> None:
         """Size the KV pool (extra_kv_bytes_per_block: the draft's KV pool shares the block ids), allocate
@@ -104,6 +109,9 @@ class ModelRunner:
             self.num_blocks = self.tp.agree_min(self.num_blocks)
         self.kv_pool = self._allocate_kv(self.num_blocks)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
+        self.index_limits = index_checks.IndexLimits(self.num_blocks, self.block_size, self.max_model_len,
+                                                     self.model_config.vocab_size)
+        self.builder.limits = self.index_limits
         self.graphs = self._capture_graphs()
 
     # ---- KV cache --------------------------------------------------------------------------------
@@ -178,6 +186,7 @@ class ModelRunner:
         ones in the same order, at start-up and in lockstep: each capture's warm-up calls and the
         all-reduces captured inside are collectives that the other ranks' identical captures meet."""
         graphs = StepGraphs(name, fn, rows, *args, capture=self.device.type == "cuda", **kwargs)
+        graphs.index_limits = self.index_limits
         self.mirrored.append(graphs)
         return graphs
 
@@ -252,8 +261,21 @@ class ModelRunner:
             prepared = PreparedBatch(built.input_ids, built.batch, rows, sample_requests,
                                      samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt)
         if fill_rows:
+            if index_checks.ENABLED:
+                self._check_fills(sched, fill_from)
             prepared.input_ids.index_copy_(0, fill_at, self.last_sampled[fill_src])
         return prepared
+
+    def _check_fills(self, sched: ScheduledBatch, fill_from: list[int]) -> None:
+        """A placeholder is filled from a row of the latest step's sampled tokens: one that step has."""
+        have = 0 if self.last_sampled is None else self.last_sampled.shape[0]
+        placeholders = [r for r, n in zip(sched.requests, sched.num_new_tokens)
+                        if r.token_ids[r.num_computed_tokens + n - 1] == PLACEHOLDER]     # as prepare() finds them
+        for req, src in zip(placeholders, fill_from):
+            if not 0 <= src < have:
+                raise index_checks.IndexCheckError(
+                    f"index check, a step's placeholder fill: request {req.request_id!r}: sample_index {src} is "
+                    f"outside the {have} tokens the step before sampled")
 
     def _loads_graph(self, sched: ScheduledBatch, sampled: int, prompt: PromptRows) -> bool:
         """Whether prepare() loads this step straight into the decode graph: one row a sequence, each sampled
@@ -327,6 +349,9 @@ class ModelRunner:
         if handle.to_sample is None:
             return
         out = self.sample(handle.to_sample, handle.sampled_requests)
+        if index_checks.ENABLED:
+            index_checks.check_tokens("sampled tokens", out.token_ids, self.model_config.vocab_size,
+                                      [r.request_id for r in handle.sampled_requests])
         self.last_sampled = out.token_ids
         handle.set_sampled(out.to_host(self.pin))
 

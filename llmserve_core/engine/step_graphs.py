@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from llmserve_core.engine.batch_builder import ALIGN, HostSpans
+from llmserve_core.layers import index_checks
 from llmserve_core.layers.batch import ForwardBatch
 
 log = logging.getLogger("llmserve.step_graphs")
@@ -71,6 +72,7 @@ class StepGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.replays = 0
         self.last_bucket = 0        # the bucket of the last run (benchmarks replay it alone)
+        self.index_limits: index_checks.IndexLimits | None = None   # what the inputs must stay inside (the runner's)
         if capture:
             self._capture_all()
 
@@ -161,6 +163,10 @@ class StepGraphs:
         """Run the bucket of n sequences over the static inputs as they are; outputs cut to the n live
         sequences' rows (padding sequences come last)."""
         bucket = self.bucket_for(n)
+        if index_checks.ENABLED and self.index_limits is not None:
+            index_checks.check_batch(f"the {self.name} graph's inputs ({n} sequences, padded to {bucket})",
+                                     self.index_limits, self._batch(bucket), self.input_ids[:bucket * self.rows],
+                                     names=[f"graph padding {i - n}" if i >= n else f"#{i}" for i in range(bucket)])
         self.replays += 1
         self.last_bucket = bucket
         if self.capture:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve_core.layers import index_checks
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path
@@ -299,6 +300,9 @@ class Eagle3DraftModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache):
         """input_ids [T], hidden [T, H] (fused aux or the previous step's pre-norm output) ->
         (normed [T, H] for logits, pre-norm [T, H] to feed the next draft step)."""
+        if index_checks.ENABLED:
+            index_checks.check_forward("the draft's forward", batch, input_ids, kv_cache[0], self.embed_weight.shape[0],
+                                       self.rotary.cos.shape[0])
         layer = self.layers[0]
         x, residual = layer.attn_input(F.embedding(input_ids, self.embed_weight), hidden)
         attn = layer.self_attn

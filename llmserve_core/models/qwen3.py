@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve_core.layers import index_checks
 from llmserve_core.layers.batch import ForwardBatch
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.fast_path import fast_path, use_pdl
@@ -207,6 +208,9 @@ class Qwen3ForCausalLM(nn.Module):
                 raise ValueError(f"aux_layer_ids: layer {i} out of range [0, {num_layers})")
         if len(kv_caches) != num_layers:
             raise ValueError(f"kv_caches: expected {num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
+        if index_checks.ENABLED:
+            index_checks.check_forward("the model's forward", batch, input_ids, kv_caches[0][0],
+                                       self.cfg.vocab_size if self.tp is None else 0, self.rotary.cos.shape[0])
         cos, sin = (self.rotary.cos, self.rotary.sin) if self.fused else self.rotary.cos_sin(batch.positions)
         h, residual = self.model.embed_tokens(input_ids), None
         aux = {}
