@@ -376,3 +376,23 @@ def test_captured_replay_equals_eager(tiny_model_dir, kind):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for (k, _), want in zip(runner.kv_caches, eager_kv):
         torch.testing.assert_close(k, want, rtol=1e-5, atol=1e-5)
+
+
+def test_run_pads_with_valid_ids_after_loads_left_placeholders():
+    """A decode load carries its placeholder rows' ids as -1 (filled on the device). A later run() over a
+    bigger bucket than the last load's must not hand those stale -1s to its padding rows: an embedding of
+    -1 is a device-side assert (issue 62's class of fault)."""
+    fn = Recorder(1)
+    graphs = StepGraphs("test", fn, 1, max_batch=8, max_blocks_per_seq=2, max_seq_len=64, device="cpu",
+                        capture=False)
+    b = builder()
+    for n in (8, 8, 2):             # 8 placeholder rows in both host mirrors, then a smaller load
+        for i in range(n):
+            b.add([i], 1, 1, -1)
+        graphs.load(b.finish_host())
+    for i in range(5):
+        b.add([i], 1, 1, 7)
+    built = b.finish(uniform_rows=True)
+    graphs.run(built.input_ids, None, built.batch)
+    assert fn.calls[-1]["ids"].tolist() == [7] * 5 + [0] * 3
+

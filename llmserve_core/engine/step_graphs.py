@@ -193,6 +193,8 @@ class StepGraphs:
         if self.tree_mask is not None:
             self.tree_mask[:t].copy_(batch.tree_mask)
         if bucket > n:
+            # A padding row's id is read too: what an earlier load left there may be a PLACEHOLDER (-1).
+            self.input_ids[t:padded].zero_()
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)
         return self.replay(n)
