@@ -396,3 +396,17 @@ def test_run_pads_with_valid_ids_after_loads_left_placeholders():
     graphs.run(built.input_ids, None, built.batch)
     assert fn.calls[-1]["ids"].tolist() == [7] * 5 + [0] * 3
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned memory, async copies)")
+@pytest.mark.gpu
+def test_an_arena_is_refilled_only_after_its_copies_ran():
+    """Steps that sample nothing (a long prompt's chunks) are not waited for by the engine: the arena two
+    steps back must still be copied before the host writes it again, however far behind the GPU is."""
+    staging = HostToDevice(torch.device("cuda"), pin=True, nbytes=1 << 12)
+    got = []
+    for step in range(6):
+        staging.new_step()
+        torch.cuda._sleep(20_000_000)          # the GPU falls well behind the host
+        got.append(staging.ints(np.full(256, step)))
+    torch.cuda.synchronize()
+    assert [t.unique().tolist() for t in got] == [[s] for s in range(6)]

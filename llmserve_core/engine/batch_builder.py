@@ -53,11 +53,21 @@ class HostToDevice:
         self.arenas = [_Arena(nbytes, pin), _Arena(nbytes, pin)]
         self.arena = self.arenas[0]
         self.num_steps = 0
+        # Per arena, an event recorded when a step leaves it: its copies are queued before it. A step that
+        # samples nothing is not waited for by the engine, so without it the host could refill an arena
+        # whose copies had not run yet (a prefill chunked over many steps).
+        self.left: list[torch.cuda.Event | None] = [None, None]
 
     def new_step(self) -> None:
-        """Start a step: switch to the other arena (the one the step before last used, long copied)."""
+        """Start a step: switch to the other arena (the one the step before last used), once its copies ran."""
+        if self.device.type == "cuda":
+            self.left[self.num_steps % 2] = torch.cuda.Event()
+            self.left[self.num_steps % 2].record()
         self.num_steps += 1
-        self.arena = self.arenas[self.num_steps % 2]
+        i = self.num_steps % 2
+        if self.left[i] is not None:
+            self.left[i].synchronize()      # long done in steady decoding: the engine read that step back
+        self.arena = self.arenas[i]
         self.arena.used = 0
 
     def copy(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
