@@ -6,10 +6,13 @@ import json
 
 import pytest
 
-from llmserve_client.http.chat_output import ChoiceShaper
-from llmserve_client.http.qwen3_coder import typed_value
-from llmserve_client.http.reasoning import split_reasoning
-from llmserve_client.http.tool_parsers import detect_parser, fold_deltas, parse_tool_calls
+pytest.importorskip("starlette")         # the llmserve_client.http package imports its starlette app
+pytest.importorskip("uvicorn")
+
+from llmserve_client.http.chat_output import ChoiceShaper  # noqa: E402
+from llmserve_client.http.qwen3_coder import typed_value  # noqa: E402
+from llmserve_client.http.reasoning import split_reasoning  # noqa: E402
+from llmserve_client.http.tool_parsers import detect_parser, fold_deltas, parse_tool_calls  # noqa: E402
 
 REASONING_CASES = [
     # (output text, template opened <think>, reasoning, content)

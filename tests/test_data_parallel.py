@@ -11,16 +11,22 @@ import concurrent.futures
 import os
 import time
 
-import httpx
 import pytest
 
-from daemon_helpers import start_core, wait_ready
-from llmserve_client import Client, EngineDeadError, ModelMismatchError
-from llmserve_client.cores import aggregate_stats
-from llmserve_client.http.cli import parse_args
-from llmserve_client.http.core_procs import device_groups
-from llmserve_client.router import OVERLOAD_SLACK, Router, prefix_key
-from test_http import CORE_ARGS, _children, sdk, start_serve, stop, wait_healthy
+pytest.importorskip("httpx")         # the HTTP frontend's; absent on the GPU machine
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import httpx  # noqa: E402
+
+from daemon_helpers import start_core, wait_ready  # noqa: E402
+from llmserve_client import Client, EngineDeadError, ModelMismatchError  # noqa: E402
+from llmserve_client.cores import aggregate_stats  # noqa: E402
+from llmserve_client.http.cli import parse_args  # noqa: E402
+from llmserve_client.http.core_procs import device_groups  # noqa: E402
+from llmserve_client.router import OVERLOAD_SLACK, Router, prefix_key  # noqa: E402
+from test_http import CORE_ARGS, _children, sdk, start_serve, stop, wait_healthy  # noqa: E402
 
 BLOCK = 16                                  # the cores' --block-size (daemon_helpers.ENGINE_ARGS)
 SHARED = list(range(100, 100 + 2 * BLOCK))  # two full blocks every shared-prefix prompt starts with

@@ -15,11 +15,17 @@ import subprocess
 import sys
 import time
 
-import httpx
-import openai
 import pytest
 
-from llmserve_client import Client
+pytest.importorskip("httpx")         # the HTTP frontend's; absent on the GPU machine
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from llmserve_client import Client  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -15,12 +15,18 @@ import textwrap
 import threading
 import time
 
-import httpx
 import pytest
 
-from llmserve_client import Client, RequestError
-from llmserve_proto import GuidedDecoding
-from test_http import ENV, start_core, start_serve, stop, wait_healthy
+pytest.importorskip("httpx")         # the HTTP frontend's; absent on the GPU machine
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import httpx  # noqa: E402
+
+from llmserve_client import Client, RequestError  # noqa: E402
+from llmserve_proto import GuidedDecoding  # noqa: E402
+from test_http import ENV, start_core, start_serve, stop, wait_healthy  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}   # what the server requires of a body (as vLLM does)
 

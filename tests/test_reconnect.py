@@ -13,12 +13,18 @@ import signal
 import threading
 import time
 
-import httpx
-import openai
 import pytest
 
-from llmserve_client import AsyncClient, Client, EngineDeadError, ModelChangedError
-from test_http import CORE_ARGS, _children, sdk, start_core, start_serve, stop, wait_healthy
+pytest.importorskip("httpx")         # the HTTP frontend's; absent on the GPU machine
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from llmserve_client import AsyncClient, Client, EngineDeadError, ModelChangedError  # noqa: E402
+from test_http import CORE_ARGS, _children, sdk, start_core, start_serve, stop, wait_healthy  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 
