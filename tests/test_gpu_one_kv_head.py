@@ -1,0 +1,91 @@
+"""The shape that once killed the engine on an H100 (issue 62): Qwen3 with hidden 256, 2 layers, 4 query heads
+and ONE KV head, head_dim 128, tied embeddings, a 512-token vocabulary (smaller than many tiles), everything
+else transformers' defaults (max_position_embeddings 32,768); a 64-token budget, so five of six prompts (1,
+7, 31, 64, 129, 300 tokens) are chunked or share steps with decodes; 16 greedy tokens each, in one generate
+call, on the engine's defaults otherwise (async scheduling, the warm-up, the memory-sized KV pool). Every
+backend, eager and with CUDA graphs, float32 token-exact against transformers and bfloat16 against the torch
+backend given the same tokens (benchmarks/gpu_fuzz.py's checks).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from llmserve_core import Engine, EngineConfig
+from llmserve_core.layers.attention import BACKENDS, get_backend
+from llmserve_proto import SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from gpu_fuzz import against_torch_backend, against_transformers, torch_reference  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SHAPE = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+             head_dim=128, tie_word_embeddings=True)
+PROMPT_LENS = (1, 7, 31, 64, 129, 300)
+NEW_TOKENS = 16
+
+
+def backends() -> list[str]:
+    names = []
+    for name in BACKENDS:
+        try:
+            if name != "auto":
+                get_backend(name, "cuda")
+                names.append(name)
+        except ImportError:
+            pass
+    return names
+
+
+def cases():
+    for dtype in ("float32", "bfloat16"):
+        for backend in backends():
+            for graphs in (False, True):
+                if backend == "torch" and graphs:
+                    continue            # the torch backend never captures graphs
+                yield pytest.param(dtype, backend, graphs, id=f"{dtype}-{backend}-{'graphs' if graphs else 'eager'}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from llmserve_core.models.tiny import train_tokenizer, write_random_qwen3, write_tokenizer
+    path = tmp_path_factory.mktemp("one-kv-head")
+    write_random_qwen3(path, seed=0, **SHAPE)
+    write_tokenizer(train_tokenizer(), path)       # make_tiny_model refuses a vocabulary under the tokenizer's
+    return str(path)
+
+
+def prompts() -> list[list[int]]:
+    r = random.Random(62)
+    return [[r.randrange(SHAPE["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_reference(model_dir: str):
+    return torch_reference(model_dir, "cuda", "bfloat16", prompts(), [NEW_TOKENS] * len(PROMPT_LENS))
+
+
+@pytest.mark.parametrize("dtype,backend,graphs", list(cases()))
+def test_one_kv_head_shape(model_dir, dtype, backend, graphs):
+    if backend == "flash-attn" and dtype == "float32":
+        pytest.skip("FlashAttention-4 has no float32 kernels (triton-fa4 keeps float32 on Triton)")
+    engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
+                                 enforce_eager=not graphs, enable_chunked_prefill=True, max_num_batched_tokens=64))
+    assert (engine.runner.graphs is not None) == (graphs and backend != "torch")
+    ps = prompts()
+    out = engine.generate(ps, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [len(c.token_ids) for c in out] == [NEW_TOKENS] * len(ps)
+    assert engine.stats()["used_kv_blocks"] == 0
+    del engine
+    torch.cuda.empty_cache()
+    if dtype == "float32":
+        result = against_transformers(model_dir, ps, [NEW_TOKENS] * len(ps), [out])
+    else:
+        result = against_torch_backend(bf16_reference(model_dir), dtype, ps, [out])
+    assert result["ok"], result["why"]
