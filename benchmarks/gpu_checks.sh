@@ -28,6 +28,15 @@
 #            any winner), and fp8_skinny_gemm.py (17-128 rows: the tables' GEMV tiles against cuBLAS's FP8 GEMM,
 #            per channel and per block)
 #            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json, $OUT/fp8_skinny.json
+#   kv1      issue 62's shape (one KV head, vocab 512, a 64-token budget) on every backend x dtype x (eager, graphs):
+#            tests/test_gpu_one_kv_head.py; a failure is rerun with LLMSERVE_CHECK_INDICES=1 and
+#            CUDA_LAUNCH_BLOCKING=1, so a bad index is named on the host  -> $OUT/kv1.log, $OUT/kv1_checked.log
+#   gpusuite the whole `pytest -m gpu` in one run (SUITE_TIMEOUT s, default 450), with the pass / skip / fail
+#            counts and every test's duration  -> $OUT/gpu_suite.{log,xml,md,json}
+#   fuzz     benchmarks/gpu_fuzz.py for FUZZ_BUDGET s (default 100): seeded random engines against transformers
+#            (float32) or the torch backend (bf16 / fp16), a worker process per crash  -> $OUT/fuzz/fuzz.{json,md}
+#   issue62  gpusuite (issue 62's shape tests among them; their failures rerun checked, as kv1 does), then fuzz:
+#            the whole of issue 62 in one call
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
 # benchmarks/README.md, "Running on a GPU"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
@@ -37,6 +46,44 @@ stages=${*:-tests kernels peers}
 # A device copy of the tree may carry a stale .git: a .commit file written before the call names the commit.
 commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 declare -A status
+card=$(python3 -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null || echo "no CUDA device")
+
+# Rerun issue 62's shape tests that failed, with the index checks on and synchronous launches: the first bad
+# index is then named on the host, or the failing kernel shows in the Python traceback.
+kv1_rerun_checked() {
+  local failed
+  failed=$(grep -oE "^FAILED tests/test_gpu_one_kv_head.py::[^ ]+" "$1" | sed 's/^FAILED //' || true)
+  [ -n "$failed" ] || return 0
+  LLMSERVE_CHECK_INDICES=1 CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -p no:cacheprovider -x --tb=long $failed \
+    > "$out/kv1_checked.log" 2>&1
+  tail -30 "$out/kv1_checked.log"
+}
+
+kv1() {
+  python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_gpu_one_kv_head.py > "$out/kv1.log" 2>&1
+  status[$stage]=$?
+  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$out/kv1.log" | tail -20
+  kv1_rerun_checked "$out/kv1.log"
+}
+
+gpusuite() {
+  # One pytest over every GPU test (the kernel files' interpreter tests run on the GPU too where they are marked);
+  # SIGINT past SUITE_TIMEOUT still writes the XML, so the counts and durations of what ran come back.
+  timeout -s INT -k 30 "${SUITE_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=25 \
+    --junitxml="$out/gpu_suite.xml" tests/ > "$out/gpu_suite.log" 2>&1
+  status[$stage]=$?
+  tail -45 "$out/gpu_suite.log"
+  python3 benchmarks/pytest_summary.py "$out/gpu_suite.xml" "$out/gpu_suite" --title "pytest -m gpu" \
+    --card "$card" --commit "$commit" || status[$stage]=1
+  [ -z "${kv1_checked_rerun:-}" ] || kv1_rerun_checked "$out/gpu_suite.log"
+}
+
+fuzz() {
+  python3 benchmarks/gpu_fuzz.py --budget "${FUZZ_BUDGET:-100}" --out "$out/fuzz" > "$out/fuzz.log" 2>&1
+  status[$stage]=$?
+  grep -E "^seed .*FAILED|cases \(seeds" "$out/fuzz.log" | tail -20
+}
+
 for stage in $stages; do
   start=$SECONDS
   case $stage in
@@ -100,7 +147,18 @@ for stage in $stages; do
       python3 benchmarks/fp8_skinny_gemm.py --commit "$commit" --rows 17,32,64,128 --scales channel,block \
         --out "$out/fp8_skinny.json" > "$out/fp8_skinny.log" 2>&1 || status[$stage]=1
       grep -v "^    [a-z0-9_]*:" "$out/fp8_skinny.log" | tail -32 ;;
-    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8)"; status[$stage]=2 ;;
+    kv1)
+      kv1 ;;
+    gpusuite)
+      gpusuite ;;
+    fuzz)
+      fuzz ;;
+    issue62)
+      kv1_checked_rerun=1
+      gpusuite; suite_status=${status[$stage]}
+      fuzz
+      [ "$suite_status" = 0 ] && [ "${status[$stage]}" = 0 ]; status[$stage]=$? ;;
+    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8, kv1, gpusuite, fuzz, issue62)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done
