@@ -31,8 +31,9 @@
 #   kv1      issue 62's shape (one KV head, vocab 512, a 64-token budget) on every backend x dtype x (eager, graphs):
 #            tests/test_gpu_one_kv_head.py; a failure is rerun with LLMSERVE_CHECK_INDICES=1 and
 #            CUDA_LAUNCH_BLOCKING=1, so a bad index is named on the host  -> $OUT/kv1.log, $OUT/kv1_checked.log
-#   gpusuite the whole `pytest -m gpu` in one run (SUITE_TIMEOUT s, default 450), with the pass / skip / fail
-#            counts and every test's duration  -> $OUT/gpu_suite.{log,xml,md,json}
+#   gpusuite the whole `pytest -m gpu` (SUITE_TIMEOUT s, default 450; issue 62's shape file in a second process,
+#            last), with the pass / skip / fail counts and every test's duration
+#            -> $OUT/gpu_suite.{log,xml,md,json}, $OUT/kv1.log
 #   fuzz     benchmarks/gpu_fuzz.py for FUZZ_BUDGET s (default 100): seeded random engines against transformers
 #            (float32) or the torch backend (bf16 / fp16), a worker process per crash  -> $OUT/fuzz/fuzz.{json,md}
 #   issue62  gpusuite (issue 62's shape tests among them; their failures rerun checked, as kv1 does), then fuzz:
@@ -48,15 +49,20 @@ commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ec
 declare -A status
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null || echo "no CUDA device")
 
-# Rerun issue 62's shape tests that failed, with the index checks on and synchronous launches: the first bad
-# index is then named on the host, or the failing kernel shows in the Python traceback.
+# Rerun issue 62's shape tests that failed, each in a fresh process (a device-side assert spoils the rest of
+# its own): with the index checks on and synchronous launches, so the first bad index is named on the host or
+# the failing kernel shows in the traceback; then without PDL, which tells whether a kernel's early start is it.
 kv1_rerun_checked() {
-  local failed
+  local failed t
   failed=$(grep -oE "^FAILED tests/test_gpu_one_kv_head.py::[^ ]+" "$1" | sed 's/^FAILED //' || true)
-  [ -n "$failed" ] || return 0
-  LLMSERVE_CHECK_INDICES=1 CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -p no:cacheprovider -x --tb=long $failed \
-    > "$out/kv1_checked.log" 2>&1
-  tail -30 "$out/kv1_checked.log"
+  for t in $failed; do
+    echo "== $t, checked" >> "$out/kv1_checked.log"
+    LLMSERVE_CHECK_INDICES=1 CUDA_LAUNCH_BLOCKING=1 timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=long \
+      "$t" >> "$out/kv1_checked.log" 2>&1
+    echo "== $t, LLMSERVE_PDL=0" >> "$out/kv1_checked.log"
+    LLMSERVE_PDL=0 timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short "$t" >> "$out/kv1_checked.log" 2>&1
+  done
+  [ -z "$failed" ] || grep -E "^== |IndexCheckError|passed|failed" "$out/kv1_checked.log" | tail -40
 }
 
 kv1() {
@@ -67,15 +73,22 @@ kv1() {
 }
 
 gpusuite() {
-  # One pytest over every GPU test (the kernel files' interpreter tests run on the GPU too where they are marked);
-  # SIGINT past SUITE_TIMEOUT still writes the XML, so the counts and durations of what ran come back.
+  # Every GPU test: issue 62's shape file in a process of its own, last (a device-side assert would fail every
+  # test after it in the same process), the rest in one. SIGINT past SUITE_TIMEOUT still writes the XML, so the
+  # counts and durations of what ran come back.
+  local t0=$SECONDS s1 s2
   timeout -s INT -k 30 "${SUITE_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=25 \
-    --junitxml="$out/gpu_suite.xml" tests/ > "$out/gpu_suite.log" 2>&1
-  status[$stage]=$?
-  tail -45 "$out/gpu_suite.log"
-  python3 benchmarks/pytest_summary.py "$out/gpu_suite.xml" "$out/gpu_suite" --title "pytest -m gpu" \
-    --card "$card" --commit "$commit" || status[$stage]=1
-  [ -z "${kv1_checked_rerun:-}" ] || kv1_rerun_checked "$out/gpu_suite.log"
+    --junitxml="$out/gpu_suite.xml" --ignore=tests/test_gpu_one_kv_head.py tests/ > "$out/gpu_suite.log" 2>&1
+  s1=$?
+  local left=$(( ${SUITE_TIMEOUT:-450} + 90 - (SECONDS - t0) ))
+  timeout -s INT -k 30 $(( left > 120 ? left : 120 )) python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+    --junitxml="$out/gpu_suite_kv1.xml" tests/test_gpu_one_kv_head.py > "$out/kv1.log" 2>&1
+  s2=$?
+  [ "$s1" = 0 ] && [ "$s2" = 0 ]; status[$stage]=$?
+  tail -40 "$out/gpu_suite.log"; tail -5 "$out/kv1.log"
+  python3 benchmarks/pytest_summary.py "$out/gpu_suite.xml" "$out/gpu_suite_kv1.xml" "$out/gpu_suite" \
+    --title "pytest -m gpu" --card "$card" --commit "$commit" || status[$stage]=1
+  [ -z "${kv1_checked_rerun:-}" ] || kv1_rerun_checked "$out/kv1.log"
 }
 
 fuzz() {

@@ -1,7 +1,7 @@
-"""A pytest run's record from its JUnit XML (pytest --junitxml): passed / skipped (with reasons) / failed
-counts and every test's duration, slowest first, as markdown and JSON.
+"""A pytest run's record from its JUnit XML (pytest --junitxml; several files: one run in parts): passed /
+skipped (with reasons) / failed counts and every test's duration, slowest first, as markdown and JSON.
 
-    python benchmarks/pytest_summary.py RUN.xml OUT_PREFIX [--title T] [--card C] [--commit SHA]
+    python benchmarks/pytest_summary.py RUN.xml [MORE.xml ...] OUT_PREFIX [--title T] [--card C] [--commit SHA]
 
 writes OUT_PREFIX.md and OUT_PREFIX.json and prints the counts and the ten slowest tests.
 """
@@ -13,10 +13,10 @@ import json
 import xml.etree.ElementTree as ET
 
 
-def summarize(xml_path: str) -> dict:
-    root = ET.parse(xml_path).getroot()
+def summarize(*xml_paths: str) -> dict:
+    roots = [ET.parse(p).getroot() for p in xml_paths]
     tests, reasons = [], collections.Counter()
-    for case in root.iter("testcase"):
+    for case in (c for root in roots for c in root.iter("testcase")):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         status, why = "passed", ""
         for child in case:
@@ -28,7 +28,7 @@ def summarize(xml_path: str) -> dict:
             reasons[why] += 1
         tests.append(dict(test=name, status=status, seconds=float(case.get("time", 0) or 0), why=why))
     counts = collections.Counter(t["status"] for t in tests)
-    suites = list(root.iter("testsuite"))
+    suites = [suite for root in roots for suite in root.iter("testsuite")]
     wall = sum(float(s.get("time", 0) or 0) for s in suites)
     return dict(passed=counts["passed"], skipped=counts["skipped"], failed=counts["failed"], wall_s=round(wall, 1),
                 skip_reasons=dict(reasons.most_common()), tests=sorted(tests, key=lambda t: -t["seconds"]))
@@ -52,14 +52,14 @@ def write(summary: dict, prefix: str, title: str, card: str, commit: str) -> Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("xml")
-    ap.add_argument("prefix")
+    ap.add_argument("xml", nargs="+", help="JUnit XML files, then the output prefix")
     ap.add_argument("--title", default="pytest -m gpu")
     ap.add_argument("--card", default="unknown card")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args(argv)
-    summary = summarize(args.xml)
-    write(summary, args.prefix, args.title, args.card, args.commit)
+    *xmls, prefix = args.xml
+    summary = summarize(*xmls)
+    write(summary, prefix, args.title, args.card, args.commit)
     print(f"{summary['passed']} passed, {summary['skipped']} skipped, {summary['failed']} failed in {summary['wall_s']} s")
     for why, n in summary["skip_reasons"].items():
         print(f"  skipped {n} x {why}")
