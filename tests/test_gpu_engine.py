@@ -99,7 +99,8 @@ def test_dummy_8b_shape_loads_and_steps():
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
-        engine = Engine(EngineConfig(model=d, load_format="dummy", max_model_len=4096, max_num_seqs=64))
+        # (no warm-up: its hundreds of 8B-shape steps check nothing this test does; test_warmup.py warms up)
+        engine = Engine(EngineConfig(model=d, load_format="dummy", max_model_len=4096, max_num_seqs=64, warmup=False))
         got = engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
         assert all(len(c.token_ids) == 8 for c in got)
         print(f"8B dummy: {engine.stats()['total_kv_blocks']} KV blocks")
