@@ -6,10 +6,14 @@ call, on the engine's defaults otherwise (async scheduling, the memory-sized KV 
 backend the warm-up, which the others skip to keep the suite short). Every backend, eager and with CUDA graphs,
 float32 token-exact against transformers and bfloat16 against the torch backend given the same tokens
 (benchmarks/gpu_fuzz.py's checks).
+
+LLMSERVE_KV1_OVERRIDES (JSON of EngineConfig fields, e.g. {"async_scheduling": false}) changes the engine, so that
+benchmarks/gpu_checks.sh can tell which part of the default path a failure needs.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import sys
@@ -77,10 +81,10 @@ def test_one_kv_head_shape(model_dir, dtype, backend, graphs):
     if backend == "flash-attn" and dtype == "float32":
         pytest.skip("FlashAttention-4 has no float32 kernels (triton-fa4 keeps float32 on Triton)")
     default = get_backend("auto", "cuda").name == backend
-    engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
-                                 enforce_eager=not graphs, enable_chunked_prefill=True, max_num_batched_tokens=64,
-                                 warmup=None if default else False))
-    assert (engine.runner.graphs is not None) == (graphs and backend != "torch")
+    config = dict(model=model_dir, device="cuda", dtype=dtype, attention_backend=backend, enforce_eager=not graphs,
+                  enable_chunked_prefill=True, max_num_batched_tokens=64, warmup=None if default else False)
+    engine = Engine(EngineConfig(**{**config, **json.loads(os.environ.get("LLMSERVE_KV1_OVERRIDES", "{}"))}))
+    assert (engine.runner.graphs is not None) == (not engine.config.enforce_eager and backend != "torch")
     ps = prompts()
     out = engine.generate(ps, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [len(c.token_ids) for c in out] == [NEW_TOKENS] * len(ps)
