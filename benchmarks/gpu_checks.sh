@@ -36,8 +36,8 @@
 #            -> $OUT/gpu_suite.{log,xml,md,json}, $OUT/kv1.log
 #   fuzz     benchmarks/gpu_fuzz.py for FUZZ_BUDGET s (default 100): seeded random engines against transformers
 #            (float32) or the torch backend (bf16 / fp16), a worker process per crash  -> $OUT/fuzz/fuzz.{json,md}
-#   issue62  gpusuite (issue 62's shape tests among them; their failures rerun checked, as kv1 does), then fuzz:
-#            the whole of issue 62 in one call
+#   issue62  gpusuite (issue 62's shape tests among them; their failures rerun checked, as kv1 does), then fuzz for
+#            what is left of the call (CALL_BUDGET s, default 570, minus the suite; FUZZ_BUDGET overrides it)
 # Usage (repo root, FA4 unpacked, the flash_attn shim and the wheels installed, PYTHONPATH set; see
 # benchmarks/README.md, "Running on a GPU"): bash benchmarks/gpu_checks.sh [STAGE ...]   (default: tests kernels peers)
 # Each stage's exit status is reported; the script exits non-zero if any stage failed.
@@ -170,7 +170,9 @@ for stage in $stages; do
     issue62)
       kv1_checked_rerun=1
       gpusuite; suite_status=${status[$stage]}
-      fuzz
+      # the fuzzer gets what is left of a 10-minute call (CALL_BUDGET s), at least a minute
+      left=$(( ${CALL_BUDGET:-570} - (SECONDS - start) - 20 ))
+      FUZZ_BUDGET=${FUZZ_BUDGET:-$(( left > 60 ? left : 60 ))} fuzz
       [ "$suite_status" = 0 ] && [ "${status[$stage]}" = 0 ]; status[$stage]=$? ;;
     *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8, kv1, gpusuite, fuzz, issue62)"; status[$stage]=2 ;;
   esac
