@@ -7,6 +7,9 @@ backend the warm-up, which the others skip to keep the suite short). Every backe
 float32 token-exact against transformers and bfloat16 against the torch backend given the same tokens
 (benchmarks/gpu_fuzz.py's checks).
 
+Last, the fault itself made certain: with every forward slowed on the device, long prompts chunked over many
+steps that sample nothing still come out as transformers' (the staging arena is never refilled ahead of its copy).
+
 LLMSERVE_KV1_OVERRIDES (JSON of EngineConfig fields, e.g. {"async_scheduling": false}) changes the engine, so that
 benchmarks/gpu_checks.sh can tell which part of the default path a failure needs.
 """
@@ -95,4 +98,29 @@ def test_one_kv_head_shape(model_dir, dtype, backend, graphs):
         result = against_transformers(model_dir, ps, [NEW_TOKENS] * len(ps), [out])
     else:
         result = against_torch_backend(bf16_reference(model_dir), dtype, ps, [out])
+    assert result["ok"], result["why"]
+
+
+def test_a_device_far_behind_the_host_keeps_every_chunk_intact(model_dir):
+    """What the shape's 64-token budget exposed: a prompt chunked over many steps samples nothing until its
+    last chunk, so the engine never waits for those steps, and where the device falls behind (long contexts,
+    float32 attention) the host used to refill a staging arena whose copy to the device had not run yet: the
+    chunk then read another step's ids, positions, slots and block tables (out-of-range ids: a device-side
+    assert in the embedding). Here every forward is made slow on the device, so the host runs far ahead; the
+    output must still be transformers'."""
+    engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32", attention_backend="triton",
+                                 max_num_batched_tokens=64, warmup=False, num_kv_blocks=160, max_num_seqs=4))
+    model = engine.runner.model
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        torch.cuda._sleep(5_000_000)             # a few milliseconds of device time before each forward
+        return forward(*args, **kwargs)
+    model.forward = slow_forward
+    r = random.Random(7)
+    long_prompts = [[r.randrange(SHAPE["vocab_size"]) for _ in range(n)] for n in (1200, 700)]
+    out = engine.generate(long_prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    del engine
+    torch.cuda.empty_cache()
+    result = against_transformers(model_dir, long_prompts, [4, 4], [out])
     assert result["ok"], result["why"]
