@@ -114,7 +114,7 @@ def test_a_device_far_behind_the_host_keeps_every_chunk_intact(model_dir):
     forward = model.forward
 
     def slow_forward(*args, **kwargs):
-        torch.cuda._sleep(5_000_000)             # a few milliseconds of device time before each forward
+        torch.cuda._sleep(20_000_000)            # about 10 ms of device time before each forward
         return forward(*args, **kwargs)
     model.forward = slow_forward
     r = random.Random(7)
