@@ -4,8 +4,9 @@ Each seed makes one case: a random Qwen3 (query and KV heads, one KV head and he
 head_dim 64 / 128 / 256; tied or untied; a vocabulary that is no multiple of any tile), a dtype, an
 attention backend, CUDA graphs or eager, async scheduling or not, block size, a token budget from 16 to
 8,192 (chunked prefill), a KV pool from tiny (preemption) to ample, prompts across tile and block edges with
-shared prefixes and a second pass (prefix-cache hits), and EAGLE-3 with a random draft (chain, static or
-dynamic tree) or none. Greedy outputs are checked:
+shared prefixes and a second pass (prefix-cache hits), EAGLE-3 with a random draft (chain, static or
+dynamic tree) or none, and on a GPU sometimes a device slowed under every forward (the host runs steps ahead of
+it, as under a big model). Greedy outputs are checked:
 - float32: token-exact against transformers' Qwen3ForCausalLM (float32, CPU); a divergence where the
   reference's two candidates are within TIE_TOL is a near tie, not a fault, and ends that prompt's compare;
 - bfloat16 / float16: against the torch attention backend (same device and dtype, eager) given the same
@@ -61,6 +62,7 @@ class Case:
     eagle: dict | None = None       # speculative_* fields; None: no draft
     step_graphs: bool = False       # on the CPU: the graphs' bookkeeping (LLMSERVE_CPU_STEP_GRAPHS)
     logprobs_every: int = 0         # bf16/fp16: every n-th prompt also reports its tokens' logprobs
+    lag: bool = False               # on a GPU: every eager forward waits ~2 ms on the device (the host runs ahead)
 
     def describe(self) -> str:
         m, e = self.model, self.engine
@@ -73,7 +75,8 @@ class Case:
                 f"{e['max_num_batched_tokens']}{'' if e['enable_chunked_prefill'] else ' unchunked'} kv "
                 f"{e['num_kv_blocks']} seqs {e['max_num_seqs']} prompts {[len(p) for p in self.prompts]} "
                 f"new {max(self.max_tokens)} passes {self.passes} eagle {eagle}"
-                f"{' async' if e.get('async_scheduling') else ''}{' warmup' if e.get('warmup') else ''}")
+                f"{' async' if e.get('async_scheduling') else ''}{' warmup' if e.get('warmup') else ''}"
+                f"{' lag' if self.lag else ''}")
 
 
 def available_backends(device: str) -> list[str]:
@@ -126,7 +129,7 @@ def make_case(seed: int, device: str, backends: list[str]) -> Case:
         engine["max_num_seqs"] = min(engine["max_num_seqs"], 8)       # the warm-up's rounds grow with it
     return Case(seed, device, dtype, backend, model, engine, prompts, max_tokens, ignore_eos=r.random() < 0.7,
                 passes=2 if r.random() < 0.35 else 1, eagle=eagle, step_graphs=cpu and not engine["enforce_eager"],
-                logprobs_every=r.choice([2, 3]) if dtype != "float32" else 0)
+                logprobs_every=r.choice([2, 3]) if dtype != "float32" else 0, lag=not cpu and r.random() < 0.2)
 
 
 def _random_model(r: random.Random, cpu: bool) -> dict:
@@ -194,6 +197,8 @@ def run_case(case: Case, root: str) -> dict:
             del os.environ["LLMSERVE_CPU_STEP_GRAPHS"]
         else:
             os.environ["LLMSERVE_CPU_STEP_GRAPHS"] = before
+    if case.lag:
+        _slow_device(engine.runner.model)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=case.ignore_eos,
                              logprobs=1 if case.logprobs_every and i % case.logprobs_every == 0 else None)
               for i, m in enumerate(case.max_tokens)]
@@ -208,6 +213,18 @@ def run_case(case: Case, root: str) -> dict:
     if case.dtype == "float32":
         return _against_transformers(case, model_dir, outputs, eos)
     return _against_torch_backend(case, model_dir, outputs)
+
+
+def _slow_device(model) -> None:
+    """Each eager forward of `model` first keeps the device busy for ~2 ms, so the host runs steps ahead of
+    it: whatever the host reuses before the device has read it shows."""
+    import torch
+    forward = model.forward
+
+    def slow(*args, **kwargs):
+        torch.cuda._sleep(4_000_000)
+        return forward(*args, **kwargs)
+    model.forward = slow
 
 
 def _model_dir(case: Case, root: str) -> str:
