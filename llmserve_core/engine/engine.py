@@ -115,6 +115,8 @@ class Engine:
                                     tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
         self.requests: dict[str, Request] = {}
         self.runner.index_limits.requests = self.requests     # an index check names the request at fault
+        for graphs in (self.spec.graphs.values() if self.spec is not None else ()):
+            graphs.index_limits = self.runner.index_limits     # the draft's graphs index the same pool
         # What the next step() returns: abort notices, and each step's outputs as it completes (kept here at
         # once, so a failure later in the same step() cannot lose the end of a request it finished).
         self._pending: list[StepOutput] = []
