@@ -470,15 +470,22 @@ class Pool:
 def fuzz(device: str, budget: float, start_seed: int, case_timeout: float, out_dir: str | None,
          max_cases: int | None = None, target=None) -> dict:
     """Cases from start_seed on, each in a worker process, while the budget lasts (a case started is let
-    finish); the record. target: the worker's function (tests stand one in)."""
+    finish, up to 90 s past the budget); the record, rewritten in out_dir after every case, so a run cut
+    short still leaves it. target: the worker's function (tests stand one in)."""
     t0 = time.monotonic()
     log_dir = out_dir or tempfile.mkdtemp(prefix="llmserve-fuzz-logs-")
     os.makedirs(log_dir, exist_ok=True)
     pool, results, seed, slowest = Pool(device, log_dir, target), [], start_seed, 0.0
+    head = dict(device=_device_name(device), commit=_commit(), budget_s=budget, versions=_versions())
+
+    def record() -> dict:
+        return dict(head, cases=len(results), failures=[r["seed"] for r in results if not r["ok"]],
+                    seeds=[r["seed"] for r in results], wall_s=round(time.monotonic() - t0, 1),
+                    workers=pool.started, results=results)
     try:
         while time.monotonic() - t0 + min(slowest, 60) < budget and (max_cases is None or len(results) < max_cases):
             started = time.monotonic()
-            result = pool.run(seed, case_timeout)
+            result = pool.run(seed, min(case_timeout, max(60.0, budget - (started - t0) + 90)))
             result.setdefault("seconds", time.monotonic() - started)
             slowest = max(slowest, result["seconds"])
             results.append(result)
@@ -487,18 +494,18 @@ def fuzz(device: str, budget: float, start_seed: int, case_timeout: float, out_d
                   flush=True)
             if not result["ok"]:
                 print(pool.tail(), flush=True)
+            if out_dir:
+                _write_record(record(), out_dir)
             seed += 1
     finally:
         pool.stop()
-    failed = [r["seed"] for r in results if not r["ok"]]
-    record = dict(device=_device_name(device), commit=_commit(), cases=len(results), failures=failed,
-                  seeds=[r["seed"] for r in results], wall_s=round(time.monotonic() - t0, 1), budget_s=budget,
-                  workers=pool.started, results=results, versions=_versions())
-    print(f"{len(results)} cases (seeds {start_seed}..{seed - 1}) in {record['wall_s']} s on {record['device']}: "
+    rec = record()
+    failed = rec["failures"]
+    print(f"{len(results)} cases (seeds {start_seed}..{seed - 1}) in {rec['wall_s']} s on {rec['device']}: "
           f"{len(failed)} failed{': seeds ' + ' '.join(map(str, failed)) if failed else ''}")
     if out_dir:
-        _write_record(record, out_dir)
-    return record
+        _write_record(rec, out_dir)
+    return rec
 
 
 def _write_record(record: dict, out_dir: str) -> None:
