@@ -68,7 +68,8 @@ class Case:
         m, e = self.model, self.engine
         eagle = "none" if self.eagle is None else ",".join(f"{k.replace('speculative_', '')}={v}"
                                                              for k, v in self.eagle.items())
-        graphs = "eager" if e.get("enforce_eager") or self.backend == "torch" else "graphs"   # torch never captures
+        # (on a GPU the torch backend never captures; on the CPU the graphs' bookkeeping runs for any backend)
+        graphs = "eager" if e.get("enforce_eager") or (self.backend == "torch" and self.device != "cpu") else "graphs"
         return (f"{self.dtype} {self.backend} {graphs} heads {m['num_attention_heads']}/{m['num_key_value_heads']}"
                 f" hd {m['head_dim']} hidden {m['hidden_size']} layers {m['num_hidden_layers']} vocab {m['vocab_size']}"
                 f"{' tied' if m['tie_word_embeddings'] else ''} block {e['block_size']} budget "
