@@ -29,8 +29,9 @@
 #            per channel and per block)
 #            -> $OUT/fp8_tests.log, $OUT/fp8_tma.json, $OUT/fp8_block_gemm.json, $OUT/fp8_skinny.json
 #   kv1      issue 62's shape (one KV head, vocab 512, a 64-token budget) on every backend x dtype x (eager, graphs):
-#            tests/test_gpu_one_kv_head.py; a failure is rerun with LLMSERVE_CHECK_INDICES=1 and
-#            CUDA_LAUNCH_BLOCKING=1, so a bad index is named on the host  -> $OUT/kv1.log, $OUT/kv1_checked.log
+#            tests/test_gpu_one_kv_head.py; a failure is rerun alone with LLMSERVE_CHECK_INDICES=1 and
+#            CUDA_LAUNCH_BLOCKING=1 (a bad index named on the host), then without PDL, async scheduling or the
+#            warm-up  -> $OUT/kv1.log, $OUT/kv1_checked.log
 #   gpusuite the whole `pytest -m gpu` (SUITE_TIMEOUT s, default 450; issue 62's shape file in a second process,
 #            last), with the pass / skip / fail counts and every test's duration
 #            -> $OUT/gpu_suite.{log,xml,md,json}, $OUT/kv1.log
