@@ -15,7 +15,7 @@ norm_before_residual, aux layers 2, 18, 33). Per batch size, with every request 
              greedy verification and fusing the accepted rows' aux states for the next catch-up
   t_catchup_graph, t_draft_graph, t_verify_graph  the same through the executor's CUDA graphs (when
              captured; the catch-up graph pads every request to 1 + gamma rows)
-  t_step     a whole speculative engine step through EagleExecutor.execute (host work included): a
+  t_step     a whole speculative engine step through SpecExecutor.execute (host work included): a
              steady greedy chain or dynamic-tree step is one graph (catch-up, draft forwards, verify);
              t_step_unfused replays the catch-up, draft and verify graphs one by one instead
 
@@ -44,11 +44,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from llmserve_core import Engine, EngineConfig  # noqa: E402
-from llmserve_core.engine.eagle_executor import SpecState  # noqa: E402
+from llmserve_core.engine.spec.state import SpecState  # noqa: E402
 from llmserve_core.engine.request import Request  # noqa: E402
 from llmserve_core.engine.scheduler import ScheduledBatch  # noqa: E402
 from llmserve_core.layers.sampler import SamplingTensors, sample  # noqa: E402
-from llmserve_core.models.eagle3 import speculators_config  # noqa: E402
+from llmserve_core.models.tiny_draft import speculators_config  # noqa: E402
 from llmserve_core.speculative.propose import greedy_propose  # noqa: E402
 from llmserve_core.speculative.verify import greedy_verify  # noqa: E402
 from llmserve_proto import SamplingParams  # noqa: E402
@@ -60,7 +60,7 @@ GREEDY = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
 def write_models(tmp: Path, smoke: bool) -> tuple[str, str]:
     """(target dir, draft dir): config files only, loaded with load_format dummy."""
     if smoke:
-        from llmserve_core.models.eagle3 import make_tiny_draft
+        from llmserve_core.models.tiny_draft import make_tiny_draft
         from llmserve_core.models.tiny import make_tiny_model
         target = make_tiny_model(tmp / "target", seed=0)
         return target, make_tiny_draft(tmp / "draft", target, seed=1)
@@ -121,7 +121,7 @@ def spans(ex, reqs, start: int, rows: int):
 
 @torch.inference_mode()
 def time_batch(engine: Engine, batch: int, args, measure) -> dict:
-    ex, runner, draft = engine.spec, engine.runner, engine.spec.draft
+    ex, runner, draft = engine.spec, engine.runner, engine.spec.proposer.draft
     device, gamma = runner.device, ex.gamma
     reqs = decoding_requests(engine, batch, args.context)
     try:
@@ -150,7 +150,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         last = torch.arange(rows - 1, batch * rows, rows, device=device)
 
         def catchup():
-            normed, _ = draft(catchup_ids, catchup_hidden, spans(ex, reqs, n - 1 - rows, rows), ex.kv)
+            normed, _ = draft(catchup_ids, catchup_hidden, spans(ex, reqs, n - 1 - rows, rows), ex.proposer.kv)
             greedy_propose(draft.compute_logits(normed[last]), draft.d2t)
         out["t_catchup"] = measure(catchup)
 
@@ -158,7 +158,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         step_hidden = torch.randn(batch, hidden_size, device=device, dtype=runner.dtype)
 
         def draft_step():
-            normed, _ = draft(step_ids, step_hidden, spans(ex, reqs, n - 1, 1), ex.kv)
+            normed, _ = draft(step_ids, step_hidden, spans(ex, reqs, n - 1, 1), ex.proposer.kv)
             greedy_propose(draft.compute_logits(normed), draft.d2t)
         out["t_draft"] = measure(draft_step)
 
@@ -169,7 +169,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
 
         def verify():
             hidden, aux = runner.model(verify_ids, spans(ex, reqs, n - 1, width), runner.kv_caches,
-                                       aux_layer_ids=ex.aux_layer_ids)
+                                       aux_layer_ids=ex.proposer.aux_layer_ids)
             result = greedy_verify(runner.model.compute_logits(hidden), drafts, num_draft)
             keep = torch.arange(batch * rows, device=device) % (batch * width)   # ~AL rows per request
             draft.combine_aux([a[keep] for a in aux])
@@ -179,7 +179,7 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
         # The fixed-shape graphs the executor replays on CUDA (absent with --enforce-eager or on the CPU).
         graphs = ex.graphs
         if "catch-up" in graphs and graphs["catch-up"].bucket_for(batch):
-            padded_rows = ex.catchup_rows                  # the graph pads every request to its most rows
+            padded_rows = ex.proposer.catchup_rows                  # the graph pads every request to its most rows
             padded_ids = torch.randint(0, 1000, (batch * padded_rows,), device=device)
             padded_hidden = torch.randn(batch * padded_rows, hidden_size, device=device, dtype=runner.dtype)
 
@@ -231,13 +231,13 @@ def time_batch(engine: Engine, batch: int, args, measure) -> dict:
 def time_unfused(ex, spec_step, out: dict, measure) -> None:
     """The same step without the fused graph (catch-up, draft forwards and verify replayed one by one),
     so the fused graph's gain is a ratio inside this run."""
-    if not (ex.fused and "fused step" in ex.graphs):
+    if not (ex.proposer.fused and "fused step" in ex.graphs):
         return
-    ex.fused = False
+    ex.proposer.fused = False
     try:
         out["t_step_unfused"] = measure(spec_step)
     finally:
-        ex.fused = True
+        ex.proposer.fused = True
 
 
 def host_split(ex, spec_step, out: dict, measure, steps: int = 20) -> None:
@@ -246,7 +246,7 @@ def host_split(ex, spec_step, out: dict, measure, steps: int = 20) -> None:
     loaded into the graph's inputs), host_run_ms the replay's launch, and host_post_ms the work after it
     returns to the host (the readback's wait included)."""
     graphs = ex.graphs.get("fused step")
-    if graphs is None or not ex.fused:
+    if graphs is None or not ex.proposer.fused:
         return
     stamps = []
     replay = graphs.replay
@@ -293,7 +293,7 @@ def profile_step(spec_step, out: dict, calls: int = 10) -> None:
 def whole_step_only(engine, reqs, sched, n, out, measure, profile: bool) -> dict:
     """A tree's step has no chain components to sum: its whole step against a decode."""
     ex, runner = engine.spec, engine.runner
-    hidden_size = ex.draft.cfg.hidden_size
+    hidden_size = ex.proposer.draft.cfg.hidden_size
 
     zero = torch.zeros(1, hidden_size, device=runner.device, dtype=runner.dtype)
 

@@ -113,7 +113,7 @@ def make_tiny_model_main(argv: list[str]) -> int:
     overrides = {} if args.num_hidden_layers is None else {"num_hidden_layers": args.num_hidden_layers}
     print(make_tiny_model(args.dir, seed=args.seed, tie_word_embeddings=not args.untied, **overrides))
     if args.draft:
-        from llmserve_core.models.eagle3 import make_tiny_draft
+        from llmserve_core.models.tiny_draft import make_tiny_draft
         print(make_tiny_draft(args.draft, args.dir, seed=args.seed + 1))
     return 0
 

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_core.data import corpus_paragraphs
-from llmserve_core.models.eagle3 import (Eagle3Config, Eagle3DraftModel, checkpoint_tensors, init_dummy_weights,
-                                         speculators_config, vocab_mapping, write_eagle3_dir)
+from llmserve_core.models.eagle3 import Eagle3DraftModel
+from llmserve_core.models.eagle3_config import Eagle3Config
+from llmserve_core.models.eagle3_loader import init_dummy_weights
+from llmserve_core.models.tiny_draft import checkpoint_tensors, speculators_config, vocab_mapping, write_eagle3_dir
 from llmserve_core.models.tiny import make_tiny_model, train_tokenizer
 from llmserve_core.speculative.types import SpecMetrics, SpecStepResult
 

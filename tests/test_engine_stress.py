@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.request import RequestStatus
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
 
 MAX_LEN = 20

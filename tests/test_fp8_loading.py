@@ -374,7 +374,7 @@ def test_eagle3_over_an_fp8_target_is_lossless():
     engine = Engine(EngineConfig(model=target, speculative_model=draft, speculative_policy="always", **FP8_EVERYWHERE))
     got = engine.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert engine.runner.kv_caches[0][0].dtype == FP8 and engine.spec.kv[0].dtype == torch.float32
+    assert engine.runner.kv_caches[0][0].dtype == FP8 and engine.spec.proposer.kv[0].dtype == torch.float32
     assert engine.stats()["spec_mean_acceptance_length"] > 1.5
 
 

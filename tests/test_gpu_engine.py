@@ -110,7 +110,7 @@ def test_dummy_8b_shape_loads_and_steps():
 def test_prompt_logprobs_float32_cuda_match_transformers(mid_model, draft, tmp_path):
     """Prompt logprobs on CUDA in float32, graphs on, prompts in chunks (with a draft, scored in the drafting
     steps' target forward): every prompt position's logprob and top-5 values against transformers'."""
-    from llmserve_core.models.eagle3 import make_tiny_draft
+    from llmserve_core.models.tiny_draft import make_tiny_draft
     extra = dict(speculative_model=make_tiny_draft(tmp_path / "draft", mid_model, seed=1), speculative_gamma=3,
                  speculative_policy="always") if draft else {}
     engine = Engine(EngineConfig(model=mid_model, device="cuda", dtype="float32", num_kv_blocks=256,

@@ -6,7 +6,7 @@ machinery on one GPU: a one-rank NCCL group behind the driver, its collectives c
 import pytest
 import torch
 
-from llmserve_core import Engine, EngineConfig
+from llmserve_core import Engine, EngineConfig, start_engine
 from llmserve_proto import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -43,7 +43,7 @@ def generate(engine) -> list[list[int]]:
 
 
 def run(model, **kwargs):
-    engine = Engine(config(model, **kwargs))
+    engine = start_engine(config(model, **kwargs))
     try:
         out = generate(engine)
         graphs = engine.runner.graphs
@@ -95,10 +95,10 @@ def test_tp2_decode_graphs_equal_tp1_and_eager_tp2(mid_model):
 def test_tp2_eagle3_verify_graphs_equal_plain(mid_model, tmp_path):
     """EAGLE-3 chain drafts under TP 2 with graphs: rank 0's draft graphs, the verify graph replayed on both
     ranks with the drafts from the step broadcast, no fused step: greedy tokens are the plain TP 1 ones."""
-    from llmserve_core.models.eagle3 import make_tiny_draft
+    from llmserve_core.models.tiny_draft import make_tiny_draft
     draft = make_tiny_draft(tmp_path / "draft", mid_model, seed=1)
     want, _, _, _ = run(mid_model)
-    engine = Engine(config(mid_model, tensor_parallel_size=2, speculative_model=draft, speculative_gamma=3,
+    engine = start_engine(config(mid_model, tensor_parallel_size=2, speculative_model=draft, speculative_gamma=3,
                            speculative_policy="always"))
     try:
         got = generate(engine)

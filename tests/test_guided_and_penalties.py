@@ -14,7 +14,7 @@ import torch
 
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.layers.logits_processors import apply_token_bitmask_reference, bitmask_to_bool
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_core.speculative.policy import Decision, SpecPolicy
 from llmserve_proto import GuidedDecoding, SamplingParams, ValidationError
 

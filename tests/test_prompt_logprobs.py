@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams, ValidationError
 
 K = 5

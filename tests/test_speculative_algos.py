@@ -380,8 +380,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from batch_helpers import allocate_tables, make_batch  # noqa: E402
 from llmserve_core.models.config import ModelConfig  # noqa: E402
-from llmserve_core.models.eagle3 import (  # noqa: E402
-    Eagle3Config, default_aux_layer_ids, load_eagle3, make_tiny_draft)
+from llmserve_core.models.eagle3_config import Eagle3Config, default_aux_layer_ids  # noqa: E402
+from llmserve_core.models.eagle3_loader import load_eagle3  # noqa: E402
+from llmserve_core.models.tiny_draft import make_tiny_draft  # noqa: E402
 from llmserve_core.models.loader import load_model  # noqa: E402
 
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.engine import engine as engine_module, model_runner
-from llmserve_core.models.eagle3 import Eagle3Config, make_tiny_draft
+from llmserve_core.engine import model_runner, runtime
+from llmserve_core.models.eagle3_config import Eagle3Config
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_core.speculative.policy import Decision, SpecPolicy
 from llmserve_proto import GuidedDecoding, SamplingParams
 
@@ -158,7 +159,7 @@ class OracleDraft:
 def oracle(monkeypatch, pair):
     from transformers import Qwen3ForCausalLM
     hf = Qwen3ForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
-    monkeypatch.setattr(engine_module, "load_draft",
+    monkeypatch.setattr(runtime, "load_draft",
                         lambda config, runner, max_positions: OracleDraft(hf, runner.model_config))
 
 
@@ -415,7 +416,7 @@ def test_abort_mid_speculation_frees_blocks(pair):
 def test_trace_logs_each_step(pair, caplog):
     target, draft = pair
     engine = spec_engine(target, draft, speculative_trace=True)
-    with caplog.at_level("DEBUG", logger="llmserve.eagle"):
+    with caplog.at_level("DEBUG", logger="llmserve.spec"):
         engine.generate([[FIRST, 1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert any("accepted" in r.getMessage() for r in caplog.records)
     assert engine.stats()["spec_time_trace_ms"] > 0
@@ -543,7 +544,7 @@ def test_fused_step_batches_match_the_builders(pair, monkeypatch):
     monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
     target, draft = pair
     ex = spec_engine(target, draft, block_size=4, speculative_gamma=3).spec
-    width = ex.catchup_rows
+    width = ex.proposer.catchup_rows
     b = ex.builder
     tables = [[3, 1, 8, 2], [5, 6, 0, 9], [7, 4, 11, 10]]
     ends = [9, 4, 12]                                    # num_computed_tokens: KV below is written
@@ -556,7 +557,7 @@ def test_fused_step_batches_match_the_builders(pair, monkeypatch):
     live = catchup.slot_mapping.view(4, width)[:, -1] >= 0
     assert live.tolist() == [True, True, True, False]
     for first, rows, starts in ((context - 1 + 2, 1, [e + 1 for e in ends]), (context, width, ends)):
-        got = ex._continued_batch(catchup, first, rows, live)
+        got = ex.proposer.continued_batch(catchup, first, rows, live)
         for table, start in zip(tables, starts):         # draft step 2 (KV position end + 1), then the verify
             b.add(table, start, rows)
         want = b.finish(uniform_rows=True).batch
@@ -601,19 +602,19 @@ def test_fused_step_drafts_what_the_step_by_step_path_drafts(monkeypatch, mode):
 def test_a_fused_step_that_fails_to_capture_leaves_the_step_by_step_path(pair, plain, monkeypatch, caplog):
     """The fused graph only saves host work: if its capture raises, the engine starts, logs it, and drafts
     forward by forward with the same tokens."""
-    from llmserve_core.engine import eagle_executor
+    from llmserve_core.engine.spec import eagle
     monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
-    real = eagle_executor.StepGraphs
+    real = eagle.StepGraphs
 
     def capture(name, *args, **kwargs):
         if name == "fused step":
             raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
         return real(name, *args, **kwargs)
-    monkeypatch.setattr(eagle_executor, "StepGraphs", capture)
+    monkeypatch.setattr(eagle, "StepGraphs", capture)
     target, draft = pair
     prompts, expected = plain
     engine = spec_engine(target, draft, max_num_seqs=5, **MODES["tree-dynamic"])
-    assert not engine.spec.fused and "fused step" not in engine.spec.graphs
+    assert not engine.spec.proposer.fused and "fused step" not in engine.spec.graphs
     assert "failed to capture" in caplog.text
     got = engine.generate(prompts, mixed_params(len(prompts), 10))
     assert [c.token_ids for c in got] == [e[:10] for e in expected]
@@ -724,7 +725,7 @@ def test_oracle_after_plain_steps_stays_exact(pair, plain, oracle):
 
     def retire(scheduled, finished):
         original(scheduled, finished)
-        seen_gap.extend(r.spec_state.first_invalid is not None for r in scheduled if r.spec_state.draft_pos is not None)
+        seen_gap.extend(r.spec_state.first_invalid is not None for r in scheduled if r.spec_state is not None)
     engine._retire = retire
     got = engine.generate(prompts, mixed_params(len(prompts), 10))
     assert [c.token_ids for c in got] == [e[:10] for e in expected]

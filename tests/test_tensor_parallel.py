@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmserve_core import Engine, EngineConfig
+from llmserve_core import Engine, EngineConfig, start_engine
 from llmserve_core.distributed.sharding import ShardSpec
 from llmserve_core.models.config import ModelConfig
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
 from test_fp8_loading import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
 
@@ -50,7 +50,7 @@ def run_with(model, tp, body, **kwargs):
     # 24 blocks of 4 tokens and a 9-token budget: chunked prefill, preemption and prefix hits in one run.
     cfg = dict(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=4, num_kv_blocks=24,
                max_num_batched_tokens=9, max_num_seqs=4, distributed_timeout=120.0)
-    engine = Engine(EngineConfig(**{**cfg, **kwargs}))
+    engine = start_engine(EngineConfig(**{**cfg, **kwargs}))
     try:
         return body(engine)
     finally:
@@ -287,7 +287,10 @@ def test_the_rendezvous_address_takes_ipv6_hosts_in_brackets(tiny_model_dir, mon
 
 def test_start_up_errors_name_the_field(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
-        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=3))
+        start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=3))
+    # The engine starts no processes: its ranks are started first, by start_engine.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 ranks must be started .*start_engine"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2))
     for kwargs, field in (({"tensor_parallel_size": 0}, "tensor_parallel_size"),
                           ({"tensor_parallel_size": 2, "nnodes": 2}, "dist_init_addr"),
                           ({"tensor_parallel_size": 2, "dist_init_addr": "nohost"}, "dist_init_addr"),
@@ -302,7 +305,7 @@ def test_an_idle_core_keeps_its_workers_past_the_distributed_timeout(tiny_model_
     """A worker waits for the next step as long as the core has nothing to run: only the collectives of a
     step (and of start-up) are bounded by distributed_timeout."""
     timeout = 10.0
-    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", tensor_parallel_size=2,
+    engine = start_engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", tensor_parallel_size=2,
                                  distributed_timeout=timeout))
     try:
         want = engine.generate([PROMPTS[1]], GREEDY)[0].token_ids
@@ -328,7 +331,7 @@ def test_a_worker_dead_before_the_rendezvous_fails_start_up_at_once(tiny_model_d
     monkeypatch.setattr(launch, "spawn_workers", spawn_dead)
     started = time.monotonic()
     with pytest.raises(WorkerLost, match=r"rank 1 \(pid \d+\) exited with code -9"):
-        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
+        start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
     assert time.monotonic() - started < 60
 
 
@@ -338,7 +341,7 @@ def test_a_taken_rendezvous_port_fails_start_up_naming_the_address(tiny_model_di
         taken.listen()
         addr = "127.0.0.1:%d" % taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"dist_init_addr: cannot host the rendezvous at {addr}: .*in use"):
-            Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, dist_init_addr=addr))
+            start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, dist_init_addr=addr))
 
 
 def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_dir, monkeypatch):
@@ -347,13 +350,13 @@ def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_di
     monkeypatch.setattr(launch, "START_TIMEOUT", datetime.timedelta(seconds=1))
     addr = f"127.0.0.1:{free_port()}"
     with pytest.raises(TimeoutError, match=rf"dist_init_addr: tensor-parallel ranks \[1\] did not join at {addr}"):
-        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, nnodes=2, dist_init_addr=addr))
+        start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, nnodes=2, dist_init_addr=addr))
 
 
 def test_a_clean_shutdown_is_not_taken_for_a_lost_worker(tiny_model_dir, monkeypatch):
     """Workers exit as soon as they read the stop: the watchdog waking on that must see a core that is
     stopping, however long close() takes to go on after sending it (a core reporting a lost worker exits 1)."""
-    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
+    engine = start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
     driver = engine.tp.driver
     lost = []
     driver.watch(lost.append)
@@ -376,7 +379,7 @@ def test_a_failure_on_rank_0_inside_an_announced_call_is_fatal(tiny_model_dir, m
     A signal stopping the daemon there (during the warm-up) stays a stop, so the daemon exits cleanly."""
     from llmserve_core.distributed.driver import WorkerLost
     from llmserve_core.server.daemon import _StopWhileLoading
-    engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
+    engine = start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, distributed_timeout=120.0))
     try:
         model = engine.runner.model._model
 
@@ -406,7 +409,7 @@ def test_an_engine_failing_late_in_start_up_stops_its_workers(tiny_model_dir, mo
         raise RuntimeError("injected")
     monkeypatch.setattr(engine_module, "warm_up", fail)
     with pytest.raises(RuntimeError, match="injected"):
-        Engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, warmup=True))
+        start_engine(EngineConfig(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, warmup=True))
     assert not dist.is_initialized()
     for _, p in spawned[0].procs:
         p.join(60)

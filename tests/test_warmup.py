@@ -12,7 +12,7 @@ from llmserve_core.engine.step_graphs import batch_buckets
 from llmserve_core.engine.warmup import decode_sizes, grammar_rounds, prefill_lengths, warmup_plan
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import GuidedDecoding, SamplingParams
 
 
@@ -81,14 +81,14 @@ def test_warm_up_drafts_at_every_depth_the_policy_may_pick(tiny_model_dir, tiny_
     """A chain the adaptive policy shortens verifies fewer rows per request, outside the captured graphs:
     the warm-up drafts at every depth, at the smallest and largest batch, in a step beside a prefill
     chunk too; then the policy starts from its priors, unpinned."""
-    from llmserve_core.engine import eagle_executor
+    from llmserve_core.engine.spec.executor import SpecExecutor
     seen = set()
-    execute = eagle_executor.EagleExecutor.execute
+    execute = SpecExecutor.execute
 
     def recording(self, sched, gamma=None):
         seen.add((len(sched.requests), gamma, any(r.is_prefilling for r in sched.requests)))
         return execute(self, sched, gamma)
-    monkeypatch.setattr(eagle_executor.EagleExecutor, "execute", recording)
+    monkeypatch.setattr(SpecExecutor, "execute", recording)
     engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
                                  max_model_len=128, num_kv_blocks=64, speculative_model=tiny_draft,
                                  speculative_gamma=3, speculative_policy="adaptive", warmup=True))

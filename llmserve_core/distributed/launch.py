@@ -1,4 +1,5 @@
-"""Start tensor parallelism: check the request, spawn this host's worker ranks, join the process group.
+"""Start an engine, and with it tensor parallelism: check the request, spawn this host's worker ranks, join
+the process group, hand the engine rank 0's side.
 
 Rank 0 is the core process. Ranks 1 .. N-1 are spawned processes (on other hosts, `llmserve-core
 --node-rank K` spawns that host's ranks) that die with their parent (PR_SET_PDEATHSIG, and a watchdog on
@@ -8,7 +9,6 @@ fails the others instead of blocking them forever.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import datetime
 import faulthandler
 import logging
@@ -24,8 +24,13 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from llmserve_core.config import EngineConfig, host_and_port
+from llmserve_core.distributed.driver import Driver, WorkerLost
 from llmserve_core.distributed.group import TPGroup
 from llmserve_core.distributed.sharding import ShardSpec, check_divisible
+from llmserve_core.distributed.step_channel import StepChannel
+from llmserve_core.distributed.worker import serve_worker
+from llmserve_core.engine.engine import Engine
+from llmserve_core.engine.runtime import max_model_len_of
 from llmserve_core.models.config import ModelConfig
 
 log = logging.getLogger("llmserve.tp")
@@ -62,7 +67,6 @@ def rendezvous(size: int, rank: int, address: str, workers: "Workers | None",
     """The TCP store every rank joins, hosted by rank 0, which waits until all have joined: for up to
     START_TIMEOUT (other hosts' ranks are started by hand, before or after it), but no longer than one of its
     own workers lives. Store operations themselves (rank 0 reaching its own address) take `timeout`."""
-    from llmserve_core.distributed.driver import WorkerLost
     host, port = host_and_port(address)
     if rank:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=START_TIMEOUT)
@@ -179,10 +183,20 @@ def spawn_workers(config: EngineConfig, ranks: range, address: str) -> Workers:
     return Workers(procs)
 
 
+def start_engine(config: EngineConfig) -> Engine:
+    """The engine `config` asks for. With tensor_parallel_size > 1 this host's other ranks are spawned and
+    joined first (a bad configuration fails before any starts), and the engine gets rank 0's group; its
+    close() stops them."""
+    if config.tensor_parallel_size == 1:
+        return Engine(config)
+    config.validate()
+    model_config = ModelConfig.from_hf_dir(config.model)
+    max_model_len_of(config, model_config)
+    return Engine(config, tp=start_rank0(config, model_config))
+
+
 def start_rank0(config: EngineConfig, model_config: ModelConfig) -> TPGroup:
     """In the core process: spawn this host's other ranks and join them as rank 0."""
-    from llmserve_core.distributed.driver import Driver
-    from llmserve_core.distributed.step_channel import StepChannel
     check_tensor_parallel(config, model_config)
     address = init_address(config)
     workers = spawn_workers(config, range(1, config.tensor_parallel_size // config.nnodes), address)
@@ -213,10 +227,9 @@ def worker_main(config: EngineConfig, rank: int, address: str, parent_pid: int) 
     die_with_parent(parent_pid)
     faulthandler.enable()                    # a native crash leaves the Python stacks in the log
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    from llmserve_core.distributed.worker import serve_worker
     model_config = ModelConfig.from_hf_dir(config.model)
     tp = join_group(config, model_config, rank, address)
-    serve_worker(dataclasses.replace(config, warmup=False), tp)
+    serve_worker(config, model_config, tp)
     # Told to stop: leave at once, without tearing the process group down. The core waits for this
     # process to exit before it tears its side down (Driver.shutdown); a teardown here, with the core's side
     # still open, could abort in gloo ("terminate called without an active exception", exit -6) in

@@ -8,16 +8,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.grammar import GrammarService, grammars_available
-from llmserve_core.engine.eagle_executor import EagleExecutor, SpecState, load_draft, lookahead_tokens
-from llmserve_core.engine.model_runner import ModelRunner
+from llmserve_core.engine.outputs import EngineModelInfo, GenerationResult, StepOutput
 from llmserve_core.engine.request import Request
+from llmserve_core.engine.runtime import build_runtime
 from llmserve_core.engine.scheduler import Scheduler
-from llmserve_core.engine.step_result import StepHandle, TokenLogprobs
+from llmserve_core.engine.step_result import StepHandle
 from llmserve_core.engine.warmup import warm_up
 from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
@@ -35,84 +34,41 @@ class QueueFull(ValidationError):
         super().__init__("", f"queue full: {why}; retry when some have started")
 
 
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None          # None while running; "stop", "length" or "abort" at the end
-    logprobs: list[TokenLogprobs] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None     # prompt positions 1 .., on the first output only
-
-
-@dataclass
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None     # one per prompt token after the first
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    speculative: bool = False
-
-
 class Engine:
     def __init__(self, config: EngineConfig, tp=None):
-        """tp: given to worker ranks of tensor parallelism; the core starts its own group here."""
+        """tp: rank 0's tensor-parallel group, its other ranks started (distributed.launch.start_engine does
+        both); the engine stops them in close(), also when its start-up fails."""
+        self.tp = tp
+        self.runner = None
+        try:
+            self._start(config)
+        except BaseException:
+            self.close()     # the tensor-parallel workers serve by now: they must not outlive this engine
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
         config.validate()
+        if self.tp is None and config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} ranks must be started before "
+                             "the engine: build it with llmserve_core.start_engine(config)")
         self.config = config
         self.model_config = ModelConfig.from_hf_dir(config.model)
-        max_len = self.model_config.max_context_len
-        if config.max_model_len is not None and config.max_model_len > max_len:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_len} positions "
-                             f"(config.json's max_position_embeddings, or factor x original_max_position_embeddings "
-                             f"with YaRN rope_scaling)")
-        self.max_model_len = config.max_model_len or max_len
         self.grammars = GrammarService(config.tokenizer or config.model, self.model_config.vocab_size,
                                        list(self.model_config.eos_token_ids))
         if config.resolved_warmup() and grammars_available(self.grammars.tokenizer_dir):
             self.grammars.prepare_async()        # beside the weights' load; the warm-up's grammar rounds wait for it
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens: {config.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
-                "without chunked prefill a whole prompt must fit one step. Raise it, lower max_model_len, "
-                "or enable chunked prefill")
-        # Drafting requests write their drafts' KV past their next token: block tables and the pool make room.
-        self.lookahead = lookahead_tokens(config)
-        if tp is None and config.tensor_parallel_size > 1:
-            from llmserve_core.distributed.launch import start_rank0
-            tp = start_rank0(config, self.model_config)
-        self.tp = tp
-        try:
-            self.runner = ModelRunner(config, self.model_config, self.max_model_len, lookahead_tokens=self.lookahead,
-                                      tp=tp)
-            # The draft loads before the KV pool is sized, so its weights count against gpu_memory_utilization;
-            # its KV pool shares the target's block ids, so each block's cost includes the draft's rows.
-            draft = (load_draft(config, self.runner, self.max_model_len + self.lookahead)
-                     if config.speculative_model else None)
-            self.runner.allocate_kv_cache(EagleExecutor.kv_bytes_per_block(draft, self.runner) if draft else 0)
-            self.spec = EagleExecutor(config, self.runner, draft, self.max_model_len) if draft else None
-        except BaseException:
-            self.close()
-            raise
-        if tp is not None and tp.driver is not None:
-            tp.driver.live = True        # start-up ran in lockstep on every rank; from here rank 0 leads
+        runtime = build_runtime(config, self.model_config, self.tp)
+        self.runner, self.spec = runtime.runner, runtime.spec
+        self.max_model_len, self.lookahead = runtime.max_model_len, runtime.lookahead
+        if self.tp is not None and self.tp.driver is not None:
+            self.tp.driver.live = True        # start-up ran in lockstep on every rank; from here rank 0 leads
+        # A proposer reading the target's hidden states needs them at the tokens before new ones.
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          recompute_last_hit_block=self.spec is not None)
+                                          recompute_last_hit_block=bool(self.spec and self.spec.proposer.aux_layer_ids))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, lookahead_tokens=self.lookahead)
-        self.model_info = ModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
-                                    tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
+        self.model_info = EngineModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
+                                          tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
         self.requests: dict[str, Request] = {}
         self.runner.index_limits.requests = self.requests     # an index check names the request at fault
         for graphs in (self.spec.graphs.values() if self.spec is not None else ()):
@@ -128,16 +84,12 @@ class Engine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self.reset_counters()
-        try:
-            self.warmup_report = warm_up(self) if config.resolved_warmup() else None
-        except BaseException:
-            self.close()     # the tensor-parallel workers serve by now: they must not outlive this engine
-            raise
+        self.warmup_report = warm_up(self) if config.resolved_warmup() else None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op on one device); the engine cannot step afterwards."""
         if self.tp is not None and self.tp.driver is not None:
-            if getattr(self, "runner", None) is not None:
+            if self.runner is not None:
                 self.runner.release_graphs()
             self.tp.driver.shutdown()
 
@@ -172,9 +124,7 @@ class Engine:
                       self.max_model_len, client=client)
         if params.guided is not None:
             req.grammar = self.grammars.submit(params.guided)    # raises ValidationError
-        if self.spec is not None:
-            req.spec_state = SpecState()
-            req.speculative = self._drafts(params)
+        req.speculative = self._drafts(params)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -312,7 +262,7 @@ class Engine:
         self.num_tokens_scheduled = sched.total_tokens
         launched = None
         if self.spec is not None:
-            self._start_spec_states(sched)
+            self.spec.on_scheduled(sched, self.block_manager)
         if sched.requests:
             self.num_steps += 1
             if drafting:     # synchronous: the executor's result is known when it returns
@@ -372,16 +322,6 @@ class Engine:
             width = self.policy.widths[decision.gamma] if decision.gamma else 1
             self.step_costs.record(key[1], width, time.perf_counter() - started)
 
-    def _start_spec_states(self, sched) -> None:
-        """Preempted requests lost their KV, draft rows too; new and readmitted ones start at their cache
-        hit, whose draft rows are valid as far as the cached blocks say."""
-        for req in sched.preempted:
-            req.spec_state = SpecState()
-        for req in sched.requests:
-            if req.spec_state.draft_pos is None:
-                req.spec_state.start(req.num_computed_tokens,
-                                     self.block_manager.draft_valid_tokens(req, req.num_computed_tokens))
-
     def _drop_failed_grammars(self) -> None:
         """A grammar that parsed but failed to compile (rare: e.g. too large) ends its request (its abort
         notice goes out with this step's outputs)."""
@@ -394,7 +334,6 @@ class Engine:
         """Append a finished step's results (a plain or a drafting step: one path for both) and queue
         its outputs for step() to return."""
         finished: list[Request] = []
-        now = time.monotonic()
         for req, first, scores in handle.prompt_results():    # before the results: one may be the first output
             req.add_prompt_logprobs(first, scores)
         for res in handle.results():
@@ -402,8 +341,6 @@ class Engine:
             if req.is_finished:          # aborted, or ended by the previous step while this one ran
                 continue
             req.num_computed_tokens += res.extra_computed
-            if req.first_token_time is None:
-                req.first_token_time = now
             new: list[int] = []
             finish = None
             for tok in res.token_ids:    # stop at the first token that ends the request
@@ -421,34 +358,29 @@ class Engine:
         self._retire(handle.sched.requests, finished)
 
     def _retire(self, scheduled: list[Request], finished: list[Request]) -> None:
-        """After a step: publish the newly full blocks of the step's live requests (with speculation, each
-        flagged with whether its draft rows are valid: see SpecState), then free the finished."""
+        """After a step: publish the newly full blocks of the step's live requests (with speculation, as
+        the proposer says: EAGLE flags whether their draft rows are valid), then free the finished."""
         for req in scheduled:
             if req.is_finished:
                 continue
             if self.spec is None:
                 self.block_manager.cache_full_blocks(req)
-                continue
-            state = req.spec_state
-            if state.draft_pos is None:          # preempted in this step's scheduling: nothing to publish
-                continue
-            state.sync(req.num_computed_tokens)  # after a plain step: the positions it ran have no draft rows
-            limit, valid = state.publish_limits(req.num_computed_tokens)
-            self.block_manager.cache_full_blocks(req, limit=limit, draft_valid_until=valid)
+            else:
+                self.spec.publish(req, self.block_manager)
         for req in finished:
             self.scheduler.finish(req)
             del self.requests[req.request_id]
 
     # ---- conveniences ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[Completion]:
+                 ) -> list[GenerationResult]:
         """Run prompts to completion; results in input order. Requests queued through add_request() step
         along: their outputs meanwhile come from the next step()."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValidationError("params", f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = [f"generate-{self.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
-        results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+        results = {rid: GenerationResult(rid, list(p)) for rid, p in zip(ids, prompts)}
         added, others = [], []
         compiled = threading.Event()         # a grammar compiled: what a stalled loop waits for
         try:

@@ -19,7 +19,7 @@ continue a grammar, so the tokenizer's vocabulary is loaded here (once, on the c
   and a rollback on rejection).
 - A grammar with `start_after` (an end-of-reasoning marker) holds only from the token after that sequence
   first shows in the output: until then its request gets no mask, its matcher does not move, and it may
-  draft; a verified run that closes the reasoning is cut after the marker (EagleExecutor), so every token
+  draft; a verified run that closes the reasoning is cut after the marker (Verified.stop_at_grammars), so every token
   after it is sampled under the mask.
 """
 from __future__ import annotations

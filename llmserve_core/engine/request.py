@@ -37,7 +37,6 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of this request's full blocks
     finish_reason: str | None = None
     num_preemptions: int = 0
-    first_token_time: float | None = None
     # With a draft model loaded: the draft's per-request state (every request keeps its draft KV rows, so
     # the blocks it publishes to the prefix cache are whole), and whether it drafts when decoding.
     spec_state: object | None = None

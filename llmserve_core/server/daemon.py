@@ -189,12 +189,12 @@ def _prepare_grammars(engine) -> None:
 def run_daemon(engine_config, cfg: DaemonConfig) -> int:
     """Resolve the endpoint, load the engine, serve. Endpoint problems surface before the (slow) load; a
     SIGTERM/SIGINT during the load is a clean exit too."""
-    from llmserve_core import Engine
+    from llmserve_core.distributed.launch import start_engine
     endpoint = prepare_endpoint(cfg)
     old = {s: signal.signal(s, _stop_while_loading) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         t0 = time.monotonic()
-        engine = Engine(engine_config)
+        engine = start_engine(engine_config)
         _prepare_grammars(engine)
         log.info("engine loaded in %.1f s: %s", time.monotonic() - t0, engine.stats())
     except _StopWhileLoading as e:
