@@ -29,6 +29,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The suite without the tests marked slow (the soak's and tensor parallelism's longest multi-process
+# runs): for a quicker check while working; `make test` runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
 clean:
 	rm -rf $(VENV) $(TINY) .pytest_cache
 

@@ -7,7 +7,7 @@ import time
 from llmserve_client import Client
 from llmserve_client import transport as transport_module
 from llmserve_proto import Generate, Heartbeat, Hello, Ping, decode_client, encode
-from test_client_request_ids import WAIT_S, ScriptedCore
+from helpers.scripted_core import WAIT_S, ScriptedCore
 
 FLOOD_S = 4.0
 PING_EVERY_S = 1.0     # the client pings every min(1 s, client_timeout / 4); the scripted core's is 30 s

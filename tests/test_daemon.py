@@ -25,7 +25,7 @@ from llmserve_proto.messages import EngineError as EngineErrorMsg
 from llmserve_proto.messages import RequestError as RequestErrorMsg
 from llmserve_proto.messages import Welcome
 
-from daemon_helpers import (READY_TIMEOUT, ROOT, free_port, recv_reply, start_core, stop_core, wait_idle,
+from helpers.daemon import (READY_TIMEOUT, ROOT, free_port, recv_reply, start_core, stop_core, wait_idle,
                             wait_ready)
 
 PROMPTS = ["def add(a, b):", "Return the value of", "The quick brown fox", "import os\nimport sys\n",

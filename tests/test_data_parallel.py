@@ -20,15 +20,15 @@ pytest.importorskip("uvicorn")
 
 import httpx  # noqa: E402
 
-from daemon_helpers import start_core, wait_ready  # noqa: E402
+from helpers.daemon import start_core, wait_ready  # noqa: E402
+from helpers.http import CORE_ARGS, children, sdk, start_serve, stop, wait_healthy  # noqa: E402
 from llmserve_client import Client, EngineDeadError, ModelMismatchError  # noqa: E402
 from llmserve_client.cores import aggregate_stats  # noqa: E402
 from llmserve_client.http.cli import parse_args  # noqa: E402
 from llmserve_client.http.core_procs import device_groups  # noqa: E402
 from llmserve_client.router import OVERLOAD_SLACK, Router, prefix_key  # noqa: E402
-from test_http import CORE_ARGS, _children, sdk, start_serve, stop, wait_healthy  # noqa: E402
 
-BLOCK = 16                                  # the cores' --block-size (daemon_helpers.ENGINE_ARGS)
+BLOCK = 16                                  # the cores' --block-size (helpers.daemon.ENGINE_ARGS)
 SHARED = list(range(100, 100 + 2 * BLOCK))  # two full blocks every shared-prefix prompt starts with
 
 
@@ -271,7 +271,7 @@ def test_serve_with_data_parallel_size_2(tiny_model_dir, tmp_path):
                              *CORE_ARGS)
     try:
         wait_healthy(proc, base, log)
-        cores = _children(proc.pid)
+        cores = children(proc.pid)
         assert len(cores) == 2
         h = httpx.get(base + "/health", timeout=30).json()
         assert h["status"] == "ok" and h["cores_up"] == 2

@@ -8,7 +8,7 @@ import torch
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels.attention_reference import paged_attention_reference
 from llmserve_core.kernels.paged_decode import paged_decode
-from test_kernels import prefill_case, rel_err
+from helpers.kernels import prefill_case, rel_err
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -11,7 +11,7 @@ import pytest
 
 from llmserve_client import Client, EngineDeadError, RequestError
 
-from daemon_helpers import READY_TIMEOUT, start_core, stop_core, wait_idle, wait_ready
+from helpers.daemon import READY_TIMEOUT, start_core, stop_core, wait_idle, wait_ready
 
 POISON = [13, 13, 13, 13, 13]     # a prompt the test's patched model runner fails on
 

@@ -18,7 +18,7 @@ from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, RowQuant, dequantize_weight, multiplies_fp8_cache_in_f16, \
     quantize_per_block, quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
-from test_kernels import paged_cache, prefill_case, rel_err
+from helpers.kernels import paged_cache, prefill_case, rel_err
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

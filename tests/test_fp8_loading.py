@@ -12,72 +12,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from batch_helpers import make_batch, make_kv_caches
+from helpers.batch import make_batch, make_kv_caches
+from helpers.fp8 import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
+from helpers.models import TRAINED_PAIR, held_out_prompts, make_prompts, write_sharded_copy
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
+from llmserve_core.kernels.fp8_format import FP8
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
-from test_loader import write_sharded_copy
 from llmserve_proto import SamplingParams
-from test_engine import make_prompts
 
 BACKEND = get_backend("torch", "cpu")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def qwen_fp8_config(block):
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-
-
-def compressed_tensors_config(ignore=("lm_head",), strategy="channel"):
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
-
-
-def write_fp8_checkpoint(src, out, quant_config, keep_bf16=()) -> tuple[str, str]:
-    """Quantize src's linear weights into out as quant_config describes; also write out-twin, a float32
-    checkpoint of exactly the dequantized weights. Modules named in keep_bf16 stay unquantized."""
-    src, out = Path(src), Path(out)
-    twin = out.with_name(out.name + "-twin")
-    for d in (out, twin):
-        shutil.copytree(src, d)
-        (d / "model.safetensors").unlink()
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    quantized, dequantized = {}, {}
-    block = tuple(quant_config["weight_block_size"]) if quant_config.get("weight_block_size") else None
-    for name, t in tensors.items():
-        module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS and module not in keep_bf16:
-            if block is not None:
-                q, s = quantize_per_block(t, block)
-                quantized[module + ".weight_scale_inv"] = s
-            elif quant_config["quant_method"] == "fp8":            # Qwen's format without blocks: one per tensor
-                s = (t.float().abs().max() / 448).reshape(())
-                q = (t.float() / s).clamp(-448, 448).to(FP8)
-                quantized[module + ".weight_scale_inv"] = s
-                s = s.expand(t.shape[0])
-            else:
-                q, s = quantize_per_channel(t)
-                quantized[module + ".weight_scale"] = s[:, None]     # compressed-tensors stores [N, 1]
-            quantized[name] = q
-            dequantized[name] = dequantize_weight(q, s, block)
-        else:
-            quantized[name] = dequantized[name] = t.float()
-    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(twin / "model.safetensors"), metadata={"format": "pt"})
-    for d, qc in ((out, quant_config), (twin, None)):
-        cfg = json.loads((d / "config.json").read_text())
-        if qc is not None:
-            cfg["quantization_config"] = qc
-        (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    return str(out), str(twin)
 
 
 def load(path, **kw):
@@ -366,7 +313,6 @@ def test_fp8_serving_is_schedule_independent(source, prompts):
 def test_eagle3_over_an_fp8_target_is_lossless():
     """The bf16/float draft (and its KV) beside an FP8 target with an FP8 KV pool: greedy speculation
     returns exactly the FP8 target's own tokens, and the trained draft is still accepted."""
-    from test_speculative_engine import TRAINED_PAIR, held_out_prompts
     target, draft = str(TRAINED_PAIR / "target"), str(TRAINED_PAIR / "draft")
     prompts = held_out_prompts(4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -18,23 +18,8 @@ from llmserve_core.kernels.gemv import (MAX_ROWS, MEASURED_CONFIGS, PROJECTION_M
 from llmserve_core.kernels.tiling import fit_gemv_config, gemv_smem_bytes
 from llmserve_core.layers import linear as linear_module
 from llmserve_core.layers.linear import Linear
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4e-3}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output holds NaN"
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-
-
-def inputs(m, n, k, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g) / k ** 0.5
-    return x.to(dtype=dtype, device=DEVICE), w.to(dtype=dtype, device=DEVICE)
-
+from helpers.kernels import CUDA, DEVICE, TOL, rel_err
+from helpers.kernels import gemv_inputs as inputs
 
 def test_limits_agree():
     assert (MAX_ROWS, PROJECTION_MAX_ROWS) == (linear_module.MAX_ROWS, linear_module.PROJECTION_MAX_ROWS)

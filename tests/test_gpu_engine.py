@@ -6,23 +6,15 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
+from helpers.models import MID
+from helpers.models import varied_prompts as prompts
 from llmserve_proto import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-MID = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-           num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
-
-
 @pytest.fixture(scope="module")
 def mid_model(make_random_qwen3_dir):
     return make_random_qwen3_dir(seed=11, **MID)
-
-
-def prompts(vocab, n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = [3, 17, 64, 130, 9, 257][:n]
-    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lens]
 
 
 def hf_model(path, dtype):

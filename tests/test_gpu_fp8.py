@@ -9,8 +9,9 @@ import torch
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_proto import SamplingParams
-from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
-from test_gpu_engine import MID, prompts
+from helpers.fp8 import qwen_fp8_config, write_fp8_checkpoint
+from helpers.models import MID
+from helpers.models import varied_prompts as prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from batch_helpers import allocate_tables, make_batch, make_kv_caches
+from helpers.batch import allocate_tables, make_batch, make_kv_caches
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model

@@ -21,7 +21,7 @@ from llmserve_proto.messages import (EngineError, Heartbeat, OutputBatch, Reques
                                      Welcome)
 from llmserve_proto.sampling import SAMPLING_BOUNDS, SamplingParams
 
-from daemon_helpers import (ENV, READY_TIMEOUT, free_port, recv_reply, rss_bytes, start_core, stop_core, wait_idle,
+from helpers.daemon import (ENV, READY_TIMEOUT, free_port, recv_reply, rss_bytes, start_core, stop_core, wait_idle,
                             wait_ready)
 
 VOCAB = 1024

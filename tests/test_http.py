@@ -9,8 +9,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,63 +23,12 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+from helpers.daemon import ENV  # noqa: E402
+from helpers.http import CORE_ARGS, MAX_MODEL_LEN, children, sdk, start_core, start_serve, stop, wait_healthy  # noqa: E402
 from llmserve_client import Client  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-MAX_MODEL_LEN = 512
-CORE_ARGS = ["--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--block-size", "16",
-             "--heartbeat-interval", "0.2", "--client-timeout", "3", "--log-interval", "0"]
 NAME = "tiny-qwen3"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a Python keyword."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_core(model_dir: str, endpoint: str, log_path: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "llmserve_core", "--model", model_dir, "--listen", endpoint,
-                             *CORE_ARGS, *extra], env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
-
-
-def start_serve(log_path: str, *args: str) -> tuple[subprocess.Popen, str]:
-    """Start llmserve-serve (it waits for its core's handshake by itself, so both may start together)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve_client.http", "--port", str(port),
-                             "--log-level", "warning", *args],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log_path).read()[-3000:]
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("llmserve-serve did not come up:\n" + open(log_path).read()[-3000:])
-
-
-def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-
-
-def sdk(base: str, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=120)   # a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -603,17 +550,12 @@ def test_core_killed_gives_503(tiny_model_dir, tmp_path):
 
 # ------------------------------------------------------------------------------------------ llmserve-serve --model
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
-
-
 def test_serve_owns_its_core(tiny_model_dir, tmp_path):
     proc, base = start_serve(str(tmp_path / "serve.log"), "--model", tiny_model_dir, "--served-model-name", "a", "b",
                              "--api-key", "sesame", *CORE_ARGS, "--max-model-len", "48")
     try:
         wait_healthy(proc, base, str(tmp_path / "serve.log"))    # probes need no key
-        (core_pid,) = _children(proc.pid)
+        (core_pid,) = children(proc.pid)
         with pytest.raises(openai.AuthenticationError) as e:
             sdk(base).models.list()
         assert e.value.response.json()["error"]["code"] == "invalid_api_key"

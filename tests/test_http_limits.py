@@ -24,9 +24,10 @@ pytest.importorskip("uvicorn")
 
 import httpx  # noqa: E402
 
+from helpers.daemon import ENV  # noqa: E402
+from helpers.http import start_core, start_serve, stop, wait_healthy  # noqa: E402
 from llmserve_client import Client, RequestError  # noqa: E402
 from llmserve_proto import GuidedDecoding  # noqa: E402
-from test_http import ENV, start_core, start_serve, stop, wait_healthy  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}   # what the server requires of a body (as vLLM does)
 

@@ -21,29 +21,10 @@ from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decod
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
-from batch_helpers import allocate_tables, make_batch
+from helpers.batch import allocate_tables, make_batch
+from helpers.kernels import CUDA, DEVICE, paged_cache, prefill_case, rel_err
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output holds NaN (an unwritten element or a bad mask)"
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-
-
-def paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen):
-    """Random K/V caches and block tables whose blocks are scattered (and block 0 unused)."""
-    tables, num_blocks = allocate_tables([max(1, s) for s in seq_lens], block_size)
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
-    tables = [[int(perm[b - 1]) for b in t] for t in tables]
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    kc = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-    vc = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-    return kc, vc, bt
 
 
 # ---------------------------------------------------------------- decode
@@ -167,27 +148,6 @@ def test_num_splits_fill_the_gpu():
 
 
 # ---------------------------------------------------------------- prefill / extend
-
-def prefill_case(query_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed,
-                 tree=False):
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
-    kc, vc, bt = paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
-    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
-    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    tree_mask = None
-    if tree:
-        tree_mask = torch.zeros(sum(query_lens), max(query_lens), dtype=torch.bool)
-        start = 0
-        for n in query_lens:
-            # A random tree: each token sees some earlier tokens of its sequence and always itself.
-            m = torch.tril(torch.rand(n, n, generator=gen) < 0.5) | torch.eye(n, dtype=torch.bool)
-            tree_mask[start:start + n, :n] = m
-            start += n
-        tree_mask = tree_mask.to(device)
-    return q, kc, vc, bt, qsl, lens, tree_mask
-
 
 @pytest.mark.parametrize("query_lens,ctx_lens,num_heads,num_kv_heads,head_dim,block_size", [
     ([5, 20, 1], [0, 0, 0], 4, 2, 16, 16),          # plain prefill

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from batch_helpers import make_batch, make_kv_caches
+from helpers.batch import make_batch, make_kv_caches
+from helpers.models import write_sharded_copy
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
@@ -33,31 +34,6 @@ def rewrite_weights(path, edit):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     edit(tensors)
     save_file(tensors, str(file), metadata={"format": "pt"})
-
-
-def write_sharded_copy(src_dir, out_dir, num_shards: int = 2) -> str:
-    """Copy a single-file checkpoint into num_shards files plus model.safetensors.index.json, as
-    transformers writes large checkpoints. Non-weight files are copied unchanged."""
-    src, out = Path(src_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.startswith("model.safetensors"):
-            shutil.copyfile(f, out / f.name)
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        names = sorted(f.keys())
-        tensors = {name: f.get_tensor(name) for name in names}
-    per_shard = (len(names) + num_shards - 1) // num_shards
-    weight_map, total = {}, 0
-    for i in range(num_shards):
-        shard_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n].contiguous() for n in names[i * per_shard:(i + 1) * per_shard]}
-        save_file(part, str(out / shard_name), metadata={"format": "pt"})
-        for n, t in part.items():
-            weight_map[n] = shard_name
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return str(out)
 
 
 def test_sharded_equals_single_file(make_random_qwen3_dir, tmp_path):

@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from batch_helpers import allocate_tables, make_batch, make_kv_caches
+from helpers.batch import allocate_tables, make_batch, make_kv_caches
 from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.attention import get_backend
@@ -121,7 +121,7 @@ def test_block_fp8_decode_attention_hands_o_proj_its_rows_quantized(make_random_
     o_proj quantizing the attention's plain output. A prefill's rows (the prefill kernel) stay plain."""
     import llmserve_core.kernels.fp8_quant as fp8_quant_module
     from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
-    from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
+    from helpers.fp8 import qwen_fp8_config, write_fp8_checkpoint
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa2-untied-linear"])   # head_dim 32
     path, _ = write_fp8_checkpoint(path, tmp_path / "ckpt", qwen_fp8_config((32, 32)))
     cfg = ModelConfig.from_hf_dir(path)
@@ -169,7 +169,7 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
     import llmserve_core.kernels.fp8_gemv as fp8_gemv_module
     import llmserve_core.kernels.rmsnorm as rmsnorm_module
     import llmserve_core.kernels.silu_mul as silu_mul_module
-    from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
+    from helpers.fp8 import qwen_fp8_config, write_fp8_checkpoint
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa4-yarn"])
     block = None if quantization == "channel" else (32, 32)
     if block is not None:
@@ -227,7 +227,7 @@ def test_fp8_prefill_rows_reach_the_gemm_quantized_by_the_norms(quantization, ma
     and the logits equal those of every projection quantizing for itself."""
     import llmserve_core.kernels.fp8_quant as fp8_quant_module
     from llmserve_core.layers.fp8_linear import Fp8Linear
-    from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
+    from helpers.fp8 import qwen_fp8_config, write_fp8_checkpoint
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa4-yarn"])
     if quantization == "block":
         path, _ = write_fp8_checkpoint(path, tmp_path / "ckpt", qwen_fp8_config((32, 32)))

@@ -1,6 +1,6 @@
 """Qwen3 over the OpenAI API, end to end: llmserve-serve with --reasoning-parser qwen3 and
 --tool-call-parser hermes in front of a real llmserve-core, driven by the official `openai` package, on
-a random-weight tiny Qwen3 whose tokenizer and chat template (tests/qwen3_chat_model.py) behave like
+a random-weight tiny Qwen3 whose tokenizer and chat template (tests/helpers/chat_model.py) behave like
 Qwen3's. A random model never thinks or calls tools by itself, so outputs are shaped with the grammar
 engine (guided_regex, tool_choice required): that also shows the grammars hold. With the reasoning parser
 on, a grammar holds only after the model's `</think>` unless the template closed the thinking
@@ -22,8 +22,9 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from qwen3_chat_model import make_qwen3_chat_model  # noqa: E402
-from test_http import ENV, sdk, start_serve, stop, wait_healthy  # noqa: E402
+from helpers.chat_model import make_qwen3_chat_model  # noqa: E402
+from helpers.daemon import ENV  # noqa: E402
+from helpers.http import sdk, start_serve, stop, wait_healthy  # noqa: E402
 
 from llmserve_client import Client  # noqa: E402
 

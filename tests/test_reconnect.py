@@ -23,8 +23,8 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+from helpers.http import CORE_ARGS, children, sdk, start_core, start_serve, stop, wait_healthy  # noqa: E402
 from llmserve_client import AsyncClient, Client, EngineDeadError, ModelChangedError  # noqa: E402
-from test_http import CORE_ARGS, _children, sdk, start_core, start_serve, stop, wait_healthy  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 
@@ -234,7 +234,7 @@ def test_serve_with_model_exits_nonzero_when_its_core_dies(tiny_model_dir, tmp_p
         r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                         extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 8 * 16
-        (core_pid,) = _children(serve.pid)
+        (core_pid,) = children(serve.pid)
         # Stopped first, the core can neither finish this request nor refuse it: it is surely in flight
         # when the core goes silent (a running core can finish a short stream before a kill lands).
         os.kill(core_pid, signal.SIGSTOP)

@@ -21,7 +21,7 @@ from llmserve_core.server import socket_thread
 from llmserve_core.server.socket_thread import STATS_BURST, SocketThread
 from llmserve_proto import Generate, GuidedDecoding, Hello, ModelInfo, SamplingParams, StatsRequest, Welcome, decode_core, encode
 
-from daemon_helpers import recv_reply
+from helpers.daemon import recv_reply
 
 
 @pytest.mark.parametrize("raw, logged", [

@@ -378,7 +378,7 @@ import shutil  # noqa: E402
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from batch_helpers import allocate_tables, make_batch  # noqa: E402
+from helpers.batch import allocate_tables, make_batch  # noqa: E402
 from llmserve_core.models.config import ModelConfig  # noqa: E402
 from llmserve_core.models.eagle3_config import Eagle3Config, default_aux_layer_ids  # noqa: E402
 from llmserve_core.models.eagle3_loader import load_eagle3  # noqa: E402

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.models import TRAINED_PAIR, held_out_prompts
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine import model_runner, runtime
 from llmserve_core.models.eagle3_config import Eagle3Config
@@ -26,7 +27,6 @@ from llmserve_core.speculative.policy import Decision, SpecPolicy
 from llmserve_proto import GuidedDecoding, SamplingParams
 
 FIRST = 7                                   # every prompt's first token (see the oracle)
-TRAINED_PAIR = Path(__file__).resolve().parents[1] / "llmserve_core/data/trained_pair"
 MODES = {
     "chain": dict(speculative_gamma=3),
     "tree-eagle-small": dict(speculative_gamma=3, speculative_tree="eagle-small"),
@@ -188,15 +188,6 @@ def test_oracle_draft_is_always_accepted(pair, plain, oracle, mode, schedule):
 
 
 # ---- the trained pair ----------------------------------------------------------------------------------
-
-def held_out_prompts(n: int, length: int = 24) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    from llmserve_core.data import corpus_paragraphs
-    tok = Tokenizer.from_file(str(TRAINED_PAIR / "target/tokenizer.json"))
-    held = [p for i, p in enumerate(corpus_paragraphs()) if i % 20 == 19]      # as the training script splits
-    return [ids[:length] for ids in (tok.encode(t).ids for t in held) if len(ids) >= length][:n]
-
 
 # The settings benchmarks/spec_cpu.py reports for dynamic trees on the trained pair.
 TRAINED_DYNAMIC = dict(speculative_num_steps=6, speculative_eagle_topk=4, speculative_num_draft_tokens=32)

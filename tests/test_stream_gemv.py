@@ -12,8 +12,7 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
-from test_gemv import CUDA, DEVICE, TOL, rel_err
-from test_gemv import inputs as gemv_inputs
+from helpers.kernels import CUDA, DEVICE, TOL, gemv_inputs, rel_err
 
 
 def inputs(n, k, dtype, seed):

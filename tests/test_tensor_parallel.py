@@ -24,7 +24,7 @@ from llmserve_core.distributed.sharding import ShardSpec
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
-from test_fp8_loading import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
+from helpers.fp8 import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 SHARED = list(range(40, 75))
@@ -345,7 +345,7 @@ def test_a_taken_rendezvous_port_fails_start_up_naming_the_address(tiny_model_di
 
 
 def test_a_host_that_never_joins_fails_start_up_naming_the_address(tiny_model_dir, monkeypatch):
-    from daemon_helpers import free_port
+    from helpers.daemon import free_port
     from llmserve_core.distributed import launch
     monkeypatch.setattr(launch, "START_TIMEOUT", datetime.timedelta(seconds=1))
     addr = f"127.0.0.1:{free_port()}"
@@ -423,7 +423,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_killed_worker_fails_clients_and_leaves_no_process(tiny_model_dir, tmp_path):
-    from daemon_helpers import start_core, stop_core, wait_ready
+    from helpers.daemon import start_core, stop_core, wait_ready
     from llmserve_client import Client, EngineDeadError
     endpoint = f"ipc://{tmp_path}/core.sock"
     log = str(tmp_path / "core.log")
@@ -455,7 +455,7 @@ def test_killed_worker_fails_clients_and_leaves_no_process(tiny_model_dir, tmp_p
 
 @pytest.mark.slow
 def test_killed_core_takes_its_workers_with_it(tiny_model_dir, tmp_path):
-    from daemon_helpers import start_core, wait_ready
+    from helpers.daemon import start_core, wait_ready
     endpoint = f"ipc://{tmp_path}/core.sock"
     log = str(tmp_path / "core.log")
     core = start_core(tiny_model_dir, endpoint, log, "--tensor-parallel-size", "2")
@@ -490,7 +490,7 @@ def _log_tails(*paths) -> str:
 
 @pytest.mark.slow
 def test_two_nodes_over_loopback_serve_what_one_rank_does(tiny_model_dir, tmp_path):
-    from daemon_helpers import ENV, STOP_TIMEOUT, free_port, start_core, wait_ready
+    from helpers.daemon import ENV, STOP_TIMEOUT, free_port, start_core, wait_ready
     from llmserve_client import Client
     want = run(tiny_model_dir, 1)[0][1]                 # PROMPTS[1], greedy
     addr = f"127.0.0.1:{free_port()}"
@@ -538,7 +538,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 def test_remote_nodes_are_waited_for_until_they_report(tmp_path):
-    from daemon_helpers import free_port
+    from helpers.daemon import free_port
     from llmserve_core.distributed.launch import RemoteNodes, report_node_stopped
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False,

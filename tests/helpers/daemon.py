@@ -16,7 +16,7 @@ from llmserve_client import Client
 from llmserve_proto import decode_core
 from llmserve_proto.messages import Heartbeat
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 ENGINE_ARGS = ["--device", "cpu", "--max-model-len", "512", "--num-kv-blocks", "256", "--block-size", "16"]
 READY_TIMEOUT = 180.0      # model load + handshake; seconds alone, a minute or more on a busy machine
