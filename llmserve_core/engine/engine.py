@@ -68,7 +68,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, lookahead_tokens=self.lookahead)
         self.model_info = EngineModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
-                                          tuple(self.model_config.eos_token_ids), config.speculative_model is not None)
+                                          tuple(self.model_config.eos_token_ids), self.spec is not None)
         self.requests: dict[str, Request] = {}
         self.runner.index_limits.requests = self.requests     # an index check names the request at fault
         for graphs in (self.spec.graphs.values() if self.spec is not None else ()):

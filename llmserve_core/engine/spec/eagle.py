@@ -82,7 +82,8 @@ class EagleProposer(Proposer):
         # its all-reduces); the verify's own graph, its drafts sent in the step broadcast, replays on all.
         self.fused = not self.sample_drafts and runner.tp is None
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.offsets = torch.arange(max(shape.verify_width, self.catchup_rows, shape.lookahead + 1), device=runner.device)
+        rows = max(shape.verify_width, self.catchup_rows, shape.lookahead + 1)
+        self.offsets = torch.arange(rows, device=runner.device)       # row offsets within a request's rows
 
     def kv_bytes_per_block(self, runner: ModelRunner) -> int:
         """One block of the draft's one-layer KV pool."""

@@ -37,7 +37,8 @@ class DynamicTreeDrafter(TreeDrafter):
             return e.draft.compute_logits(normed.view(-1, rows, normed.shape[-1])[:, rows - k:].flatten(0, 1)), prenorm
         return forward
 
-    def grow(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor, run_level) -> tuple[TreeBatch, torch.Tensor]:
+    def grow(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor,
+             run_level) -> tuple[TreeBatch, torch.Tensor]:
         shape, n = self.shape, roots.shape[0]
         growth = TreeGrowth(shape, torch.log_softmax(logits.float(), -1), self.eagle.draft.d2t)
         prenorm = h.new_zeros(n, 1 + shape.num_expanded, h.shape[-1])     # 0: the root; e + 1: expanded node e

@@ -42,7 +42,8 @@ class StaticTreeDrafter(TreeDrafter):
             return e.draft.compute_logits(normed.view(-1, rows, normed.shape[-1])[:, level].flatten(0, 1)), prenorm
         return forward
 
-    def grow(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor, run_level) -> tuple[TreeBatch, torch.Tensor]:
+    def grow(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor,
+             run_level) -> tuple[TreeBatch, torch.Tensor]:
         tree, n = self.tree, roots.shape[0]
         nodes = torch.zeros(n, tree.num_nodes, dtype=torch.long, device=roots.device)
         nodes[:, 0] = roots

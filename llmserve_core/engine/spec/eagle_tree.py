@@ -26,7 +26,8 @@ class TreeDrafter:
     def capture(self, graphs: dict[str, StepGraphs], draft_rows: dict) -> None:
         raise NotImplementedError
 
-    def grow(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor, run_level) -> tuple[TreeBatch, torch.Tensor]:
+    def grow(self, logits: torch.Tensor, h: torch.Tensor, roots: torch.Tensor,
+             run_level) -> tuple[TreeBatch, torch.Tensor]:
         """(TreeBatch, node tokens [B, N]) from the catch-up's proposal logits and pre-norm states [B, ...]
         and the root tokens [B]. run_level(graph name, forward, ids, hidden, depths, mask) runs one level's
         draft forward; `depths` slices row_depths (the level's rows), mask is [rows, rows] or [B, rows, rows]."""
@@ -36,7 +37,8 @@ class TreeDrafter:
         """The verify trees for these parents, with the bounds this tree kind guarantees."""
         raise NotImplementedError
 
-    def verify_layout(self, trees: TreeBatch, n: int, on_device: bool) -> tuple[np.ndarray | torch.Tensor, torch.Tensor]:
+    def verify_layout(self, trees: TreeBatch, n: int,
+                      on_device: bool) -> tuple[np.ndarray | torch.Tensor, torch.Tensor]:
         """(node depths [n, N], ancestor masks [n, N, N]) of the verify rows; the depths on the device if
         on_device (inside a graph) or where they are only known there, else on the host."""
         raise NotImplementedError

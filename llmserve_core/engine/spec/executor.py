@@ -132,7 +132,8 @@ class SpecExecutor:
             prompt_scores = self.runner.score_prompts(hidden, layout.prompt)
             sampled = None
             if layout.sample_requests:
-                sampled = self.runner.sample(hidden[layout.sample_rows], layout.sample_requests).to_host(self.runner.pin)
+                sampled = self.runner.sample(hidden[layout.sample_rows], layout.sample_requests)
+                sampled = sampled.to_host(self.runner.pin)
             verified = self.verifier.verify(hidden, verify_logits, layout.verify_rows, drafting, proposal,
                                             self.step_gamma)
             verified.stop_at_grammars(drafting)

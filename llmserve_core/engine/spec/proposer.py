@@ -37,7 +37,8 @@ MAX_GRAPH_BATCH = 128
 class Proposal:
     """The drafts of a step's drafting requests, in their order."""
     tokens: torch.Tensor                # chain: [B, depth] draft ids; tree: [B, nodes] node tokens (node 0: the root)
-    q: torch.Tensor | None = None       # chain, sampled drafts: [B * depth, V] what each was drawn from (None: chosen deterministically)
+    # chain, sampled drafts: [B * depth, V] the distribution each was drawn from (None: chosen deterministically)
+    q: torch.Tensor | None = None
     trees: TreeBatch | None = None      # trees: each request's parents
     depths: np.ndarray | torch.Tensor | None = None   # trees: [B, nodes] node depths (host for a static tree)
     masks: torch.Tensor | None = None   # trees: [B, nodes, nodes] ancestor masks
@@ -102,8 +103,9 @@ class SpecContext:
     def graph_args(self) -> dict:
         """StepGraphs arguments every fixed-shape forward of a drafting step shares."""
         runner = self.runner
-        return dict(max_batch=min(self.config.max_num_seqs, MAX_GRAPH_BATCH), max_blocks_per_seq=runner.max_blocks_per_seq,
-                    max_seq_len=self.max_model_len + self.shape.lookahead, device=self.device, dtype=runner.dtype)
+        return dict(max_batch=min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
+                    max_blocks_per_seq=runner.max_blocks_per_seq, max_seq_len=self.max_model_len + self.shape.lookahead,
+                    device=self.device, dtype=runner.dtype)
 
     def sampling(self, reqs: list[Request]) -> SamplingTensors:
         """Rows at each request's next token (verify row j and draft j draw the token j places later)."""
@@ -150,7 +152,8 @@ class Proposer:
         return [r for r in sched.requests if r.speculative and not r.is_prefilling]
 
     def propose(self, sched: ScheduledBatch, drafting: list[Request], depth: int) -> Proposal:
-        """Drafts for `drafting` (chain: `depth` tokens each; a tree is proposed whole)."""
+        """Drafts for `drafting` (chain: [len(drafting), depth] tokens; a tree is proposed whole). Called on
+        every drafting step, also when no request drafts (EAGLE catches its draft rows up then)."""
         raise NotImplementedError
 
     def keep(self, sched: ScheduledBatch, drafting: list[Request], verified: Verified, aux: list[torch.Tensor],

@@ -51,8 +51,14 @@ class Verifier:
 
     def forward(self, ids, _hidden, batch):
         """The verify forward as graphs capture it: (logits of every row, *aux hidden states)."""
-        hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
+        hidden, aux = self._target(ids, batch)
         return (self.runner.model.compute_logits(hidden), *aux)
+
+    def _target(self, ids, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target's forward: (hidden, its states at aux_layer_ids; none for a proposer reading none)."""
+        if not self.aux_layer_ids:
+            return self.runner.model(ids, batch, self.runner.kv_caches), []
+        return self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
 
     # ---- the target forward ------------------------------------------------------------------------
     def target_forward(self, sched: ScheduledBatch, drafting: list[Request], proposal: Proposal):
@@ -71,7 +77,8 @@ class Verifier:
         width = proposal.width
         if drafting:
             rows = (layout.verify_rows[:, None] + self.offsets[:width]).flatten()
-            drafts = proposal.tokens if proposal.trees is None else proposal.tokens[:, 1:]   # a tree's node 0 is the root
+            # A tree's node 0 is the root.
+            drafts = proposal.tokens if proposal.trees is None else proposal.tokens[:, 1:]
             ids[rows.view(len(drafting), width)[:, 1:].flatten()] = drafts.flatten()
             if isinstance(proposal.depths, torch.Tensor):
                 batch.positions.index_add_(0, rows, proposal.depths.flatten())
@@ -81,7 +88,7 @@ class Verifier:
             # A pure verify batch (the steady state of decoding): logits come out of the graph.
             logits, *aux = self.runner.run_graphs(self.graph, ids, batch)
             return None, aux, layout, logits
-        hidden, aux = self.runner.model(ids, batch, self.runner.kv_caches, aux_layer_ids=self.aux_layer_ids)
+        hidden, aux = self._target(ids, batch)
         return hidden, aux, layout, None
 
     def _add_rows(self, sched: ScheduledBatch, drafting: list[Request], proposal: Proposal, layout: Layout):
