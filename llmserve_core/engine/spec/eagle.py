@@ -163,7 +163,7 @@ class EagleProposer(Proposer):
         if not pending:
             return Proposal.empty(self.ctx.device)
         if self._catchup_pads(self.graphs.get("catch-up"), pending, drafting):
-            logits, h = self.catchup_padded(self.graphs["catch-up"], drafting)
+            logits, h = self._catchup_padded(self.graphs["catch-up"], drafting)
         else:
             logits, h = self._catchup_ragged(pending, drafting)
         if not drafting:
@@ -198,7 +198,7 @@ class EagleProposer(Proposer):
                 and len(pending) == len(drafting) and all(p is r for p, r in zip(pending, drafting))
                 and all(r.num_computed_tokens - r.spec_state.draft_pos <= self.catchup_rows for r in drafting))
 
-    def catchup_padded(self, graphs: StepGraphs, drafting: list[Request]) -> tuple[torch.Tensor, ...]:
+    def _catchup_padded(self, graphs: StepGraphs, drafting: list[Request]) -> tuple[torch.Tensor, ...]:
         """Replay `graphs` (the catch-up's, or the fused step's) over the catch-up with each request's span
         padded in front to catchup_rows rows, so its real rows are the last ones and its last row is the
         proposal. A padding row sits at an already computed position (clamped at 0), writes no KV (slot -1),
@@ -257,7 +257,7 @@ class EagleProposer(Proposer):
 
     def run_fused(self, drafting: list[Request]) -> FusedStep:
         """Catch-up, draft forwards and verify from one host-built batch and one replay."""
-        return self.drafter.fused_step(self.catchup_padded(self.graphs["fused step"], drafting))
+        return self.drafter.fused_step(self._catchup_padded(self.graphs["fused step"], drafting))
 
     def keep_fused(self, drafting: list[Request], verified: Verified, kept: torch.Tensor) -> None:
         """keep() for the fused step, whose graph already fused the aux of every verify row (`kept`): a
