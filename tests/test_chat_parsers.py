@@ -263,7 +263,7 @@ def test_typed_value(text, schema, value):
 
 
 def test_detect_parser_from_each_template():
-    from qwen3_chat_model import QWEN3_CODER_TEMPLATE, QWEN3_TEMPLATE, QWEN3_THINKING_2507_TEMPLATE
+    from helpers.chat_model import QWEN3_CODER_TEMPLATE, QWEN3_TEMPLATE, QWEN3_THINKING_2507_TEMPLATE
     assert detect_parser(QWEN3_TEMPLATE) == "hermes"
     assert detect_parser(QWEN3_THINKING_2507_TEMPLATE) == "hermes"
     assert detect_parser(QWEN3_CODER_TEMPLATE) == "qwen3_coder"
@@ -278,7 +278,7 @@ def test_thinking_2507_template_opens_the_block_so_only_the_close_is_generated(t
     from transformers import AutoTokenizer
 
     from llmserve_client.http.chat_output import guided_after_reasoning, render_chat
-    from qwen3_chat_model import QWEN3_THINKING_2507_TEMPLATE, make_qwen3_chat_model
+    from helpers.chat_model import QWEN3_THINKING_2507_TEMPLATE, make_qwen3_chat_model
     tok = AutoTokenizer.from_pretrained(make_qwen3_chat_model(tmp_path / "m", template=QWEN3_THINKING_2507_TEMPLATE))
     _, prompt = render_chat(tok, [{"role": "user", "content": "hi"}], None, None)
     assert prompt.endswith("<think>\n")

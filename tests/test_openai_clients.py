@@ -1,6 +1,6 @@
 """The OpenAI API as real clients use it, end to end: the official `openai` SDK and LangChain's `ChatOpenAI`
 against llmserve-serve with no tool flag, in front of one real core on a random-weight tiny Qwen3
-(tests/qwen3_chat_model.py). Fields OpenAI defines are accepted (ignored ones named in a header), tools
+(tests/helpers/chat_model.py). Fields OpenAI defines are accepted (ignored ones named in a header), tools
 work without --tool-call-parser (the format is read from the chat template: two more frontends on the same
 core use the Qwen3-Coder and the 2507 Thinking templates), /v1/responses serves the SDK's create and
 stream, a cut-off tool call answers the same streamed and whole, and a fresh server's first structured
@@ -22,8 +22,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from qwen3_chat_model import QWEN3_CODER_TEMPLATE, QWEN3_THINKING_2507_TEMPLATE, make_qwen3_chat_model  # noqa: E402
-from test_http import ENV, sdk, start_serve, stop, wait_healthy  # noqa: E402
+from helpers.chat_model import QWEN3_CODER_TEMPLATE, QWEN3_THINKING_2507_TEMPLATE, make_qwen3_chat_model  # noqa: E402
+from helpers.daemon import ENV  # noqa: E402
+from helpers.http import sdk, start_serve, stop, wait_healthy  # noqa: E402
 
 CORE = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16",
         "--log-interval", "0"]

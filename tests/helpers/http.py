@@ -8,7 +8,6 @@ import sys
 import time
 
 import httpx
-import openai
 
 from helpers.daemon import ENV, free_port
 
@@ -55,7 +54,9 @@ def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
         raise
 
 
-def sdk(base: str, api_key: str = "unused") -> openai.OpenAI:
+def sdk(base: str, api_key: str = "unused"):
+    """An `openai.OpenAI` client of the server at `base` (openai imported here: only its users need it)."""
+    import openai
     return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=120)   # a busy machine
 
 
