@@ -237,7 +237,7 @@ def _model_dir(case: Case, root: str) -> str:
 
 
 def _draft_dir(case: Case, model_dir: str, root: str) -> str:
-    from llmserve_core.models.eagle3 import make_tiny_draft
+    from llmserve_core.models.tiny_draft import make_tiny_draft
     path = os.path.join(root, f"draft-{case.seed}")
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_draft(path, model_dir, seed=case.seed + 1)

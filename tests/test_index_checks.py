@@ -13,7 +13,7 @@ from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.batch_builder import BatchBuilder
 from llmserve_core.layers import index_checks
 from llmserve_core.layers.index_checks import IndexCheckError, IndexLimits, check_spans
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
