@@ -123,7 +123,7 @@ def write_tables(choices: dict) -> None:
                  "the kernel beat cuBLAS in a decode layer under PDL, the lm_head's 64-row tile; fp16 and fp32 "
                  "carry the bf16 tiles, fitted to shared memory at launch"),
         "fp8_gemv": (("N", "K", "rows", "scale", "x"), fp8_entries,
-                     "benchmarks/fp8_gemv_sweep.py --a8 / --a8x on the H200 (results/fp8_gemv_sweep_h200_f3f7a22.json, "
+                     "benchmarks/fp8_gemv_sweep.py --a8 / --a8x on the H200 (results/fp8_a8_sweep_h200_f3f7a22.json, "
                      "fp8_a8x_sweep_h200_0395de5.json), fp8_skinny_gemm.py on the H100 for 17-64 rows "
                      "(results/fp8_rows17_64_h100.md), the one-row stream choices in whole batch-1 steps on the H100 "
                      "(results/fp8_whole_rows_h100.md, fp8_fold_silu_h100.md)"),
