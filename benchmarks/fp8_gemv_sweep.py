@@ -3,12 +3,14 @@
 For each shape (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288), rows (1, 4, 16) and
 scale kind (per channel, 128x128 blocks) it checks every candidate config against the torch reference,
 then times it inside a CUDA graph over weight copies larger than L2 and reports TB/s of FP8 weight bytes
-against the copy bandwidth. It ends with the best config per (shape, rows, scale) as a dict literal for
-kernels/fp8_gemv.py's default table.
+against the copy bandwidth. The winners go into this card's tables (write_winners): kernels/configs/
+fp8_gemv/ (which kernel and tile the raw rows of a (shape, rows, scale) take, or with --a8x whether one row
+quantized ahead beats them) and with --stream kernels/configs/stream_gemv/ (the one-row stream tiles).
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --out $OUT/fp8_gemv_sweep.json   # H200, ~90 s
     PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --a8x --out $OUT/fp8_a8x_sweep.json
-    PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --stream --out $OUT/stream_depth_sweep.json
+    PYTHONPATH=$PWD python3 benchmarks/fp8_gemv_sweep.py --stream --out $OUT/stream_depth_sweep.json \
+        --configs $OUT/configs        # the tables to copy back into llmserve_core/kernels/configs/
     python3 benchmarks/fp8_gemv_sweep.py --smoke --out /tmp/fp8_gemv_sweep.json          # CPU interpreter
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -30,10 +33,10 @@ if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a m
     os.environ["TRITON_INTERPRET"] = "1"
 import llmserve_core.kernels  # noqa: E402,F401  (the interpreter on CPU for --smoke)
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
-from llmserve_core.kernels.fp8_gemv import (fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
-                                             fp8_gemv_config, fp8_gemv_reference, x_ahead_config)
+from llmserve_core.kernels import tuned  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import choose, fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_reference  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
-from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference  # noqa: E402
+from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference, stream_tiles  # noqa: E402
 from gemv_bench import launches_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -78,22 +81,81 @@ def split_for(n, k, block_n, block_k, sms, per_sm):
     return split
 
 
-def kernel_call(label, cfg, x_ahead=None):
-    """x, weight, scale, block -> y for one row of the sweep: fp8_gemv in a config, or the stream kernel.
-    A config marked X_AHEAD reads x_ahead (x quantized before the timed calls) in place of x."""
-    if cfg is None:
-        pdl = label == "stream_pdl"
-        return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl)
-    cfg = dict(cfg)
-    pdl = cfg.pop("PDL", False)
-    if cfg.get("KERNEL") == "stream":
-        cfg.pop("KERNEL")
-        return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl, config=cfg or None)
-    if cfg.pop("X_AHEAD", False):
+def kernel_call(cand, x_ahead=None):
+    """x, weight, scale, block -> y for one candidate of the sweep: {"kernel", "tile", "pdl", "x_ahead"}, the
+    kernel "stream" (kernels/stream_gemv.py) or one of kernels/fp8_gemv.py's; x_ahead: read x_ahead (x
+    quantized before the timed calls) in place of x."""
+    kernel, tile, pdl = cand["kernel"], cand.get("tile"), cand.get("pdl", False)
+    if kernel == "stream":
+        return lambda x, q, s, b: stream_gemv(x, q, s, b, pdl=pdl, config=tile)
+    if cand.get("x_ahead"):
         xq, xs = x_ahead
-        return lambda x, q, s, b: fp8_gemv(xq, q, s, b, config=cfg, pdl=pdl, x_scale=xs, x_group=X_GROUP,
-                                           out_dtype=x.dtype)
-    return lambda x, q, s, b: fp8_gemv(x, q, s, b, config=cfg, pdl=pdl)
+        return lambda x, q, s, b: fp8_gemv(xq, q, s, b, kernel=kernel, config=tile, pdl=pdl, x_scale=xs,
+                                           x_group=X_GROUP, out_dtype=x.dtype)
+    return lambda x, q, s, b: fp8_gemv(x, q, s, b, kernel=kernel, config=tile, pdl=pdl)
+
+
+def engine_candidates(device, m, n, k, block, scale, cuda, stream_mode) -> dict:
+    """What the engine runs here (under PDL on the GPU, as the decode chain launches it): the stream kernel
+    at its tile, or kernels/fp8_gemv.choose's kernel and tile; with stream_mode also its tile for x
+    quantized ahead."""
+    if scale == "bf16":
+        tile = dict(stream_tiles(device, n, k, torch.bfloat16))
+        return {"stream_pdl" if cuda else "stream": {"kernel": "stream", "tile": tile, "pdl": cuda}}
+    current = choose(device, m, n, k, block, stream=cuda)
+    if current.kernel == "stream":
+        configs = {"stream_pdl" if cuda else "stream": {"kernel": "stream", "tile": dict(current.tile), "pdl": cuda}}
+    else:
+        configs = {"current": {"kernel": current.kernel, "tile": dict(current.tile),
+                               "pdl": cuda and current.kernel == "a8"}}
+    ahead = choose(device, m, n, k, block, x="fp8")
+    if stream_mode and ahead is not None:
+        configs["current_x_ahead"] = {"kernel": ahead.kernel, "tile": dict(ahead.tile), "pdl": True, "x_ahead": True}
+    return configs
+
+
+def sweep_candidates(args, candidates, m, n, k, scale, sms, cuda) -> dict:
+    """The candidates timed beside the engine's: stream tiles (--stream), or fp8_gemv tiles."""
+    configs = {}
+    if args.stream:
+        for bn, bk, warps, depth in candidates:
+            if bk == 0 and k & (k - 1):
+                continue        # whole rows are one tile: a power-of-two K only
+            bk = bk or k
+            if k % bk == 0:
+                configs[f"stream_bn{bn}_bk{bk}_w{warps}_d{depth}"] = {"kernel": "stream", "pdl": cuda, "tile": dict(
+                    BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEPTH=depth)}
+        return configs
+    if args.a8 and m == 1 and cuda:     # the stream kernel, plain and under PDL (PDL launches need the GPU)
+        configs["stream"] = {"kernel": "stream"}
+        configs["stream_pdl"] = {"kernel": "stream", "pdl": True}
+    for kernel, bn, bk, warps, stages, per_sm in candidates:
+        if kernel in ("dot", "a8", "a8x") and scale == "block" and BLOCK[1] % bk:
+            continue    # the tensor-core kernel's K tile must not straddle a scale block
+        if kernel.startswith("fma") and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
+            continue    # (late reduction holds BLOCK_M times the registers: one row only)
+        split = split_for(n, k, bn, bk, sms, per_sm)
+        label = f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"
+        cand = {"kernel": "a8" if kernel == "a8x" else kernel, "x_ahead": kernel == "a8x", "tile": dict(
+            BLOCK_M=1 << (m - 1).bit_length() if kernel.startswith("fma") else 16,
+            BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)}
+        if args.a8x and cuda:        # as the decode chain launches them: under PDL only
+            cand["pdl"] = True
+        configs[label] = cand
+        if kernel == "a8" and cuda and not args.a8x:
+            configs[label + "_pdl"] = dict(cand, pdl=True)
+    return configs
+
+
+def patched_tables(kernel: str, entries: list, source: str, device_name: str) -> Path:
+    """A copy of the tree's tables with entries merged into `kernel`'s table for device_name: point
+    tuned.CONFIG_DIR at it (and clear_cache) to run the engine as patched in the same process."""
+    import shutil
+    import tempfile
+    tables = Path(tempfile.mkdtemp()) / "configs"
+    shutil.copytree(tuned.CONFIG_DIR, tables)
+    tuned.write_configs(kernel, device_name, entries, source, tables)
+    return tables
 
 
 def wall_us(fn):
@@ -111,6 +173,91 @@ def copy_tb_s():
     return measure_copy_bandwidth() / 1e12
 
 
+def time_case(configs, x, x_ahead, ws, refs, scale, n, k, bw, cuda, deadline) -> dict:
+    """Each candidate checked against its arithmetic's reference, then timed: label -> row."""
+    case = {}
+    for label, cand in configs.items():
+        if time.time() > deadline and label != "current":
+            case[label] = {"skipped": "time budget"}
+            continue
+        try:
+            call = kernel_call(cand, x_ahead)
+            ref = refs["a8" if cand["kernel"] == "a8" else "weight_only"]
+            if scale == "bf16":
+                call = (lambda c: lambda x, q, s, b: c(x, q, None, None))(call)
+            err = rel_err(call(x, *ws[0]), ref)
+            row = {"config": cand, "rel_err": err}
+            if err > 2e-2:
+                row["error"] = "mismatch against the reference"
+            else:   # (on the CPU: one interpreted call's wall time, which only checks the report)
+                launches = [lambda q=q, s=s, b=b: call(x, q, s, b) for q, s, b in ws]
+                us = launches_us(launches * 2) if cuda else wall_us(launches[0])
+                tb = (n * k) / us / 1e6
+                row.update(us=us, tb_s=tb, fraction_of_copy=tb / bw)
+            case[label] = row
+        except Exception as e:  # a config the scratch or the compiler refuses is reported, not fatal
+            traceback.print_exc(limit=1)
+            case[label] = {"config": cand, "error": f"{type(e).__name__}: {e}"[:300]}
+    return case
+
+
+def report(name, m, scale, case, a8x, t_start) -> None:
+    timed = {lbl: r for lbl, r in case.items() if "us" in r}
+    if not timed:
+        return
+    best = min(timed, key=lambda c: timed[c]["us"])
+    cur = timed.get("current", timed.get("stream_pdl", {}))
+    print(f"{name:>8} m{m:<3}{scale:<8} current {cur.get('tb_s', float('nan')):5.2f} TB/s  "
+          f"best {best} {timed[best]['tb_s']:5.2f} TB/s ({100 * timed[best]['fraction_of_copy']:.0f}% of copy)"
+          f"  [{time.time() - t_start:.0f} s]", flush=True)
+    if a8x:
+        for kind in ("a8x", "a8"):
+            mine = {lbl: r for lbl, r in timed.items() if lbl.startswith(kind + "_")}
+            if mine:
+                top = min(mine, key=lambda c: mine[c]["us"])
+                print(f"{'':>8} best {kind:<4} {top} {mine[top]['tb_s']:5.2f} TB/s", flush=True)
+
+
+def winners(res: dict, shapes: dict, mode: str) -> dict[str, list]:
+    """Each case's fastest checked config as table entries, per kernel family: --stream the stream tile of
+    each (shape, weight kind); --a8x whether one row quantized ahead beats every raw config (its tile, or the
+    entry removed); otherwise the kernel and tile raw rows of each (shape, rows, scale) take."""
+    out = {"fp8_gemv": [], "stream_gemv": []}
+    for key, case in res["cases"].items():
+        name, rest = key.split("_m", 1)
+        m, scale = int(rest.split("_")[0]), rest.split("_", 1)[1]
+        n, k = shapes[name]
+        timed = {lbl: r for lbl, r in case.items() if "us" in r}
+        raw = {lbl: r for lbl, r in timed.items() if not r["config"].get("x_ahead")}
+        ahead = {lbl: r for lbl, r in timed.items() if r["config"].get("x_ahead")}
+        best = (lambda rows: rows[min(rows, key=lambda lbl: rows[lbl]["us"])] if rows else None)
+        scale_key = "none" if scale == "bf16" else tuned.scale_key(BLOCK if scale == "block" else None)
+        shape = {"N": n, "K": k, "rows": m, "scale": scale_key}
+        if mode == "stream":
+            top = best({lbl: r for lbl, r in raw.items() if r["config"]["kernel"] == "stream"})
+            if top is not None:
+                dtype = "bf16" if scale == "bf16" else "fp8"
+                out["stream_gemv"].append(({"N": n, "K": k, "dtype": dtype, "scale": scale_key}, top["config"]["tile"]))
+        elif mode == "a8x":
+            top, beaten = best(ahead), best(raw)
+            wins = top is not None and (beaten is None or top["us"] < beaten["us"])
+            entry = {"kernel": top["config"]["kernel"], "tile": top["config"]["tile"]} if wins else None
+            out["fp8_gemv"].append((dict(shape, x="fp8"), entry))
+        elif (top := best(raw)) is not None:
+            cfg = top["config"]
+            out["fp8_gemv"].append((dict(shape, x="raw"), {"kernel": "stream"} if cfg["kernel"] == "stream"
+                                    else {"kernel": cfg["kernel"], "tile": cfg["tile"]}))
+    return out
+
+
+def write_winners(res: dict, shapes: dict, args, device_name: str) -> list[str]:
+    """The winners merged into this card's tables under args.configs; the paths written."""
+    mode = "stream" if args.stream else "a8x" if args.a8x else "a8" if args.a8 else "tiles"
+    source = f"benchmarks/fp8_gemv_sweep.py{'' if mode == 'tiles' else ' --' + mode} ({os.path.basename(args.out)})"
+    return [str(tuned.write_configs(kernel, device_name, entries, source, Path(args.configs)))
+            for kernel, entries in winners(res, shapes, mode).items() if entries]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -121,14 +268,17 @@ def main():
                    help="one row: W8A8 tiles reading an x quantized ahead against the same tiles quantizing it")
     p.add_argument("--stream", action="store_true",
                    help="one row: the stream kernel with 0 (whole rows), 1 or 2 weight tiles in flight, FP8 and bf16 weights")
+    p.add_argument("--configs", default=None,
+                   help="merge the winners into this card's tables under this folder (default on a GPU: the tree's "
+                        "llmserve_core/kernels/configs; a --smoke run writes none unless given one)")
     args = p.parse_args()
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
+    device = tuned.device_spec(torch.device(dev))
     dtype = torch.bfloat16 if cuda else torch.float32
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 8
     bw = copy_tb_s() if cuda else 1.0
-    res = {"meta": {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "copy_tb_s": bw, "sms": sms},
+    res = {"meta": {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "copy_tb_s": bw, "sms": device.sms},
            "cases": {}}
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -157,112 +307,24 @@ def main():
                 else:
                     refs = {"weight_only": fp8_gemv_reference(x, *ws[0]),
                             "a8": fp8_gemv_a8_reference(x, *ws[0], group=128)}
-                case = {}
-                # what the engine runs here (under PDL on the GPU, as the decode chain launches it)
-                current = fp8_gemv_config(m, n, k, ws[0][2], sms, fp8_dot=cuda and fp8_dot_supported(x.device),
-                                          stream=cuda)
-                if current["KERNEL"] == "stream" or scale == "bf16":
-                    configs = {"stream_pdl" if cuda else "stream": None}
-                else:
-                    configs = {"current": dict(current, PDL=cuda and current["KERNEL"] == "a8")}
-                ahead = x_ahead_config(m, n, k, ws[0][2], sms, cuda and fp8_dot_supported(x.device))
-                if args.stream and ahead is not None and scale != "bf16":
-                    configs["current_x_ahead"] = dict(ahead, PDL=True, X_AHEAD=True)   # what the engine runs
-                if args.stream:
-                    for bn, bk, warps, depth in candidates:
-                        if bk == 0 and k & (k - 1):
-                            continue        # whole rows are one tile: a power-of-two K only
-                        bk = bk or k
-                        if k % bk == 0:
-                            configs[f"stream_bn{bn}_bk{bk}_w{warps}_d{depth}"] = dict(
-                                KERNEL="stream", BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEPTH=depth,
-                                PDL=cuda)
-                    candidates_here = ()
-                else:
-                    candidates_here = candidates
-                if args.a8 and m == 1 and cuda:     # (PDL launches need the GPU)
-                    configs["stream"] = configs["stream_pdl"] = None
-                for kernel, bn, bk, warps, stages, per_sm in candidates_here:
-                    if kernel in ("dot", "a8", "a8x") and scale == "block" and BLOCK[1] % bk:
-                        continue    # the tensor-core kernel's K tile must not straddle a scale block
-                    if kernel.startswith("fma") and m > (1 if kernel == "fma_late" else FMA_MAX_ROWS):
-                        continue    # (late reduction holds BLOCK_M times the registers: one row only)
-                    split = split_for(n, k, bn, bk, sms, per_sm)
-                    label = f"{kernel}_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"
-                    configs[label] = dict(
-                        KERNEL="a8" if kernel == "a8x" else kernel,
-                        BLOCK_M=1 << (m - 1).bit_length() if kernel.startswith("fma") else 16,
-                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
-                        **({"X_AHEAD": True} if kernel == "a8x" else {}))
-                    if args.a8x and cuda:        # as the decode chain launches them: under PDL only
-                        configs[label] = dict(configs[label], PDL=True)
-                    elif kernel == "a8" and cuda:
-                        configs[label + "_pdl"] = dict(configs[label], PDL=True)
-                for label, cfg in configs.items():
-                    if time.time() - t_start > args.budget_s and label != "current":
-                        case[label] = {"skipped": "time budget"}
-                        continue
-                    try:
-                        call = kernel_call(label, cfg, x_ahead)
-                        ref = refs["a8" if cfg and cfg.get("KERNEL") == "a8" else "weight_only"]
-                        if scale == "bf16":
-                            call = (lambda c: lambda x, q, s, b: c(x, q, None, None))(call)
-                        err = rel_err(call(x, *ws[0]), ref)
-                        row = {"config": cfg, "rel_err": err}
-                        if err > 2e-2:
-                            row["error"] = "mismatch against the reference"
-                        else:   # (on the CPU: one interpreted call's wall time, which only checks the report)
-                            launches = [lambda q=q, s=s, b=b: call(x, q, s, b) for q, s, b in ws]
-                            us = launches_us(launches * 2) if cuda else wall_us(launches[0])
-                            tb = (n * k) / us / 1e6
-                            row.update(us=us, tb_s=tb, fraction_of_copy=tb / bw)
-                        case[label] = row
-                    except Exception as e:  # a config the scratch or the compiler refuses is reported, not fatal
-                        traceback.print_exc(limit=1)
-                        case[label] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]}
+                configs = engine_candidates(device, m, n, k, ws[0][2], scale, cuda, args.stream)
+                configs.update(sweep_candidates(args, candidates, m, n, k, scale, device.sms, cuda))
+                case = time_case(configs, x, x_ahead, ws, refs, scale, n, k, bw, cuda, t_start + args.budget_s)
                 res["cases"][f"{name}_m{m}_{scale}"] = case
-                timed = {lbl: r for lbl, r in case.items() if "us" in r}
-                if timed:
-                    best = min(timed, key=lambda c: timed[c]["us"])
-                    cur = timed.get("current", timed.get("stream_pdl", {}))
-                    print(f"{name:>8} m{m:<3}{scale:<8} current {cur.get('tb_s', float('nan')):5.2f} TB/s  "
-                          f"best {best} {timed[best]['tb_s']:5.2f} TB/s ({100 * timed[best]['fraction_of_copy']:.0f}% of copy)"
-                          f"  [{time.time() - t_start:.0f} s]", flush=True)
-                    if args.a8x:
-                        for kind in ("a8x", "a8"):
-                            mine = {lbl: r for lbl, r in timed.items() if lbl.startswith(kind + "_")}
-                            if mine:
-                                top = min(mine, key=lambda c: mine[c]["us"])
-                                print(f"{'':>8} best {kind:<4} {top} {mine[top]['tb_s']:5.2f} TB/s", flush=True)
+                report(name, m, scale, case, args.a8x, t_start)
                 with open(args.out, "w") as f:
                     json.dump(res, f, indent=1)
         del weights
         if cuda:
             torch.cuda.empty_cache()
-    # the default table: best timed config per (shape, rows, scale kind)
-    table = {}
-    for key, case in res["cases"].items():
-        timed = {lbl: r for lbl, r in case.items() if "us" in r}
-        # (the stream kernel has no entry, and no layer hands the GEMV an x quantized ahead)
-        timed = {lbl: r for lbl, r in timed.items() if r["config"] is not None and not r["config"].get("X_AHEAD")}
-        if key.endswith("_bf16"):
-            continue        # (the table is the FP8 weights')
-        if timed:
-            best = min(timed, key=lambda c: timed[c]["us"])
-            name, rows, scale = key.split("_m")[0], int(key.split("_m")[1].split("_")[0]), key.rsplit("_", 1)[1]
-            n, k = shapes[name]
-            # (how it was launched is the caller's: the table holds the tile)
-            table[repr((n, k, rows, scale))] = {c: v for c, v in timed[best]["config"].items() if c != "PDL"}
-    res["best"] = table
     res["seconds"] = round(time.time() - t_start, 1)
+    if args.configs is None and cuda:
+        args.configs = str(tuned.CONFIG_DIR)
+    if args.configs is not None:
+        res["tables"] = write_winners(res, shapes, args, torch.cuda.get_device_name() if cuda else "cpu")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"copy bandwidth {bw:.2f} TB/s, {res['seconds']} s")
-    # paste into kernels/fp8_gemv.py as DEFAULT_CONFIGS (keys: N, K, rows class, scale kind)
-    print("DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {")
-    for key, cfg in table.items():
-        print(f"    {key}: {cfg!r},")
-    print("}")
+    print(f"copy bandwidth {bw:.2f} TB/s, {res['seconds']} s; tables written: {res.get('tables', [])}")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_ch
 from llmserve_core.kernels.fp8_gemm import (CUBLAS_BLOCK_ROWS, scaled_mm_supported,  # noqa: E402
                                              w8a8_block_linear, w8a8_gemm_per_channel, w8a8_gemm_reference,
                                              w8a8_gemm_triton)
-from llmserve_core.kernels.fp8_gemv import (fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
-                                             fp8_gemv_reference, measured_config)
+from llmserve_core.kernels import tuned  # noqa: E402
+from llmserve_core.kernels.fp8_gemv import choose, fp8_gemv, fp8_gemv_a8_reference, fp8_gemv_reference  # noqa: E402
 from llmserve_core.kernels.stream_gemv import stream_gemv  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from floor import measure_copy_bandwidth  # noqa: E402
@@ -52,7 +52,6 @@ A8_TILES = ((128, 128, 8, 4, 4), (64, 128, 4, 3, 2))
 A8X_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (32, 2, 4))
 A8X_SPLITS = (1, 2, 4, 8)
 MAX_ROWS = 1024
-SMS = 132           # the tables' card (kernels/fp8_gemv.py's TABLE_SMS): on it the table's tiles apply
 
 
 def parse_rows(text: str) -> tuple[int, ...]:
@@ -100,29 +99,29 @@ def arms(m: int, n: int, k: int, block: tuple[int, int] | None, xq: tuple, xq128
             return w8a8_gemm_triton(a, a_s if block else a_s.view(-1, 1), q, s, block, torch.bfloat16,
                                     block_m=t[0], block_n=t[1], num_warps=t[2], num_stages=t[3])
         out[f"triton_m{bm}_n{bn}_w{warps}_s{stages}"] = (triton_tile, "token")
-    table = measured_config(m, n, k, block, SMS, fp8_dot_supported(torch.device("cuda")), stream=m == 1)
-    if table is not None:       # the GEMV tile the engine runs at these rows (the stream kernel at one row)
-        out["gemv_table"] = ((lambda x, w, q, s: stream_gemv(x, q, s, block)) if table["KERNEL"] == "stream" else
-                             (lambda x, w, q, s: fp8_gemv(x, q, s, block, config=dict(table))),
-                             "stream" if table["KERNEL"] == "stream" else f"piece{table['BLOCK_K']}")
+    table = choose(tuned.device_spec(torch.device("cuda")), m, n, k, block, stream=m == 1)
+    if table is not None:       # the GEMV the engine runs at these rows (the stream kernel at one row)
+        out["gemv_table"] = ((lambda x, w, q, s: stream_gemv(x, q, s, block, config=table.tile))
+                             if table.kernel == "stream" else
+                             (lambda x, w, q, s: fp8_gemv(x, q, s, block, kernel=table.kernel, config=table.tile)),
+                             "stream" if table.kernel == "stream" else f"piece{table.tile['BLOCK_K']}")
     if m <= 64:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         for bn, bk, warps, stages, split in A8_TILES:
-            cfg = dict(KERNEL="a8", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
-                       num_stages=stages)
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
             out[f"a8_m{bm}_n{bn}_k{bk}_w{warps}_s{stages}_sk{split}"] = (
-                lambda x, w, q, s, cfg=cfg: fp8_gemv(x, q, s, block, config=cfg), f"piece{bk}")
+                lambda x, w, q, s, cfg=cfg: fp8_gemv(x, q, s, block, kernel="a8", config=cfg), f"piece{bk}")
     out["quantize128"] = (lambda x, w, q, s: quantize_activation(x, 128)[0], None)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if bm <= 128:
         for (bn, warps, stages), split in itertools.product(A8X_TILES, A8X_SPLITS):
             if k % (split * 128) or (bm == 128 and (bn, warps) == (128, 4)):
                 continue
-            cfg = dict(KERNEL="a8", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=split, num_warps=warps,
-                       num_stages=stages)
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=split, num_warps=warps, num_stages=stages)
             out[f"a8x_m{bm}_n{bn}_w{warps}_s{stages}_sk{split}"] = (
-                lambda x, w, q, s, cfg=cfg: fp8_gemv(xq128[0], q, s, block, config=cfg, x_scale=xq128[1],
-                                                     x_group=128, out_dtype=torch.bfloat16), "piece128")
+                lambda x, w, q, s, cfg=cfg: fp8_gemv(xq128[0], q, s, block, kernel="a8", config=cfg,
+                                                     x_scale=xq128[1], x_group=128, out_dtype=torch.bfloat16),
+                "piece128")
     return out
 
 

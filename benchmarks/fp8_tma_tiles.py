@@ -5,9 +5,10 @@ than L2). gate_up's and qkv's candidates read x quantized ahead, as the engine h
 engine streams one row of every projection through the stream kernel, their "current", gate_up's ending in
 the SiLU-and-mul there; a winner would be patched in as the x-ahead tile); down's candidates quantize x in
 the kernel. Every candidate compiles for sm_90 (benchmarks/sm90_compile.py's compiler, checked without a
-GPU). A TMA tile that beats the engine's kernel for its shape by 3% is patched into kernels/fp8_gemv.py's
-tables, and the FP8 batch-1 decode step then runs with the tables as committed and as patched, alternating,
-twice each, in the same process: the step is the verdict, not the kernel alone. Needs a Hopper GPU.
+GPU). A TMA tile that beats the engine's kernel for its shape by 3% is patched into a copy of this card's
+kernels/configs/fp8_gemv/ table (its one-row entry), and the FP8 batch-1 decode step then runs with the
+tables as committed and as patched, alternating, twice each, in the same process: the step is the verdict,
+not the kernel alone. Needs a Hopper GPU.
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/fp8_tma_tiles.py --out $OUT/fp8_tma.json   # H200, ~2 min
     python3 benchmarks/fp8_tma_tiles.py --smoke --out /tmp/fp8_tma.json    # tiny shapes, CPU interpreter
@@ -17,6 +18,7 @@ A smoke run patches the best candidate in whatever it measured, so the table-pat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -29,18 +31,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
     os.environ["TRITON_INTERPRET"] = "1"
-import llmserve_core.kernels.fp8_gemv as fp8_gemv_module  # noqa: E402
+from llmserve_core.kernels import tuned  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
-from llmserve_core.kernels.fp8_gemv import (X_AHEAD_GROUP, fp8_gemv, fp8_gemv_a8_reference,  # noqa: E402
-                                             fp8_gemv_config, x_ahead_config)
+from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, choose, fp8_gemv, fp8_gemv_a8_reference  # noqa: E402
 from llmserve_core.kernels.fp8_quant import quantize_activation  # noqa: E402
 from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference  # noqa: E402
 from floor import measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
-from fp8_gemv_sweep import ROTATE_BYTES, SHAPES, split_for  # noqa: E402
+from fp8_gemv_sweep import ROTATE_BYTES, SHAPES, patched_tables, split_for  # noqa: E402
 from gemv_bench import launches_us  # noqa: E402
 from qwen3_8b import write_qwen3_8b_dir  # noqa: E402
 
-SMS = 132   # the table's card (kernels/fp8_gemv.py's TABLE_SMS)
 X_AHEAD = ("qkv", "gate_up")       # the shapes whose candidates read x quantized by the RMSNorm before
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM the K split aims at)
 CANDIDATES = ((64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 6, 4), (64, 128, 4, 6, 2), (128, 128, 4, 4, 2),
@@ -73,22 +73,28 @@ def time_configs(configs: dict, call_and_reference, x, weights, tolerance: float
 
 
 def call_for(name: str, cfg: dict | None, x_ahead):
-    """(x, weight, scale) -> y in this config, under PDL (None: the stream kernel)."""
+    """(x, weight, scale) -> y at this a8 tile, under PDL (None: the stream kernel)."""
     pdl = RUN["pdl"]
     if cfg is None:
         return lambda x, q, s: stream_gemv(x, q, s, None, pdl=pdl)
     if name in X_AHEAD:
         xq, xs = x_ahead
-        return lambda x, q, s: fp8_gemv(xq, q, s, None, config=dict(cfg), pdl=pdl, x_scale=xs,
+        return lambda x, q, s: fp8_gemv(xq, q, s, None, kernel="a8", config=cfg, pdl=pdl, x_scale=xs,
                                         x_group=X_AHEAD_GROUP, out_dtype=x.dtype)
-    return lambda x, q, s: fp8_gemv(x, q, s, None, config=dict(cfg), pdl=pdl)
+    return lambda x, q, s: fp8_gemv(x, q, s, None, kernel="a8", config=cfg, pdl=pdl)
+
+
+def card() -> tuned.Device:
+    """The card the tables are read for; a smoke run's CPU answers as one with FP8 products (the a8 kernel)."""
+    device = tuned.device_spec(torch.device(RUN["dev"]))
+    return device if RUN["dev"] == "cuda" else dataclasses.replace(device, capability=(9, 0))
 
 
 def engine_config(name: str, n: int, k: int) -> dict | None:
-    """The config the engine runs at one row for this shape (None: the stream kernel)."""
-    cfg = x_ahead_config(1, n, k, None, SMS, True) if name in X_AHEAD else None
-    cfg = cfg or fp8_gemv_config(1, n, k, None, SMS, True, stream=True)
-    return None if cfg["KERNEL"] == "stream" else cfg
+    """The a8 tile the engine runs at one row for this shape (None: the stream kernel)."""
+    choice = (choose(card(), 1, n, k, x="fp8") if name in X_AHEAD else None) or choose(card(), 1, n, k, stream=True)
+    assert choice.kernel in ("stream", "a8"), f"fp8_tma_tiles: the engine runs {choice.kernel} for {name}"
+    return None if choice.kernel == "stream" else dict(choice.tile)
 
 
 def time_shape(name: str, n: int, k: int, gen) -> dict:
@@ -105,10 +111,9 @@ def time_shape(name: str, n: int, k: int, gen) -> dict:
     for bn, bk, warps, stages, per_sm in RUN["candidates"]:
         if name in X_AHEAD and X_AHEAD_GROUP % bk:
             continue        # a K tile may not straddle two of x's scales
-        split = split_for(n, k, bn, bk, SMS, per_sm)
+        split = split_for(n, k, bn, bk, card().sms, per_sm)
         configs[f"tma_bn{bn}_bk{bk}_w{warps}_s{stages}_sk{split}"] = dict(
-            KERNEL="a8", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
-            TMA=True)
+            BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages, TMA=True)
     # Each kernel against its own arithmetic: the stream kernel reads x in bf16; the a8 tiles quantize x per
     # 1 x 128 piece ahead, or in the kernel per 1 x BLOCK_K piece (the two differ by x's quantization error,
     # about 2%, more than the check allows).
@@ -167,17 +172,15 @@ def main() -> None:
             peak, model_dir = 1e12, decode_profile.use_smoke_model(tempfile.mkdtemp())
         else:
             peak, model_dir = measure_bf16_peak(), write_qwen3_8b_dir(tempfile.mkdtemp())
-        tables = (dict(fp8_gemv_module.DEFAULT_CONFIGS), dict(fp8_gemv_module.X_AHEAD_CONFIGS))
+        committed = tuned.CONFIG_DIR
+        patched = patched_tables("fp8_gemv", [
+            ({"N": RUN["shapes"][name][0], "K": RUN["shapes"][name][1], "rows": 1, "scale": scale,
+              "x": "fp8" if name in X_AHEAD else "raw"}, {"kernel": "a8", "tile": cfg})
+            for name, cfg in patch.items() for scale in ("channel", "128x128")], "benchmarks/fp8_tma_tiles.py",
+            card().name)
         for variant in ("table", "patched") if args.smoke else ("table", "patched", "table2", "patched2"):
-            for live, saved in zip((fp8_gemv_module.DEFAULT_CONFIGS, fp8_gemv_module.X_AHEAD_CONFIGS), tables):
-                live.clear()
-                live.update(saved)
-            if variant.startswith("patched"):
-                for name, cfg in patch.items():
-                    n, k = RUN["shapes"][name]
-                    table = fp8_gemv_module.X_AHEAD_CONFIGS if name in X_AHEAD else fp8_gemv_module.DEFAULT_CONFIGS
-                    for kind in ("channel", "block"):
-                        table[(n, k, 1, kind)] = dict(cfg)
+            tuned.CONFIG_DIR = patched if variant.startswith("patched") else committed
+            tuned.clear_cache()
             r = decode_profile.run_batch(model_dir, 1, 16 if args.smoke else 512, copy_rate(), peak,
                                          2 if args.smoke else args.steps, False, "fp8", "auto")
             out["engine"][variant] = {key: r[key] for key in ("step_ms", "floor_ms", "fraction_of_floor",

@@ -1,5 +1,6 @@
 """The skinny matmul at Qwen3-8B's decode shapes: cuBLAS (F.linear) against kernels.gemv, and a sweep of
-gemv tile configs, as achieved weight-read bandwidth against the copy bandwidth measured in the same run.
+gemv tile configs (--sweep: the parameters of kernels/gemv.split_k_tile's rule, the tile a card without a
+tuned table gets), as achieved weight-read bandwidth against the copy bandwidth measured in the same run.
 
 Each shape rotates over enough weight copies to exceed the 60 MB L2, so every timed call reads its
 weight from HBM. Times are triton.testing.do_bench medians.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 if "--smoke" in sys.argv[1:]:     # a smoke run is the CPU interpreter's, on a machine with a GPU too
     os.environ["TRITON_INTERPRET"] = "1"
 
-from llmserve_core.kernels.gemv import gemv, gemv_config, gemv_reference  # noqa: E402
+from llmserve_core.kernels.gemv import gemv, gemv_reference, split_k_tile  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -51,7 +52,7 @@ def eager_timing() -> bool:
 def sweep_configs(m: int, n: int, k: int, sms: int):
     for bn, bk, w, s in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)):
         if bn * bk <= 16384:
-            yield gemv_config(m, n, k, sms, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+            yield split_k_tile(m, n, k, sms, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
 
 
 def copy_bandwidth() -> float:

@@ -35,7 +35,8 @@ from llmserve_core.kernels.fp8_format import quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
-from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference  # noqa: E402
+from llmserve_core.kernels import tuned  # noqa: E402
+from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference, stream_tiles  # noqa: E402
 
 LAYERS = 8
 EPS = 1e-6
@@ -88,7 +89,7 @@ def shapes_part() -> dict:
         best, row["sweep_us"] = sweep(name, x, ws, None, copies)
         row["stream_config"], row["stream_us"] = best, min(us for _, us in row["sweep_us"])
         row["stream_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=pdl, config=best), copies)
-        row["default_config"] = stream_gemv_config(n, k)
+        row["default_config"] = dict(stream_tiles(tuned.device_spec(x.device), n, k, dt))
         row["default_pdl_us"] = 1e3 * bench(lambda i: stream_gemv(x, ws[i], pdl=pdl), copies)
         # FP8 weights (per-channel scales): the tensor-core FP8 GEMV against the stream kernel's own sweep
         row["fp8_gemv_us"] = 1e3 * bench(lambda i: fp8_gemv(x, qs[i], ss[i]), copies)

@@ -10,9 +10,11 @@ On the H200 at the Qwen3-8B shape (bf16). Three parts:
           o_proj, add + RMSNorm, gate_up, SiLU-and-mul, down): cuBLAS with plain launches (the engine
           before), against gemv with the sweep's best tiles and every kernel under PDL.
 Compiles run first, spread over worker processes (the host is slow, and a timed call must not compile).
-Prints a table last; --out writes the JSON.
+Prints a table last; --out writes the JSON. The winners go into this card's kernels/configs/gemv/ table
+(write_winners): the lm_head's best tile at each row tile, and a projection's where the chain at that row
+count ran faster with gemv under PDL than with cuBLAS (elsewhere its entry is removed, and cuBLAS runs it).
 
-    python benchmarks/skinny_gemm_bench.py --out $OUT/skinny.json
+    python benchmarks/skinny_gemm_bench.py --out $OUT/skinny.json --configs $OUT/configs
 """
 from __future__ import annotations
 
@@ -32,21 +34,21 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemv_bench import SHAPES, bench, copy_bandwidth, graph_us  # noqa: E402
-from llmserve_core.kernels.gemv import gemv, gemv_argmax, gemv_config, gemv_reference  # noqa: E402
+from llmserve_core.kernels import tuned  # noqa: E402
+from llmserve_core.kernels.gemv import gemv, gemv_argmax, gemv_reference, split_k_tile  # noqa: E402
 from pdl_chain_bench import layer_chain  # noqa: E402
 
 ROWS = (16, 32, 64)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 LAYERS = 8
-SMS = 132
 
 
-def tiles(m: int, n: int, k: int) -> list[dict]:
+def tiles(m: int, n: int, k: int, sms: int) -> list[dict]:
     out = []
     for (bn, warps), bk, stages, per_sm in itertools.product(((64, 4), (128, 4), (128, 8)), (64, 128), (3, 4, 6),
                                                              (2, 4)):
-        cfg = gemv_config(m, n, k, SMS, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                          programs_per_sm=per_sm)
+        cfg = split_k_tile(m, n, k, sms, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                           programs_per_sm=per_sm)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -90,7 +92,7 @@ def sweep_part(shapes: list[str]) -> dict:
             x = torch.randn(m, k, device=dev, dtype=dt)
             ref = gemv_reference(x.float(), ws[0].float())
             row = {"cublas_us": 1e3 * bench(lambda i: F.linear(x, ws[i]), copies), "tiles": []}
-            for cfg in tiles(m, n, k):
+            for cfg in tiles(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count):
                 try:
                     err = rel_err(gemv(x, ws[0], config=dict(cfg)), ref)
                     us = 1e3 * bench(lambda i: gemv(x, ws[i], config=dict(cfg)), copies, replays=5)
@@ -156,20 +158,41 @@ def chain_part(configs: dict) -> dict:
     return out
 
 
+def winners(res: dict) -> list[tuple[dict, dict | None]]:
+    """The gemv table's entries from a run: the lm_head's best tile at each row tile; a projection's at each
+    row tile where the chain ran faster with gemv under PDL than with cuBLAS (else None: its entry removed).
+    Projections are decided only where the chain ran."""
+    out = []
+    for key, row in res["sweep"].items():
+        name, m = key.rsplit("_m", 1)
+        n, k = SHAPES[name]
+        shape = {"N": n, "K": k, "rows": int(m), "dtype": "bf16"}
+        if name == "lm_head":
+            out.append((shape, row["config"]))
+        elif f"m{m}" in res.get("chain", {}):
+            chain = res["chain"][f"m{m}"]
+            faster = chain["gemv_pdl_us_per_layer"] < chain["cublas_us_per_layer"]
+            out.append((shape, row["config"] if faster else None))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="")
     ap.add_argument("--shapes", default=",".join(PROJECTIONS + ("lm_head",)))
     ap.add_argument("--workers", type=int, default=12, help="processes compiling the tiles before any timing")
+    ap.add_argument("--configs", default=str(tuned.CONFIG_DIR),
+                    help="merge the winners into this card's gemv table under this folder (default: the tree's)")
     args = ap.parse_args()
     torch.manual_seed(0)
     shapes = args.shapes.split(",")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = []
     for name in shapes:
         n, k = SHAPES[name]
         for m in ROWS:
-            for cfg in tiles(m, n, k):
+            for cfg in tiles(m, n, k, sms):
                 jobs += [(m, n, k, cfg, False, False), (m, n, k, cfg, True, False)]
                 if name == "lm_head":
                     jobs.append((m, n, k, cfg, True, True))
@@ -198,6 +221,9 @@ def main() -> None:
         for key, r in res["chain"].items():
             print(f"| {key[1:]} | {r['cublas_us_per_layer']:.1f} | {r['gemv_us_per_layer']:.1f} | "
                   f"{r['gemv_pdl_us_per_layer']:.1f} |")
+    source = f"benchmarks/skinny_gemm_bench.py ({Path(args.out).name if args.out else 'no result file'})"
+    res["table"] = str(tuned.write_configs("gemv", res["device"], winners(res), source, Path(args.configs)))
+    print(f"gemv table: {res['table']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))

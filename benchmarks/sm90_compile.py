@@ -42,9 +42,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+from llmserve_core.kernels import tuned  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232_448       # opt-in shared memory per block on the H100 and H200
 SMS = 132
+HOPPER = tuned.Device("NVIDIA_H100_80GB_HBM3", sms=SMS, smem=SMEM_LIMIT, capability=(9, 0))   # (= the H200 tables)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (64, 128, 256)
 SETS = ("attention", "gemv", "fp8", "chain")
@@ -65,25 +68,14 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict):
 def compiling_instead_of_launching(record: list):
     """Within: every Triton launch compiles for TARGET and appends (kernel name, its launch kwargs, the
     compiled kernel or the exception) to record, launching nothing; the wrappers see a Hopper card."""
-    import llmserve_core.kernels.fp8_gemv as fp8_gemv
-    import llmserve_core.kernels.gemv as gemv
-    import llmserve_core.kernels.sampling as sampling
-    import llmserve_core.kernels.stream_gemv as stream_gemv
-    import llmserve_core.kernels.tiling as tiling
-
     def run(self, *args, grid, warmup, **kwargs):
         try:
             record.append((self.__name__, kwargs, compile_launch(self, args, kwargs)))
         except Exception as e:        # reported per variant, not fatal
             record.append((self.__name__, kwargs, e))
 
-    tiles = gemv._device_tiles.__wrapped__      # fits its table's tiles only on a CUDA device
     patches = [(JITFunction, "run", run), (torch.Tensor, "is_cuda", property(lambda self: True)),
-               (gemv, "_device_tiles", lambda tile, n, k, device, *rest: tiles(tile, n, k, torch.device("cuda"), *rest)),
-               (tiling, "device_smem_limit", lambda device: SMEM_LIMIT),
-               (gemv, "device_smem_limit", lambda device: SMEM_LIMIT),
-               (fp8_gemv, "fp8_dot_supported", lambda device: True)]
-    patches += [(module, "num_sms", lambda device: SMS) for module in (gemv, fp8_gemv, stream_gemv, sampling)]
+               (tuned, "device_spec", lambda device: HOPPER)]
     missing = object()          # (torch.Tensor's is_cuda lives on its C base class)
     saved = [(obj, name, obj.__dict__.get(name, missing)) for obj, name, _ in patches]
     try:
@@ -158,8 +150,7 @@ def fp8_variants():
     """The FP8 projections at one row as the decode chain runs them (the stream kernel where the table names
     it), the a8 tiles 2-16 rows run (x quantized ahead where the table says so) and the same tiles with TMA
     weight loads; then the tables' 17-64-row tiles, per-channel and 128 x 128 block-scaled."""
-    from llmserve_core.kernels.fp8_gemv import (X_AHEAD_GROUP, fp8_gemv, fp8_gemv_config, measured_config,
-                                                x_ahead_config)
+    from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, choose, fp8_gemv
     from llmserve_core.kernels.stream_gemv import stream_gemv
 
     out = []
@@ -167,22 +158,23 @@ def fp8_variants():
                          "down": (4096, 12288)}.items():
         w, s = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, dtype=torch.float32)
         x = torch.empty(1, k, dtype=torch.bfloat16)
-        if fp8_gemv_config(1, n, k, None, SMS, True, stream=True)["KERNEL"] == "stream":
+        if choose(HOPPER, 1, n, k, stream=True).kernel == "stream":
             out.append((f"fp8 {name} stream", lambda x=x, w=w, s=s: stream_gemv(x, w, s, None, pdl=True), None))
         # the a8 tile (on x quantized ahead where the table has one) that 2-16 rows run, one row of it
-        ahead = x_ahead_config(4, n, k, None, SMS, True)
-        cfg = ahead or fp8_gemv_config(4, n, k, None, SMS, True)
+        ahead = choose(HOPPER, 4, n, k, x="fp8")
+        kernel, cfg = ahead or choose(HOPPER, 4, n, k)
         xq = torch.empty(1, k, dtype=torch.float8_e4m3fn)
         xs = torch.empty(1, k // X_AHEAD_GROUP, dtype=torch.float32)
         for tma in (False, True):
             label = f"fp8 {name} a8{'x' if ahead else ''}{' tma' if tma else ''}"
             config = dict(cfg, TMA=tma)
             if ahead:
-                call = (lambda w=w, s=s, xq=xq, xs=xs, config=config:
-                        fp8_gemv(xq, w, s, None, config=dict(config), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
-                                 out_dtype=torch.bfloat16))
+                call = (lambda w=w, s=s, xq=xq, xs=xs, kernel=kernel, config=config:
+                        fp8_gemv(xq, w, s, None, kernel=kernel, config=config, pdl=True, x_scale=xs,
+                                 x_group=X_AHEAD_GROUP, out_dtype=torch.bfloat16))
             else:
-                call = lambda x=x, w=w, s=s, config=config: fp8_gemv(x, w, s, None, config=dict(config), pdl=True)
+                call = lambda x=x, w=w, s=s, kernel=kernel, config=config: fp8_gemv(x, w, s, None, kernel=kernel,
+                                                                                     config=config, pdl=True)
             out.append((label, call, None))
         for block in (None, (128, 128)):
             scale = s if block is None else torch.empty(n // 128, k // 128, dtype=torch.float32)
@@ -191,17 +183,17 @@ def fp8_variants():
                 x = torch.empty(rows, k, dtype=torch.bfloat16)
                 xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
                 xs = torch.empty(rows, k // X_AHEAD_GROUP, dtype=torch.float32)
-                ahead = x_ahead_config(rows, n, k, block, SMS, True)
-                plain = measured_config(rows, n, k, block, SMS, True)
+                ahead = choose(HOPPER, rows, n, k, block, x="fp8")
+                plain = choose(HOPPER, rows, n, k, block)
                 if ahead:
                     out.append((f"fp8 {name} a8x rows {rows} {kind}",
                                 lambda w=w, s=scale, xq=xq, xs=xs, b=block, c=ahead: fp8_gemv(
-                                    xq, w, s, b, config=dict(c), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
-                                    out_dtype=torch.bfloat16), None))
+                                    xq, w, s, b, kernel=c.kernel, config=c.tile, pdl=True, x_scale=xs,
+                                    x_group=X_AHEAD_GROUP, out_dtype=torch.bfloat16), None))
                 if plain:
                     out.append((f"fp8 {name} a8 rows {rows} {kind}",
-                                lambda x=x, w=w, s=scale, b=block, c=plain: fp8_gemv(x, w, s, b, config=dict(c),
-                                                                                     pdl=True), None))
+                                lambda x=x, w=w, s=scale, b=block, c=plain: fp8_gemv(
+                                    x, w, s, b, kernel=c.kernel, config=c.tile, pdl=True), None))
     # a decode's gate_up ends in the SiLU-and-mul: one row on the stream kernel's whole rows, 2-16 rows on the
     # a8 tile over x quantized ahead
     w = torch.empty(24576, 4096, dtype=torch.float8_e4m3fn)
@@ -212,8 +204,8 @@ def fp8_variants():
         out.append((f"fp8 gate_up stream silu_mul {kind}",
                     lambda b=block, s=scale: stream_gemv(x, w, s, b, pdl=True, silu_mul=True), None))
         out.append((f"fp8 gate_up a8x silu_mul {kind}",
-                    lambda b=block, s=scale, c=x_ahead_config(4, 24576, 4096, block, SMS, True): fp8_gemv(
-                        xq, w, s, b, config=dict(c), pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
+                    lambda b=block, s=scale, c=choose(HOPPER, 4, 24576, 4096, block, x="fp8"): fp8_gemv(
+                        xq, w, s, b, kernel=c.kernel, config=c.tile, pdl=True, x_scale=xs, x_group=X_AHEAD_GROUP,
                         out_dtype=torch.bfloat16, silu_mul=True), None))
     return out
 

@@ -9,8 +9,9 @@ import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU befo
 from llmserve_core.kernels.fp8_gemm import scaled_mm_supported, w8a8_block_linear, w8a8_gemm_per_channel, \
     w8a8_gemm_reference, w8a8_gemm_triton
 from llmserve_core.kernels import fp8_gemv as fp8_gemv_module
-from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, fp8_dot_supported, fp8_gemv, fp8_gemv_a8_reference, \
-    fp8_gemv_config, fp8_gemv_reference, num_sms, x_ahead_config
+from llmserve_core.kernels import tuned
+from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP, choose, default_choice, fp8_gemv, fp8_gemv_a8_reference, \
+    fp8_gemv_reference
 from llmserve_core.kernels.fp8_quant import quantize_activation, quantize_activation_reference
 from llmserve_core.kernels.attention_reference import from_cache, paged_attention_reference
 from llmserve_core.kernels.paged_decode import choose_num_splits, paged_decode
@@ -19,6 +20,7 @@ from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, RowQuant, dequantize_
     quantize_per_block, quantize_per_channel, to_cache_dtype
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from helpers.kernels import paged_cache, prefill_case, rel_err
+from helpers.tuned import fake_card  # noqa: F401  (a fixture)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -91,7 +93,7 @@ def test_fp8_gemv(m, n, k, block, block_n, split_k):
     x = torch.randn(m, k, generator=gen).to(DEVICE)
     config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
-        out = fp8_gemv(x, w, s, block, config=config)
+        out = fp8_gemv(x, w, s, block, kernel="dot", config=config)
         assert out.shape == (m, n) and out.dtype == x.dtype
         assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 1e-5
 
@@ -105,8 +107,8 @@ def test_fp8_gemv_default_config():
     for block in (None, (128, 128)) + (() if CUDA else ((16, 16),)):
         w, s = random_fp8_weight(96, 1024, block, gen)
         x = torch.randn(4, 1024, generator=gen).to(DEVICE)
-        cfg = fp8_gemv_config(4, 96, 1024, block, num_sms(x.device), fp8_dot_supported(x.device))
-        ref = (fp8_gemv_a8_reference(x, w, s, block, cfg["BLOCK_K"]) if cfg["KERNEL"] == "a8"
+        kernel, cfg = default_choice(tuned.device_spec(x.device), 4, 96, 1024, block)
+        ref = (fp8_gemv_a8_reference(x, w, s, block, cfg["BLOCK_K"]) if kernel == "a8"
                else fp8_gemv_reference(x, w, s, block))
         assert rel_err(fp8_gemv(x, w, s, block), ref) < A8_TOL
 
@@ -124,7 +126,7 @@ def test_fp8_gemv_half_activations(dtype):
         w, s = random_fp8_weight(72, 224, block, gen)
         x = torch.randn(6, 224, generator=gen).to(DEVICE, dtype)
         config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
-        out = fp8_gemv(x, w, s, block, config=config)
+        out = fp8_gemv(x, w, s, block, kernel="dot", config=config)
         assert out.dtype == dtype and rel_err(out, fp8_gemv_reference(x, w, s, block)) < OUT_TOL[dtype]
 
 
@@ -140,10 +142,9 @@ def test_fp8_gemv_fma(kernel, m, n, k, block, dtype, block_m, block_n, block_k, 
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     w, s = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    config = dict(KERNEL=kernel, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
-                  num_stages=1)
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=1)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
-        out = fp8_gemv(x, w, s, block, config=config)
+        out = fp8_gemv(x, w, s, block, kernel=kernel, config=config)
         assert out.shape == (m, n) and out.dtype == dtype
         assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < OUT_TOL[dtype]
 
@@ -162,10 +163,9 @@ def test_fp8_gemv_a8(m, n, k, block, dtype, block_n, split_k):
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     x[0, :7] = 0.0                   # a tile piece of zeros keeps a finite scale
     block_k = 32
-    config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
-                  num_stages=1)
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=1)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
-        out = fp8_gemv(x, w, s, block, config=config)
+        out = fp8_gemv(x, w, s, block, kernel="a8", config=config)
         assert out.shape == (m, n) and out.dtype == dtype
         assert rel_err(out, fp8_gemv_a8_reference(x, w, s, block, group=block_k)) < max(OUT_TOL[dtype], 1e-4)
         assert rel_err(out, fp8_gemv_reference(x, w, s, block)) < 4e-2
@@ -184,18 +184,21 @@ def test_fp8_gemv_on_an_x_quantized_ahead(m, n, k, block, block_n, group, split_
     x = torch.randn(m, k, generator=gen).to(DEVICE) * torch.rand(m, 1, generator=gen).to(DEVICE)
     x[0, :40] = 0.0                  # a whole zero group keeps a finite scale
     xq, xs = quantize_activation(x, group)
-    config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
-        out = fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=group, out_dtype=torch.float32)
+        out = fp8_gemv(xq, w, s, block, kernel="a8", config=config, x_scale=xs, x_group=group,
+                       out_dtype=torch.float32)
         assert out.shape == (m, n) and out.dtype == torch.float32
         assert rel_err(out, fp8_gemv_a8_reference(x, w, s, block, group=group)) < A8_TOL
     with pytest.raises(AssertionError, match="x_scale"):
-        fp8_gemv(xq, w, s, block, config=config, out_dtype=torch.float32)
+        fp8_gemv(xq, w, s, block, kernel="a8", config=config, out_dtype=torch.float32)
     with pytest.raises(AssertionError, match="BLOCK_K must divide"):
-        fp8_gemv(xq, w, s, block, config=dict(config, BLOCK_K=128), x_scale=xs, x_group=group,
+        fp8_gemv(xq, w, s, block, kernel="a8", config=dict(config, BLOCK_K=128), x_scale=xs, x_group=group,
                  out_dtype=torch.float32)
     with pytest.raises(AssertionError, match="BLOCK_K must divide"):
-        fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=0, out_dtype=torch.float32)
+        fp8_gemv(xq, w, s, block, kernel="a8", config=config, x_scale=xs, x_group=0, out_dtype=torch.float32)
+    with pytest.raises(AssertionError, match="a8 kernel"):
+        fp8_gemv(xq, w, s, block, kernel="dot", config=config, x_scale=xs, x_group=group, out_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("m,n,k,block,block_n,split_k,group", [
@@ -210,14 +213,14 @@ def test_fp8_gemv_tma_weight_tiles(m, n, k, block, block_n, split_k, group):
     gen = torch.Generator().manual_seed(m * 11 + n + k)
     w, s = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
-    config = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=2)
     xin, ahead = x, {}
     if group is not None:               # x quantized ahead, as the RMSNorm before hands it
         xin, xs = quantize_activation(x, group)
         ahead = dict(x_scale=xs, x_group=group, out_dtype=torch.float32)
-    plain = fp8_gemv(xin, w, s, block, config=dict(config), **ahead)
+    plain = fp8_gemv(xin, w, s, block, kernel="a8", config=config, **ahead)
     for _ in range(2):                  # twice: the split-K counters must re-arm themselves
-        out = fp8_gemv(xin, w, s, block, config=dict(config, TMA=True), **ahead)
+        out = fp8_gemv(xin, w, s, block, kernel="a8", config=dict(config, TMA=True), **ahead)
         assert out.shape == (m, n)
         if CUDA:
             assert rel_err(out, plain) < A8_TOL
@@ -226,61 +229,71 @@ def test_fp8_gemv_tma_weight_tiles(m, n, k, block, block_n, split_k, group):
     assert rel_err(out, fp8_gemv_a8_reference(x, w, s, block, group=group or 32)) < A8_TOL
     with pytest.raises(AssertionError, match="TMA"):     # a row pitch TMA cannot take, and a kernel without it
         fp8_gemv(x[:, :200].contiguous(), w[:, :200].contiguous(), s if block is None else s[:, :7], block,
-                 config=dict(config, TMA=True))
+                 kernel="a8", config=dict(config, TMA=True))
     with pytest.raises(AssertionError, match="TMA"):
-        fp8_gemv(x, w, s, block, config=dict(config, KERNEL="dot", TMA=True))
+        fp8_gemv(x, w, s, block, kernel="dot", config=dict(config, TMA=True))
 
 
 def test_fp8_gemv_fma_refuses_what_it_cannot_tile():
     gen = torch.Generator().manual_seed(5)
     w, s = random_fp8_weight(64, 128, (32, 32), gen)
     x = torch.randn(3, 128, generator=gen).to(DEVICE)
-    config = dict(KERNEL="fma", BLOCK_M=2, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)
+    config = dict(BLOCK_M=2, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)
     with pytest.raises(AssertionError, match="rows"):
-        fp8_gemv(x, w, s, (32, 32), config=config)
+        fp8_gemv(x, w, s, (32, 32), kernel="fma", config=config)
     with pytest.raises(AssertionError, match="BLOCK_N must divide"):
-        fp8_gemv(x[:2], w, s, (32, 32), config=dict(config, BLOCK_N=64))
-    with pytest.raises(AssertionError, match="unknown KERNEL"):
-        fp8_gemv(x[:2], w, s, (32, 32), config=dict(config, KERNEL="wmma"))
+        fp8_gemv(x[:2], w, s, (32, 32), kernel="fma", config=dict(config, BLOCK_N=64))
+    with pytest.raises(AssertionError, match="kernel must be one of"):
+        fp8_gemv(x[:2], w, s, (32, 32), kernel="wmma", config=config)
+    with pytest.raises(AssertionError, match="kernel must be one of"):        # a tile names no kernel by itself
+        fp8_gemv(x[:2], w, s, (32, 32), config=config)
+    with pytest.raises(AssertionError, match="comes with its tile"):
+        fp8_gemv(x[:2], w, s, (32, 32), kernel="fma")
 
 
-def test_gemv_config_fills_the_gpu_at_qwen3_8b_shapes():
-    """The rule (cards the table does not name): every tile fills the GPU and fits the scratch; the
-    measured table's tiles fit the scratch, and "stream" is named for one row only."""
+H200 = tuned.Device("NVIDIA_H200", sms=132, smem=232_448, capability=(9, 0))
+
+
+def test_choices_fit_the_gpu_at_qwen3_8b_shapes():
+    """The tuned table's tiles (the H200's) and the heuristic's (a 78-multiprocessor card no table names, with
+    and without FP8 products) at Qwen3-8B's shapes: every tile fits the split-K scratch and its scale blocks,
+    the heuristic's fill the card, and the stream kernel is chosen for one row on the decode chain only."""
     for n, k in QWEN3_8B_LINEARS:
         for block in (None, (128, 128)):
             for m in (1, 4, 16):
-                measured = fp8_gemv_config(m, n, k, block, fp8_dot=True, stream=True)
-                if measured["KERNEL"] == "stream":
-                    assert m == 1 and fp8_gemv_config(m, n, k, block, fp8_dot=True)["KERNEL"] == "a8"
+                tuned_choice = choose(H200, m, n, k, block, stream=True)
+                if tuned_choice.kernel == "stream":
+                    assert m == 1 and choose(H200, m, n, k, block).kernel == "a8"
                 else:
-                    n_blocks = -(-n // measured["BLOCK_N"])
-                    assert n_blocks * measured["SPLIT_K"] * measured["BLOCK_N"] * 16 <= 8 * 132 * 64 * 16
-                    assert block is None or block[1] % measured["BLOCK_K"] == 0
-                assert fp8_gemv_config(m, n, k, block, sms=78, fp8_dot=True)["KERNEL"] == "a8"
-                cfg = fp8_gemv_config(m, n, k, block, sms=78)
-                n_blocks = -(-n // cfg["BLOCK_N"])
-                assert n_blocks * cfg["SPLIT_K"] >= 2 * 78
-                # the split-K scratch bounds every split call (kernels/gemv.py)
-                assert cfg["SPLIT_K"] == 1 or (n_blocks * cfg["SPLIT_K"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]
-                                               <= 8 * 78 * 64 * 16 and n_blocks <= 8 * 78)
-                if cfg.get("KERNEL", "dot") == "dot":
-                    assert block is None or block[1] % cfg["BLOCK_K"] == 0
-                else:
-                    assert m <= cfg["BLOCK_M"] and (block is None or block[0] % cfg["BLOCK_N"] == 0)
+                    tile = tuned_choice.tile
+                    n_blocks = -(-n // tile["BLOCK_N"])
+                    assert n_blocks * tile["SPLIT_K"] * tile["BLOCK_N"] * 16 <= 8 * 132 * 64 * 16
+                    assert block is None or block[1] % tile["BLOCK_K"] == 0
+                for capability, kernel in (((9, 0), "a8"), ((8, 0), "dot")):
+                    card = tuned.Device("Untuned_Card", sms=78, capability=capability)
+                    kernel_here, cfg = choose(card, m, n, k, block, stream=True)
+                    assert kernel_here == kernel
+                    n_blocks = -(-n // cfg["BLOCK_N"])
+                    assert n_blocks * cfg["SPLIT_K"] >= 2 * 78
+                    # the split-K scratch bounds every split call (kernels/gemv.py)
+                    assert cfg["SPLIT_K"] == 1 or (n_blocks * cfg["SPLIT_K"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]
+                                                   <= 8 * 78 * 64 * 16 and n_blocks <= 8 * 78)
+                    assert m <= cfg["BLOCK_M"] and (block is None or block[1] % cfg["BLOCK_K"] == 0)
 
 
-def test_gemv_config_reads_the_measured_table(monkeypatch):
-    entry = dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (4096, 4096, 4, "block"), entry)
+def test_choose_reads_the_table(fake_card):
+    """A tuned entry (here a CUDA-core tile for 2-4 rows of 128 x 128 blocks) is what those rows get, and
+    only they: another rows class, another scale kind and another card take the heuristic; on a card without
+    FP8 products the heuristic widens the weight."""
+    entry = {"kernel": "fma", "tile": dict(BLOCK_M=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)}
+    card = fake_card({"fp8_gemv": [({"N": 4096, "K": 4096, "rows": 4, "scale": "128x128", "x": "raw"}, entry)]})
     for m in (2, 3, 4):
-        assert fp8_gemv_config(m, 4096, 4096, (128, 128), fp8_dot=True) == entry
-    assert fp8_gemv_config(1, 4096, 4096, (128, 128), fp8_dot=True) != entry          # another rows class
-    assert fp8_gemv_config(4, 4096, 4096, None, fp8_dot=True) != entry                # another scale kind
-    assert fp8_gemv_config(4, 4096, 4096, (128, 128), sms=78, fp8_dot=True) != entry  # another card: the rule
-    assert fp8_gemv_config(4, 4096, 4096, (128, 128))["KERNEL"] == "dot"             # no FP8 products: widen
-    fp8_gemv_config(4, 4096, 4096, (128, 128), fp8_dot=True)["BLOCK_N"] = 1           # callers get a copy
-    assert entry["BLOCK_N"] == 32
+        assert choose(card, m, 4096, 4096, (128, 128)) == ("fma", entry["tile"])
+    assert choose(card, 1, 4096, 4096, (128, 128)).tile != entry["tile"]           # another rows class
+    assert choose(card, 4, 4096, 4096, None).tile != entry["tile"]                 # another scale kind
+    other = tuned.Device("Other_Card", sms=132, capability=(9, 0))
+    assert choose(other, 4, 4096, 4096, (128, 128)).tile != entry["tile"]         # another card: the heuristic
+    assert choose(tuned.Device("Old_Card", sms=132), 4, 4096, 4096, (128, 128)).kernel == "dot"   # no FP8 products
 
 
 # ---------------------------------------------------------------- W8A8 GEMM
@@ -363,11 +376,11 @@ def test_block_scaled_gemm_hands_cublas_the_scale_layouts_torch_checks(monkeypat
     assert rel_err(w8a8_block_linear(x, w, ws, (128, 128), torch.float32), ref) < A8_TOL and calls == [20, 20]
 
 
-def fp8_layer_on_a_measured_card(n, k, block, seed, monkeypatch):
-    """An Fp8Linear of random weights on a card like the one the tables were measured on (faked: FP8
-    products, 132 multiprocessors), and the generator that made them."""
-    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
-    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
+def fp8_layer_on_a_tuned_card(n, k, block, seed, fake_card, tables):
+    """An Fp8Linear of random weights on a card (faked: FP8 products, 132 multiprocessors) whose fp8_gemv
+    table holds `tables` [(shape without N, K, scale; config)], and the generator that made them."""
+    scale = tuned.scale_key(block)
+    fake_card({"fp8_gemv": [(dict(shape, N=n, K=k, scale=scale), cfg) for shape, cfg in tables]})
     gen = torch.Generator().manual_seed(seed)
     layer = Fp8Linear(k, n, block).to(DEVICE)
     layer.quantize_rows_(torch.randn(n, k, generator=gen))
@@ -387,26 +400,26 @@ def test_fp8_gemv_ends_in_the_silu_mul(m, n, k, block, x_group, kernel):
     gen = torch.Generator().manual_seed(m + n + k)
     w, s = random_fp8_weight(n, k, block, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
-    config = dict(KERNEL=kernel, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
     if x_group:
         xq, xs = quantize_activation(x, x_group)
-        out = fp8_gemv(xq, w, s, block, config=config, x_scale=xs, x_group=x_group, out_dtype=torch.float32,
-                       silu_mul=True)
+        out = fp8_gemv(xq, w, s, block, kernel=kernel, config=config, x_scale=xs, x_group=x_group,
+                       out_dtype=torch.float32, silu_mul=True)
         products = fp8_gemv_a8_reference(x, w, s, block, group=x_group)
     else:
-        out = fp8_gemv(x, w, s, block, config=config, silu_mul=True)
+        out = fp8_gemv(x, w, s, block, kernel=kernel, config=config, silu_mul=True)
         products = (fp8_gemv_a8_reference(x, w, s, block, group=32) if kernel == "a8" else
                     fp8_gemv_reference(x, w, s, block))
     assert out.shape == (m, n // 2) and out.dtype == torch.float32
     assert rel_err(out, silu_mul_reference(products)) < (A8_TOL if kernel == "a8" else 1e-5)
-    for bad in (dict(config, SPLIT_K=2), dict(config, KERNEL="fma", BLOCK_N=16)):
+    for bad_kernel, bad in ((kernel, dict(config, SPLIT_K=2)), ("fma", dict(config, BLOCK_N=16))):
         with pytest.raises(AssertionError, match="silu_mul"):
-            fp8_gemv(x, w, s, block, config=bad, silu_mul=True)
+            fp8_gemv(x, w, s, block, kernel=bad_kernel, config=bad, silu_mul=True)
 
 
 @pytest.mark.parametrize("block", [None, (32, 32)])
 @torch.no_grad()
-def test_fp8_linear_folds_the_silu_mul_where_its_tile_keeps_k_whole(block, monkeypatch):
+def test_fp8_linear_folds_the_silu_mul_where_its_tile_keeps_k_whole(block, fake_card):
     """A packed [gate | up] Fp8Linear says it can end its rows in the SiLU-and-mul where the tile those rows
     take (x quantized ahead where input_quant asks for it, else the GEMV's, the stream kernel's whole rows at
     one row) does not split K; handed its rows as input_quant asks, it computes the unfolded layer's
@@ -414,13 +427,12 @@ def test_fp8_linear_folds_the_silu_mul_where_its_tile_keeps_k_whole(block, monke
     from llmserve_core.kernels.silu_mul import silu_mul_reference
     from llmserve_core.layers.fp8_linear import QuantizedRows
     n, k = 64, 128
-    layer, gen = fp8_layer_on_a_measured_card(n, k, block, 13, monkeypatch)
-    kind = "channel" if block is None else None
-    whole_k = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 1, kind), dict(KERNEL="stream"))
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 4, kind), dict(whole_k, SPLIT_K=2))
-    monkeypatch.setitem(fp8_gemv_module.X_AHEAD_CONFIGS, (n, k, 16, kind), whole_k)
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 32, kind), dict(whole_k, BLOCK_M=32))
+    whole_k = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
+    layer, gen = fp8_layer_on_a_tuned_card(n, k, block, 13, fake_card, [
+        ({"rows": 1, "x": "raw"}, {"kernel": "stream"}),
+        ({"rows": 4, "x": "raw"}, {"kernel": "a8", "tile": dict(whole_k, SPLIT_K=2)}),
+        ({"rows": 16, "x": "fp8"}, {"kernel": "a8", "tile": whole_k}),
+        ({"rows": 32, "x": "raw"}, {"kernel": "a8", "tile": dict(whole_k, BLOCK_M=32)})])
     assert not layer.folds_silu_mul(1)                  # off the fast path
     layer.fused, layer.fast_kernel = True, "stream"
     folds = {rows: layer.folds_silu_mul(rows) for rows in (1, 3, 10, 20, 65)}
@@ -488,7 +500,7 @@ def test_fp8_linear_past_the_gemv_reads_the_rows_its_producer_quantized(producer
 
 
 @pytest.mark.parametrize("block", [None, (32, 32)])
-def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_tile(block, monkeypatch):
+def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_tile(block, monkeypatch, fake_card):
     """1-16 rows always take the GEMV; 17-64 take it only for a rows class (32: 17-32, 64: 33-64) the table
     has a tile for, on a card like the measured one (faked: FP8 products, 132 multiprocessors); other rows
     quantize x and run the W8A8 GEMM. Each path agrees with its reference, and input_quant asks for rows
@@ -497,12 +509,11 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
     from llmserve_core.layers.fp8_linear import TABLE_GEMV_MAX_ROWS, QuantizedRows
     assert TABLE_GEMV_MAX_ROWS == fp8_gemv_module.MAX_ROWS      # repeated so a CPU install needs no Triton
     n, k = 64, 128
-    layer, gen = fp8_layer_on_a_measured_card(n, k, block, 11, monkeypatch)
+    tile = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
+    layer, gen = fp8_layer_on_a_tuned_card(n, k, block, 11, fake_card, [
+        ({"rows": 32, "x": "raw"}, {"kernel": "a8", "tile": tile}),
+        ({"rows": 64, "x": "fp8"}, {"kernel": "a8", "tile": dict(tile, BLOCK_M=64)})])
     layer.fused = True
-    kind = "channel" if block is None else None         # a 32 x 32 block is no kind the tables name
-    tile = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 32, kind), tile)
-    monkeypatch.setitem(fp8_gemv_module.X_AHEAD_CONFIGS, (n, k, 64, kind), dict(tile, BLOCK_M=64))
     took = []
     for path in ("_gemv", "_w8a8", "_gemv_quantized"):
         real = getattr(Fp8Linear, path)
@@ -514,7 +525,7 @@ def test_fp8_linear_takes_the_gemv_past_16_rows_only_where_its_table_names_a_til
         out = layer(x)
         assert took == [path], rows
         if path == "_gemv":         # the table's tile past 16 rows, else the rule's (BLOCK_K 128, or the block's 32)
-            group = 32 if rows > 16 else fp8_gemv_config(rows, n, k, block, 132, True)["BLOCK_K"]
+            group = 32 if rows > 16 else choose(tuned.device_spec(w.device), rows, n, k, block).tile["BLOCK_K"]
             ref = fp8_gemv_a8_reference(x, w, ws, block, group=group)
         else:
             ref = w8a8_gemm_reference(*quantize_activation(x, None if block is None else block[1]), w, ws, block,
@@ -622,30 +633,32 @@ def test_fp8_linears_at_qwen3_8b_shapes(n, k, block):
     w, ws = random_fp8_weight(n, k, block, gen, "cuda")
     for m in (1, 4, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-        # the card's default (the "a8" kernel from the measured table on an H200, the rule's tile past it:
+        # the card's default (the "a8" kernel at the tuned tile on an H100 or H200, the heuristic's past it:
         # 17-64 rows run in the engine only where the table has a tile), then widening the weight
-        a8 = fp8_gemv_config(m, n, k, block, torch.cuda.get_device_properties(0).multi_processor_count, True)
-        assert a8["KERNEL"] == "a8"
+        card = tuned.device_spec(x.device)
+        kernel, a8 = default_choice(card, m, n, k, block)
+        assert kernel == "a8"
         for pdl in (False, True):
-            out = fp8_gemv(x, w, ws, block, config=a8, pdl=pdl)
+            out = fp8_gemv(x, w, ws, block, kernel="a8", config=a8, pdl=pdl)
             assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=a8["BLOCK_K"])) < 8e-3
             assert rel_err(out, fp8_gemv_reference(x, w, ws, block)) < 4e-2
             # the same tile with its weight brought by TMA (benchmarks/fp8_tma_tiles.py's candidates)
-            tma = fp8_gemv(x, w, ws, block, config=dict(a8, TMA=True), pdl=pdl)
+            tma = fp8_gemv(x, w, ws, block, kernel="a8", config=dict(a8, TMA=True), pdl=pdl)
             assert rel_err(tma, out) < A8_TOL
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        ahead = x_ahead_config(m, n, k, block, sms, True)
+        ahead = choose(card, m, n, k, block, x="fp8")
         if ahead is not None:       # the tile for x quantized ahead (by the RMSNorm before), under PDL too
             xq, xs = quantize_activation(x, X_AHEAD_GROUP)
             for pdl in (False, True):
-                out = fp8_gemv(xq, w, ws, block, config=ahead, pdl=pdl, x_scale=xs, x_group=X_AHEAD_GROUP,
-                               out_dtype=torch.bfloat16)
+                out = fp8_gemv(xq, w, ws, block, kernel=ahead.kernel, config=ahead.tile, pdl=pdl, x_scale=xs,
+                               x_group=X_AHEAD_GROUP, out_dtype=torch.bfloat16)
                 assert rel_err(out, fp8_gemv_a8_reference(x, w, ws, block, group=X_AHEAD_GROUP)) < 8e-3
-        dot = fp8_gemv_config(m, n, k, block)
-        assert rel_err(fp8_gemv(x, w, ws, block, config=dot), fp8_gemv_reference(x, w, ws, block)) < 1e-2
+        kernel, dot = default_choice(tuned.Device("No_FP8_Card", sms=card.sms), m, n, k, block)
+        assert kernel == "dot"
+        assert rel_err(fp8_gemv(x, w, ws, block, kernel="dot", config=dot), fp8_gemv_reference(x, w, ws, block)) < 1e-2
         if m <= 4:      # the CUDA-core kernel, K tiles spanning two scale blocks, split-K
-            fma = dict(KERNEL="fma", BLOCK_M=m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3)
-            assert rel_err(fp8_gemv(x, w, ws, block, config=fma), fp8_gemv_reference(x, w, ws, block)) < 1e-2
+            fma = dict(BLOCK_M=m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=3)
+            assert rel_err(fp8_gemv(x, w, ws, block, kernel="fma", config=fma),
+                           fp8_gemv_reference(x, w, ws, block)) < 1e-2
     for m in (17, 64, 256, 1000):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
         a, a_s = quantize_activation(x, None if block is None else block[1])

@@ -7,19 +7,22 @@ float16 and float32 (tightly), and in bfloat16 on the GPU.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
 from llmserve_core.kernels import gemv as gemv_module
-from llmserve_core.kernels.gemv import (MAX_ROWS, MEASURED_CONFIGS, PROJECTION_MAX_ROWS, gemv, gemv_argmax, gemv_config,
-                                        gemv_reference, projection_config, row_tile)
+from llmserve_core.kernels import tuned
+from llmserve_core.kernels.gemv import (MAX_ROWS, PROJECTION_MAX_ROWS, gemv, gemv_argmax, gemv_reference,
+                                        projection_tiles, row_tile, split_k_tile)
 from llmserve_core.kernels.tiling import fit_gemv_config, gemv_smem_bytes
 from llmserve_core.layers import linear as linear_module
 from llmserve_core.layers.linear import Linear
 from helpers.kernels import CUDA, DEVICE, TOL, rel_err
 from helpers.kernels import gemv_inputs as inputs
+from helpers.tuned import fake_card  # noqa: F401  (a fixture)
 
 def test_limits_agree():
     assert (MAX_ROWS, PROJECTION_MAX_ROWS) == (linear_module.MAX_ROWS, linear_module.PROJECTION_MAX_ROWS)
@@ -56,7 +59,7 @@ def test_gemv_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (151936, 4096), (48, 64)])
 def test_config_fills_the_device_and_splits_k_evenly(n, k):
     for m in (1, 7, 16, 17, 33, MAX_ROWS):
-        cfg = gemv_config(m, n, k, sms=132)
+        cfg = split_k_tile(m, n, k, sms=132)
         assert cfg["BLOCK_M"] == row_tile(m) >= m and (row_tile(m) == 16 or row_tile(m) // 2 < m)
         programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
         assert cfg["SPLIT_K"] == 1 or (programs <= 8 * 132 and k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]) == 0)
@@ -75,47 +78,54 @@ def test_split_k_reduces_once_and_rearms(split):
 
 
 H200_SMEM = 232_448
+H200 = tuned.Device("NVIDIA_H200", sms=132, smem=H200_SMEM, capability=(9, 0))
 
 
-def test_measured_tiles_fit_the_h200_as_measured_and_float32_is_fitted():
-    """Every measured (bf16) tile fits the H200 unchanged; in float32 the fit gives up stages first, keeps
+def h200_table() -> dict:
+    """The H200's tuned gemv tiles: {(N, K, rows, dtype): tile}."""
+    table = json.loads(tuned.config_path("gemv", "NVIDIA H200").read_text())["configs"]
+    return {tuple(int(v) if v.isdigit() else v for v in (p.split("=")[1] for p in key.split(","))): cfg
+            for key, cfg in table.items()}
+
+
+def test_tuned_tiles_fit_the_h200_as_measured_and_float32_is_fitted():
+    """Every tuned bf16 tile fits the H200 unchanged; in float32 the fit gives up stages first, keeps
     within the limit, and reaches a tile for any row tile of any table shape; past the smallest tile it
     says so."""
-    for cfg in MEASURED_CONFIGS.values():
+    table = h200_table()
+    for (n, k, rows, dtype), cfg in table.items():
         assert fit_gemv_config(cfg, 2, 2, H200_SMEM) == cfg
         fitted = fit_gemv_config(cfg, 4, 4, H200_SMEM)
         assert gemv_smem_bytes(fitted, 4, 4) <= H200_SMEM
         assert fitted["BLOCK_M"] == cfg["BLOCK_M"] and fitted["num_stages"] <= cfg["num_stages"]
-    lm_head = MEASURED_CONFIGS[(151936, 4096, 64)]
+    lm_head = table[(151936, 4096, 64, "bf16")]
     assert gemv_smem_bytes(lm_head, 4, 4) > H200_SMEM
     assert fit_gemv_config(lm_head, 4, 4, H200_SMEM) == dict(lm_head, num_stages=2)
     for m in (16, 32, 64):            # a card with 100 KB: narrower tiles, never over
-        small = fit_gemv_config(gemv_config(m, 151936, 4096), 4, 4, 100 * 1024)
+        small = fit_gemv_config(split_k_tile(m, 151936, 4096, 132), 4, 4, 100 * 1024)
         assert gemv_smem_bytes(small, 4, 4) <= 100 * 1024 and small["BLOCK_M"] == row_tile(m)
     with pytest.raises(ValueError, match="does not fit"):
-        fit_gemv_config(gemv_config(64, 4096, 4096), 4, 4, 16 * 1024)
+        fit_gemv_config(split_k_tile(64, 4096, 4096, 132), 4, 4, 16 * 1024)
 
 
-def test_projection_config_only_where_measured():
-    """The decoder's projections leave cuBLAS only for 2..16 rows, at a shape the H200 table has, on a card
-    with the H200's multiprocessor count."""
-    for (n, k, tile), cfg in MEASURED_CONFIGS.items():
+def test_projection_tiles_only_where_tuned():
+    """The decoder's projections leave cuBLAS only for 2..16 rows, at a shape the card's table has; another
+    card (the same multiprocessors, no table) keeps cuBLAS."""
+    other = tuned.Device("Some_Other_GPU", sms=132, smem=H200_SMEM, capability=(9, 0))
+    for (n, k, tile, dtype), cfg in h200_table().items():
         for m in (1, 2, 9, 16, 17, 64):
-            got = projection_config(m, n, k, sms=132)
-            assert got == (cfg if 1 < m <= PROJECTION_MAX_ROWS and row_tile(m) == tile else None), (n, k, m)
-        assert projection_config(4, n, k, sms=114) is None
-    assert projection_config(4, 5120, 5120, sms=132) is None
+            got = projection_tiles(H200, m, n, k, torch.bfloat16)
+            want = cfg if 1 < m <= PROJECTION_MAX_ROWS and row_tile(m) == tile else None
+            assert (None if got is None else dict(got)) == want, (n, k, m)
+        assert projection_tiles(other, 4, n, k, torch.bfloat16) is None
+    assert projection_tiles(H200, 4, 5120, 5120, torch.bfloat16) is None
 
 
-def test_linear_projection_dispatch(monkeypatch, request):
-    """fast_kernel "stream": one row streams, 2..16 rows take gemv with the measured tiles, more rows and
-    unmeasured shapes F.linear; every path equals the eager layer."""
-    # The tiles a device gets are cached; what this test patches in must not outlive it.
-    gemv_module._device_tiles.cache_clear()
-    request.addfinalizer(gemv_module._device_tiles.cache_clear)
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
-    monkeypatch.setitem(MEASURED_CONFIGS, (96, 64, 16),
-                        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2))
+def test_linear_projection_dispatch(fake_card, monkeypatch):
+    """fast_kernel "stream": one row streams, 2..16 rows take gemv with the tuned tiles, more rows and
+    untuned shapes F.linear; every path equals the eager layer."""
+    tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2)
+    fake_card({"gemv": [({"N": 96, "K": 64, "rows": 16, "dtype": "fp32"}, tile)]})
     calls = []
     real_gemv = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(kw["config"]) or real_gemv(*a, **kw))
@@ -158,7 +168,7 @@ def test_gemv_qwen3_8b_shapes_bf16(m):
         ref = gemv_reference(x.double(), w.double())
         assert rel_err(gemv(x, w, out_dtype=torch.float32), ref) < 1e-2
         assert rel_err(gemv(x, w, out_dtype=torch.float32, pdl=True), ref) < 1e-2
-        cfg = projection_config(m, n, k, gemv_module.num_sms(x.device))
+        cfg = projection_tiles(tuned.device_spec(x.device), m, n, k, x.dtype)
         if cfg is not None:
             assert rel_err(gemv(x, w, config=cfg, pdl=True), ref) < 1e-2
         if n == 151936:

@@ -17,7 +17,9 @@ from llmserve_core.kernels.paged_prefill import paged_prefill
 from llmserve_core.kernels.rmsnorm import rmsnorm, rmsnorm_quant_reference, rmsnorm_reference
 from llmserve_core.kernels.rotary import rotary_reference
 from llmserve_core.kernels.silu_mul import silu_mul, silu_mul_reference
-from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decode_config, prefill_config
+from llmserve_core.kernels import tuned
+from llmserve_core.kernels.paged_prefill import prefill_tiles
+from llmserve_core.kernels.tiling import TileConfig, attention_smem_bytes, decode_config
 from llmserve_core.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve_core.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve_core.layers.batch import ForwardBatch
@@ -495,20 +497,27 @@ def test_gpu_flash_attn_backend_matches_torch(block_size):
 # ---------------------------------------------------------------- tile configs from the shared memory
 
 H200_SMEM = 232448
+ELEMENTS = {2: torch.bfloat16, 4: torch.float32}
+
+
+def card_with(smem: int, name: str = "Untuned_Card") -> tuned.Device:
+    return tuned.Device(name, sms=132, smem=smem, capability=(9, 0))
 
 
 def test_float32_head_128_prefill_no_longer_asks_for_more_than_the_h200_has():
-    bf16 = prefill_config(128, 2, short=False, smem_limit=H200_SMEM)
+    h200 = card_with(H200_SMEM, "NVIDIA_H200")
+    bf16 = prefill_tiles(h200, 128, torch.bfloat16, short=False)
     assert bf16 == TileConfig(128, 128, 8, 2)                       # the measured best stays
     # The config the H200 refused: 2 stages of 128 x 128 float32 K and V tiles are 262,144 bytes alone.
     assert attention_smem_bytes(TileConfig(128, 128, 8, 2), 128, 4) >= 262144
-    fp32 = prefill_config(128, 4, short=False, smem_limit=H200_SMEM)
+    fp32 = prefill_tiles(h200, 128, torch.float32, short=False)
     assert fp32 != bf16 and attention_smem_bytes(fp32, 128, 4) <= H200_SMEM
     for block_d in (64, 128, 256):
         for elem in (2, 4):
             for short in (True, False):
-                cfg = prefill_config(block_d, elem, short, H200_SMEM)
-                assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
+                for card in (h200, card_with(H200_SMEM)):
+                    cfg = prefill_tiles(card, block_d, ELEMENTS[elem], short)
+                    assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
             cfg = decode_config(16, 64, block_d, elem, H200_SMEM)
             assert attention_smem_bytes(cfg, block_d, elem) <= H200_SMEM
 
@@ -517,15 +526,15 @@ def test_configs_fall_back_to_fewer_stages_then_narrower_tiles():
     cfg = decode_config(16, 64, 256, 4, H200_SMEM)                  # float32, head_dim 256
     assert (cfg.block_n, cfg.num_stages) == (64, 1)
     small = 20_000
-    cfg = prefill_config(64, 4, short=True, smem_limit=small)
+    cfg = prefill_tiles(card_with(small), 64, torch.float32, short=True)
     assert attention_smem_bytes(cfg, 64, 4) <= small and cfg.num_stages == 1 and cfg.block_n < 32
     with pytest.raises(ValueError, match="does not fit"):
-        prefill_config(256, 4, short=True, smem_limit=1024)
+        prefill_tiles(card_with(1024), 256, torch.float32, short=True)
 
 
 def test_prefill_is_exact_with_a_config_chosen_under_a_tiny_smem_limit():
     """The tiles a small limit picks still compute the same attention (run here in the interpreter)."""
-    cfg = prefill_config(16, 4, short=True, smem_limit=9_000)
+    cfg = prefill_tiles(card_with(9_000), 16, torch.float32, short=True)
     assert cfg.block_n == 16 and cfg.block_m >= 16
     q, kc, vc, bt, qsl, lens, _ = prefill_case([19, 3], [5, 30], 4, 2, 16, 8, torch.float32, DEVICE, 3)
     out = paged_prefill(q, kc, vc, qsl, lens, bt, 19, 0.25, block_m=cfg.block_m, block_n=cfg.block_n)

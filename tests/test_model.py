@@ -18,6 +18,7 @@ from llmserve_core.layers.norm import RMSNorm
 from llmserve_core.layers.rotary import RotaryEmbedding
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
+from helpers.tuned import fake_card  # noqa: F401  (a fixture)
 
 CONFIGS = {
     # GQA ratio 1, head_dim == hidden / heads, tied embeddings, plain RoPE.
@@ -161,13 +162,14 @@ def test_block_fp8_decode_attention_hands_o_proj_its_rows_quantized(make_random_
 @pytest.mark.parametrize("quantization", ["channel", "block"])
 @torch.no_grad()
 def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make_random_qwen3_dir, tmp_path,
-                                                               monkeypatch):
+                                                               monkeypatch, fake_card):
     """On a card whose table has tiles for x quantized ahead (faked here: FP8 products, 132 multiprocessors),
     a decode row's input and post-attention norms leave in e4m3 for qkv_proj and gate_up_proj, and its
     SiLU-and-mul for down_proj, and the logits equal those of the GEMVs quantizing x themselves (the same
     tile, group and arithmetic); the prefill rows (9: the GEMV quantizes them as it reads) stay unquantized."""
     import llmserve_core.kernels.fp8_gemv as fp8_gemv_module
     import llmserve_core.kernels.rmsnorm as rmsnorm_module
+    from llmserve_core.kernels import tuned
     import llmserve_core.kernels.silu_mul as silu_mul_module
     from helpers.fp8 import qwen_fp8_config, write_fp8_checkpoint
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS["gqa4-yarn"])
@@ -175,15 +177,11 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
     if block is not None:
         path, _ = write_fp8_checkpoint(path, tmp_path / "ckpt", qwen_fp8_config(block))
     cfg = ModelConfig.from_hf_dir(path)
-    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
-    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
     group = 64 if block is None else 32          # divides the hidden size (64) and the scale block
-    kind = fp8_gemv_module._scale_kind(block)    # (a 32 x 32 block is no kind the H200 tables name)
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
               "down": (cfg.hidden_size, cfg.intermediate_size)}
-    for n, k in shapes.values():               # both paths run the same a8 tile, quantizing per `group` columns
-        tile = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=group, SPLIT_K=2, num_warps=4, num_stages=1)
-        monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (n, k, 1, kind), tile)
+    # both paths run the same a8 tile, quantizing per `group` columns
+    tile = {"kernel": "a8", "tile": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=group, SPLIT_K=2, num_warps=4, num_stages=1)}
     calls, silu_calls = [], []
     real = rmsnorm_module.rmsnorm
     monkeypatch.setattr(rmsnorm_module, "rmsnorm", lambda *a, **kw: calls.append(kw.get("quant")) or real(*a, **kw))
@@ -195,8 +193,8 @@ def test_fp8_norms_hand_their_projection_rows_quantized_ahead(quantization, make
     logits = {}
     for ahead in (False, True):
         monkeypatch.setattr(fp8_gemv_module, "X_AHEAD_GROUP", group)
-        monkeypatch.setattr(fp8_gemv_module, "X_AHEAD_CONFIGS", {
-            (n, k, 1, kind): fp8_gemv_module.DEFAULT_CONFIGS[(n, k, 1, kind)] for n, k in shapes.values()} if ahead else {})
+        fake_card({"fp8_gemv": [({"N": n, "K": k, "rows": 1, "scale": tuned.scale_key(block), "x": x}, tile)
+                                for n, k in shapes.values() for x in (("raw", "fp8") if ahead else ("raw",))]})
         model = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"),
                            quantization="fp8" if block is None else None)
         model.set_fused(True, chain=True, pdl=False)

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_config, stream_gemv_reference
+from llmserve_core.kernels import tuned
+from llmserve_core.kernels.stream_gemv import stream_gemv, stream_gemv_reference
 from llmserve_core.layers.fp8_linear import Fp8Linear
 from llmserve_core.layers.linear import Linear
 from helpers.kernels import CUDA, DEVICE, TOL, gemv_inputs, rel_err
+from helpers.tuned import fake_card  # noqa: F401  (a fixture)
 
 
 def inputs(n, k, dtype, seed):
@@ -149,30 +151,34 @@ def test_stream_gemv_ends_in_the_silu_mul(weight, n):
                 stream_gemv(x, w, scale, block, config=tile, silu_mul=True)
 
 
-def test_config_keeps_one_wave_and_refuses_a_k_no_tile_divides():
-    assert stream_gemv_config(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, DEPTH=2)
+def rule(n: int, k: int, dtype: str = "bf16", scale: str = "none", sms: int = 132):
+    """The stream tile's heuristic: its answer on a card no table names."""
+    return tuned.lookup("stream_gemv", tuned.Device("Untuned_Card", sms=sms), N=n, K=k, dtype=dtype, scale=scale)
+
+
+def test_heuristic_keeps_one_wave_and_refuses_a_k_no_tile_divides():
+    assert rule(4096, 4096) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, DEPTH=2)
     for n, k in ((6144, 4096), (24576, 4096), (4096, 12288)):     # 16-bit weights: one tile for every shape
-        assert stream_gemv_config(n, k) == stream_gemv_config(4096, 4096)
+        assert rule(n, k) == rule(4096, 4096) == rule(n, k, "fp16")
     # FP8 rows of up to 4096 columns (a power of two): each program's rows whole, one tile
     whole = dict(BLOCK_N=8, BLOCK_K=4096, num_warps=8, num_stages=1, DEPTH=0, PIECES=1)
     for n in (4096, 6144, 24576):
-        assert stream_gemv_config(n, 4096, weight_bytes=1) == whole
-    assert stream_gemv_config(4096, 1024, weight_bytes=1)["BLOCK_K"] == 1024
+        assert rule(n, 4096, "fp8", "channel") == whole
+    assert rule(4096, 1024, "fp8", "channel")["BLOCK_K"] == 1024
     # longer FP8 rows that up to 4 power-of-two tiles make up: whole too, over fewer rows (48 KB a program at most)
-    assert stream_gemv_config(4096, 12288, weight_bytes=1) == dict(whole, BLOCK_N=4, PIECES=3)
-    assert stream_gemv_config(4096, 8192, weight_bytes=1) == dict(whole, BLOCK_N=4, PIECES=2)
-    assert stream_gemv_config(4096, 3072, weight_bytes=1) == dict(whole, BLOCK_K=1024, PIECES=3)
+    assert rule(4096, 12288, "fp8", "channel") == dict(whole, BLOCK_N=4, PIECES=3)
+    assert rule(4096, 8192, "fp8", "channel") == dict(whole, BLOCK_N=4, PIECES=2)
+    assert rule(4096, 3072, "fp8", "channel") == dict(whole, BLOCK_K=1024, PIECES=3)
     # ... with row scales: under 128 x 128 block scales only rows of one piece are read whole
-    assert stream_gemv_config(4096, 4096, weight_bytes=1, block_scaled=True) == whole
-    assert stream_gemv_config(4096, 12288, weight_bytes=1, block_scaled=True)["DEPTH"] == 1
+    assert rule(4096, 4096, "fp8", "128x128") == whole
+    assert rule(4096, 12288, "fp8", "128x128")["DEPTH"] == 1
     # others (and float32 weights): one tile ahead, narrower where programs overfill a wave
-    assert stream_gemv_config(4096, 9728, weight_bytes=1) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=1,
-                                                                  DEPTH=1)
-    assert stream_gemv_config(6144, 4096, weight_bytes=4)["BLOCK_K"] == 256     # 768 programs: more than 4 per SM
-    assert stream_gemv_config(6144, 4096, sms=192, weight_bytes=4)["BLOCK_K"] == 512
-    assert stream_gemv_config(4096, 12288, weight_bytes=4)["num_warps"] == 8
-    assert stream_gemv_config(64, 192)["BLOCK_K"] == 64
-    assert stream_gemv_config(64, 96) is None and stream_gemv_config(64, 100) is None
+    assert rule(4096, 9728, "fp8", "channel") == dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=1, DEPTH=1)
+    assert rule(6144, 4096, "fp32")["BLOCK_K"] == 256     # 768 programs: more than 4 per SM
+    assert rule(6144, 4096, "fp32", sms=192)["BLOCK_K"] == 512
+    assert rule(4096, 12288, "fp32")["num_warps"] == 8
+    assert rule(64, 192)["BLOCK_K"] == 64
+    assert rule(64, 96) is None and rule(64, 100) is None
     x, w = inputs(64, 96, torch.bfloat16, seed=0)
     with pytest.raises(AssertionError, match=r"no tile for a \[64, 96\] weight"):
         stream_gemv(x, w)
@@ -213,22 +219,20 @@ def test_linear_folds_the_silu_mul_into_one_streamed_row_only():
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @torch.no_grad()
-def test_fp8_linear_takes_the_kernel_its_table_names(block, monkeypatch):
-    """On a card like the measured one (FP8 products, 132 multiprocessors; faked here), one row of a
-    shape the table gives the stream kernel streams on the decode chain, and the W8A8 kernel's rows take
-    it elsewhere; off the chain, or where the table names nothing, the card's rule applies."""
-    import llmserve_core.kernels.fp8_gemv as fp8_gemv_module
+def test_fp8_linear_takes_the_kernel_its_table_names(block, monkeypatch, fake_card):
+    """On a card whose table (faked here) gives one row of a shape the stream kernel, that row streams on
+    the decode chain, and the W8A8 kernel's rows take the table's tile elsewhere; off the chain, or where
+    the table names nothing, the heuristic applies."""
     import llmserve_core.kernels.stream_gemv as stream
     from llmserve_core.kernels.fp8_gemv import fp8_gemv_a8_reference
     calls = []
     monkeypatch.setattr(stream, "stream_gemv", lambda *a, **kw: calls.append(1) or stream_gemv(*a, **kw))
-    monkeypatch.setattr(fp8_gemv_module, "fp8_dot_supported", lambda device: True)
-    monkeypatch.setattr(fp8_gemv_module, "num_sms", lambda device: 132)
-    kind = "channel" if block is None else "block"
-    a8 = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    scale = tuned.scale_key(block)
+    a8 = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
     a8_tol = 5e-4 if CUDA else 1e-5     # Hopper sums FP8 products in fewer bits than float32 (test_fp8_kernels)
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (136, 256, 1, kind), dict(KERNEL="stream"))
-    monkeypatch.setitem(fp8_gemv_module.DEFAULT_CONFIGS, (136, 256, 4, kind), a8)
+    shape = {"N": 136, "K": 256, "scale": scale, "x": "raw"}
+    fake_card({"fp8_gemv": [(dict(shape, rows=1), {"kernel": "stream"}),
+                            (dict(shape, rows=4), {"kernel": "a8", "tile": a8})]})
     torch.manual_seed(0)
     lin = Fp8Linear(256, 136, block).to_empty(device=DEVICE)
     lin.quantize_rows_(torch.randn(136, 256) / 16)

@@ -1,37 +1,39 @@
-"""FP8 GEMV for 1-16 rows: out [M, N] = x [M, K] @ dequant(w [N, K] fp8)^T.
+"""FP8 GEMV for 1-64 rows: out [M, N] = x [M, K] @ dequant(w [N, K] fp8)^T.
 
 At decode sizes the whole cost of a linear layer is streaming its weight from HBM, so the kernel reads
-each FP8 weight byte once. Widening every byte to the activation dtype on the CUDA cores costs about as
-much as the bytes ("dot", "fma": 1.2-2.3 TB/s of FP8 weight on the H200), so where FP8 products exist
-(Ada, Hopper) the "a8" kernel quantizes x instead: each K tile of each row gets its own scale (amax /
-448, one per 1 x BLOCK_K piece) in the kernel, the tile meets the loaded FP8 weight on the FP8 tensor
-cores as it is, and the partial product is scaled back as it is accumulated (2.3-3.7 TB/s). No extra
-launch: x is only ever a few rows.
+each FP8 weight byte once. Widening every byte to the activation dtype ("dot", "fma") costs about as much
+as the bytes, so where FP8 products exist (Ada, Hopper) the "a8" kernel quantizes x instead: each K tile
+of each row gets its own scale (amax / 448, one per 1 x BLOCK_K piece) in the kernel, the tile meets the
+loaded FP8 weight on the FP8 tensor cores as it is, and the partial product is scaled back as it is
+accumulated (about 1.6 times "dot"'s weight bandwidth on the H200:
+benchmarks/results/fp8_a8_sweep_h200_f3f7a22.json). No extra launch: x is only ever a few rows.
 
-The layout is kernels/gemv.py's, measured there on the H200 for bf16: one program owns BLOCK_N output
-columns over a slice of K, the weight tile is the dot's wide left operand against one 16-row tile of x
-(rows past M are masked and cost no traffic), and K is split until about four programs per
-multiprocessor stream; the split that arrives last at a column block sums the parked partial tiles, in
-the same launch, using gemv.py's graph-safe scratch. Scales are one per output row (applied once per
-split) or one per scale block (applied per K tile, which never straddles a block: BLOCK_K divides it).
+The layout is kernels/gemv.py's: one program owns BLOCK_N output columns over a slice of K, the weight
+tile is the dot's wide left operand against one row tile of x (rows past M are masked and cost no
+traffic), and K is split until about four programs per multiprocessor stream; the split that arrives last
+at a column block sums the parked partial tiles, in the same launch, using gemv.py's graph-safe scratch.
+Scales are one per output row (applied once per split) or one per scale block (applied per K tile, which
+never straddles a block: BLOCK_K divides it). Which kernel runs a shape, and at which tile, is `choose`'s
+answer from kernels/configs/fp8_gemv/.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from llmserve_core.kernels.gemv import TABLE_SMS, gemv_config, num_sms, store_split_k
+from llmserve_core.kernels import tuned
+from llmserve_core.kernels.gemv import split_k_tile, store_split_k
 from llmserve_core.kernels.gemv import _SCRATCH as SPLIT_K_SCRATCH   # shared: calls on one stream never overlap
 from llmserve_core.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, dequantize_weight
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
+from llmserve_core.kernels.stream_gemv import stream_tiles
 
-# The measured tables' rows: layers/fp8_linear.py runs 1-16 here always, 17-64 where a table names a tile for
-# the shape, and otherwise quantizes x for a W8A8 GEMM.
 MAX_ROWS = 64
 
 
@@ -161,146 +163,86 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, 
                   BLOCK_M, BLOCK_N, SPLIT_K)
 
 
-# Measured defaults per (N, K, rows class, scale kind): rows class 1, 4 (2-4 rows), 16 (5-16 rows), 32
-# (17-32) or 64 (33-64), scale kind "channel" or "block" (128x128). From
-# benchmarks/results/fp8_gemv_sweep_h200_f3f7a22.json (`--a8`, each tile timed under PDL, as the decode
-# chain launches it), TB/s of FP8 weight at one row, copy 4.22:
-# qkv 2.31 / 2.41 (the stream kernel 1.80 / 1.77), o_proj's stream kernel 2.16 / 2.14 (a8 1.87 / 1.75),
-# gate_up 3.68 / 3.41 (2.76 / 2.89), down 2.88 / 2.79 (2.70 / 2.60); "dot" (the weight widened to bf16)
-# read 1.2-2.3. The 16-row class was not timed and takes the 4-row tiles (the tile holds 16 rows either way).
-# {"KERNEL": "stream"} names kernels/stream_gemv.py, for one row where a caller can run it: qkv and o_proj,
-# whose 4,096-column rows it reads whole, one tile a program, before its PDL wait (on an H100, us per channel /
-# block scales: qkv 10.5 / 10.9 against the a8 tile on x quantized ahead 12.1 / 12.2; the whole batch-1 FP8
-# step 3.5-4.7% faster with both; benchmarks/results/fp8_whole_rows_h100.md). 2-16 rows of qkv keep the a8
-# tiles. Since gate_up's GEMV ends in the SiLU-and-mul (models/qwen3.py; benchmarks/results/fp8_fold_silu_h100.md,
-# whole batch-1 FP8 steps on an H100), down follows gate_up directly, and down's one row streams: the stream
-# kernel's first tile, read before the wait, overlaps gate_up's last wave where the a8 kernel waits first
-# (3.559 / 3.577 -> 3.536 / 3.544 ms per channel, 3.563 -> 3.530 with blocks). gate_up's row then streams
-# too, on whole rows, ending in the SiLU-and-mul there: per channel 3.545 / 3.550 / 3.541 -> 3.474 / 3.471 /
-# 3.473 ms, and in another call 3.541 -> 3.468; with blocks 3.532 / 3.536 -> 3.426 / 3.433 (before the fold,
-# whole rows read faster alone but left the step 0.2-0.4% slower).
-_A8_QKV = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
-_A8_O = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
-_A8_GATE_UP = {"channel": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5),
-               "block": dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=4)}
-_A8_DOWN = dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=4)
-# 17-32 and 33-64 rows (rows classes 32 and 64), from benchmarks/fp8_skinny_gemm.py on an H100 (132 SMs, as
-# the H200; benchmarks/results/fp8_rows17_64_h100.md), each against what the engine ran there before: x
-# quantized in a launch of its own, then cuBLAS's FP8 GEMM through torch._scaled_mm, whose 128 x 128 tiles
-# leave most multiprocessors idle at these rows (qkv: 48 programs on 132). us at 17 / 32 rows, per-channel
-# (block) scales: qkv 15.7 / 16.0 against 21.5 / 20.0 (16.9 / 16.1 against 16.8 / 17.2), o_proj 11.8 / 11.8
-# against 16.3 / 16.2 (12.8 / 12.0 against 16.2 / 16.5), down 24.7 / 25.0 against 43.0 / 40.9 (27.0 / 26.1
-# against 26.2 / 38.0); gate_up per channel 41.1 / 42.0 against 48.6 / 47.9 with the K unsplit. At 64 rows the
-# in-kernel quantization of a 64-row tile loses (down 37.9 against 38.8, qkv 29.5 against 18.3): that class
-# only takes x quantized ahead (X_AHEAD_CONFIGS), and o_proj's 33-64 rows stay with cuBLAS.
-_A8_32 = dict(KERNEL="a8", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=4)
-DEFAULT_CONFIGS: dict[tuple[int, int, int, str], dict] = {
-    **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
-    **{(n, k, 1, kind): dict(KERNEL="stream")
-       for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)) for kind in ("channel", "block")},
-    **{(4096, 4096, rows, kind): _A8_O for rows in (4, 16) for kind in ("channel", "block")},
-    **{(24576, 4096, rows, kind): _A8_GATE_UP[kind] for rows in (4, 16) for kind in ("channel", "block")},
-    **{(4096, 12288, rows, kind): _A8_DOWN for rows in (4, 16) for kind in ("channel", "block")},
-    **{(n, k, 32, kind): _A8_32 for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))
-       for kind in ("channel", "block")},
-    (24576, 4096, 32, "channel"): dict(_A8_32, SPLIT_K=1),
-}
+# Rows that always take a GEMV (the heuristic's tile where nothing was tuned); past them, only a tuned tile
+# does (elsewhere the W8A8 GEMM was not measured slower: benchmarks/results/fp8_rows17_64_h100.md).
+RULE_MAX_ROWS = 16
+X_AHEAD_GROUP = 128      # the 1 x 128 pieces an x quantized ahead comes in (layers/fp8_linear.QuantizedRows)
+KERNELS = ("a8", "dot", "fma", "fma_late")
 
 
-# Tiles for an x that comes quantized already (e4m3 per 1 x 128 piece, from the RMSNorm before:
-# layers/fp8_linear.py's QuantizedRows), where that beat the a8 kernel quantizing x itself. One row under PDL,
-# TB/s (benchmarks/results/fp8_a8x_sweep_h200_0395de5.json, `fp8_gemv_sweep.py --a8x`, copy 4.22), per channel
-# / block scales: qkv 2.54 / 2.50 against 2.28 / 2.29, gate_up 3.89 / 3.87 against 3.30 / 3.38. down and
-# o_proj read slower that way (2.63 against 2.84; o_proj's stream kernel 2.22 against 2.00) and are not here.
-# One row of qkv and of gate_up now streams through kernels/stream_gemv.py instead (DEFAULT_CONFIGS' note).
-# 2-16 rows take these tiles (16-row x tiles either way): on the H100 qkv 13.1 / 13.4 us against the
-# in-kernel tile's 13.6 / 14.0 at 4 / 16 rows, gate_up 35.8 / 37.0 against 37.7 / 38.9; whole FP8 steps at
-# batch 4 / 8 / 16 0.8% / 0.7% / 0% faster (benchmarks/results/fp8_rows17_64_h100.md).
-# 17-64 rows (fp8_skinny_gemm.py on the H100, us at 17 / 32 / 64 rows, the GEMM alone, against the table's
-# in-kernel tile and cuBLAS after its own quantization), per channel: qkv 14.2 / 14.9 / 16.8 (15.7 / 16.0;
-# 21.5 / 20.0 / 18.3), gate_up 37.6 / 38.5 / 41.0 (41.1 / 42.0; 48.6 / 47.9 / 50.4), down 23.8 / 24.0 / 26.9
-# (24.7 / 25.0; 43.0 / 40.9 / 38.8); per block: qkv 14.1 / 14.7 / 17.1 (cuBLAS 16.8 / 17.2 / 18.1), gate_up
-# 38.1 / 38.3 / 40.5 (43.7 / 44.3 / 44.9), down 23.5 / 24.1 / 27.0 (26.2 / 38.0 / 40.7). down's x comes
-# quantized from the SiLU-and-mul before it.
-X_AHEAD_GROUP = 128
-_A8X = dict(KERNEL="a8", BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)     # 17-64 rows; K split per shape
-X_AHEAD_CONFIGS: dict[tuple[int, int, int, str], dict] = {
-    **{(6144, 4096, rows, kind): _A8_QKV for rows in (4, 16) for kind in ("channel", "block")},
-    **{(24576, 4096, rows, kind): dict(KERNEL="a8", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=2,
-                                       num_stages=4) for rows in (4, 16) for kind in ("channel", "block")},
-    **{(n, k, rows, kind): dict(_A8X, BLOCK_M=rows, SPLIT_K=split)
-       for (n, k), split in (((6144, 4096), 2), ((24576, 4096), 1), ((4096, 12288), 4))
-       for rows in (32, 64) for kind in ("channel", "block")},
-}
-
-
-def _table_tile(table: dict, m: int, n: int, k: int, block: tuple[int, int] | None, sms: int,
-                fp8_dot: bool) -> dict | None:
-    """`table`'s tile for m rows of this shape, on a card like the one measured (TABLE_SMS multiprocessors,
-    FP8 tensor cores), or None."""
-    if sms != TABLE_SMS or not fp8_dot or not 0 < m <= MAX_ROWS:
-        return None
-    cfg = table.get((n, k, rows_class(m), _scale_kind(block)))
-    return None if cfg is None else dict(cfg)
-
-
-def measured_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool,
-                    stream: bool = False) -> dict | None:
-    """The measured table's tile for m rows of this shape on a card like the one measured (fp8_dot: one with
-    FP8 tensor cores; stream: the caller can run kernels/stream_gemv.py), or None."""
-    cfg = _table_tile(DEFAULT_CONFIGS, m, n, k, block, sms, fp8_dot)
-    return None if cfg is None or (cfg["KERNEL"] == "stream" and not stream) else cfg
-
-
-def x_ahead_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int, fp8_dot: bool) -> dict | None:
-    """The measured tile for x quantized ahead per 1 x X_AHEAD_GROUP piece, on a card like the one measured;
-    None where the table names none (the caller then hands x as it is)."""
-    return _table_tile(X_AHEAD_CONFIGS, m, n, k, block, sms, fp8_dot)
-
-
-def _scale_kind(block: tuple[int, int] | None) -> str | None:
-    return "channel" if block is None else "block" if tuple(block) == (128, 128) else None
+class Choice(NamedTuple):
+    """Which kernel runs a call, and its tile: "stream" (kernels/stream_gemv.py, one row, weight-only), or
+    this module's "a8" (x quantized per 1 x BLOCK_K piece, FP8 x FP8 on the tensor cores), "dot" (the weight
+    widened to x's dtype on the tensor cores), "fma" / "fma_late" (widened on the CUDA cores, 1-4 rows)."""
+    kernel: str
+    tile: Mapping
 
 
 def rows_class(m: int) -> int:
+    """The tables' row buckets: 1, 2-4, 5-16, 17-32, 33-64."""
     return 1 if m == 1 else 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-@lru_cache(maxsize=None)
-def fp8_dot_supported(device: torch.device) -> bool:
-    """FP8 x FP8 tensor-core products (the "a8" kernel): Ada (sm_89) and later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+@tuned.family("fp8_gemv", ("N", "K", "rows", "scale", "x"))
+def _heuristic(device: tuned.Device, N: int, K: int, rows: int, scale: str, x: str) -> dict | None:
+    """split_k_tile's tiles in the a8 kernel where FP8 products run, else widening the weight ("dot"); a
+    block-scaled weight caps BLOCK_K at the block's K side. x quantized ahead ("fp8") only where tuned."""
+    if x != "raw":
+        return None
+    block_k = 128 if scale == "channel" else min(128, int(scale.split("x")[1]))
+    tile = split_k_tile(rows, N, K, device.sms, block_n=64, block_k=block_k, num_warps=4,
+                        num_stages=3 if device.fp8_dot else 4)
+    return {"kernel": "a8" if device.fp8_dot else "dot", "tile": tile}
 
 
-def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int = 132,
-                    fp8_dot: bool = False, stream: bool = False) -> dict:
-    """The measured table's entry for this shape on a card like the one measured (fp8_dot: one with FP8
-    tensor cores; stream: the caller can run kernels/stream_gemv.py); otherwise gemv.py's tiles and K
-    split, in the "a8" kernel where FP8 products run, else widening the weight ("dot"). A block-scaled
-    weight caps BLOCK_K at the scale block's K side."""
-    measured = measured_config(m, n, k, block, sms, fp8_dot, stream)
-    if measured is not None:
-        return measured
-    block_k = 128 if block is None else min(128, block[1])
-    cfg = gemv_config(m, n, k, sms, block_n=64, block_k=block_k, num_warps=4, num_stages=3 if fp8_dot else 4)
-    return dict(cfg, KERNEL="a8" if fp8_dot else "dot")
+@tuned.cached
+def choose(device: tuned.Device, rows: int, n: int, k: int, block: tuple[int, int] | None = None, x: str = "raw",
+           stream: bool = False) -> Choice | None:
+    """The kernel and tile for `rows` (1..MAX_ROWS) rows of an [n, k] FP8 weight (block: its scale block, None
+    for one scale a row) on this device; x "fp8": rows quantized ahead per 1 x X_AHEAD_GROUP piece, "raw":
+    in the model's dtype. The table's entry where there is one (the stream kernel's only where the caller
+    can run it: stream), else up to RULE_MAX_ROWS raw rows the heuristic's. None: no GEMV here (raw rows:
+    the W8A8 GEMM; rows quantized ahead: hand them raw)."""
+    if not 0 < rows <= MAX_ROWS:
+        return None
+    shape = dict(N=n, K=k, rows=rows_class(rows), scale=tuned.scale_key(block), x=x)
+    entry = tuned.tuned("fp8_gemv", device, **shape)
+    if entry is None or (entry["kernel"] == "stream" and not stream):
+        entry = _heuristic(device, **shape) if rows <= RULE_MAX_ROWS else None
+    if entry is None:
+        return None
+    if entry["kernel"] == "stream":
+        return Choice("stream", stream_tiles(device, n, k, FP8, block))
+    return Choice(entry["kernel"], MappingProxyType(dict(entry["tile"])))
 
 
-def silu_mul_fits(n: int, cfg: dict) -> bool:
-    """Whether fp8_gemv at tile cfg can end a packed [gate | up] weight of n rows in the SiLU-and-mul: an
-    even N, and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA (both halves of a column must
-    meet in one program, whole)."""
-    return n % 2 == 0 and cfg.get("KERNEL", "dot") in ("a8", "dot") and cfg["SPLIT_K"] == 1 \
-        and cfg["BLOCK_N"] % 2 == 0 and not cfg.get("TMA", False)
+def default_choice(device: tuned.Device, rows: int, n: int, k: int, block: tuple[int, int] | None = None) -> Choice:
+    """fp8_gemv's kernel and tile where the caller names none: choose's for raw rows off the decode chain,
+    else (past RULE_MAX_ROWS, untuned) the heuristic's."""
+    choice = choose(device, rows, n, k, block)
+    if choice is None:
+        entry = _heuristic(device, N=n, K=k, rows=rows_class(rows), scale=tuned.scale_key(block), x="raw")
+        choice = Choice(entry["kernel"], MappingProxyType(entry["tile"]))
+    return choice
+
+
+def silu_mul_fits(n: int, choice: Choice) -> bool:
+    """Whether fp8_gemv's kernel and tile can end a packed [gate | up] weight of n rows in the SiLU-and-mul:
+    an even N, and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA (both halves of a column
+    must meet in one program, whole)."""
+    tile = choice.tile
+    return n % 2 == 0 and choice.kernel in ("a8", "dot") and tile["SPLIT_K"] == 1 and tile["BLOCK_N"] % 2 == 0 \
+        and not tile.get("TMA", False)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-             config: dict | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
-             x_group: int = 128, out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """x [M <= 16, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
+             config: Mapping | None = None, pdl: bool = False, x_scale: torch.Tensor | None = None,
+             x_group: int = 128, out_dtype: torch.dtype | None = None, silu_mul: bool = False,
+             kernel: str | None = None) -> torch.Tensor:
+    """x [M <= 64, K] (float), w [N, K] float8_e4m3fn, scale per row [N] or per block -> [M, N] in x.dtype.
 
-    config KERNEL "a8" quantizes x per 1 x BLOCK_K piece of each row in the kernel and multiplies FP8 by
-    FP8 (fp8_gemv_a8_reference is its arithmetic); "dot" and "fma" widen the weight instead. "TMA": True
+    kernel and config: which of KERNELS runs (Choice says what each does; fp8_gemv_a8_reference is the a8
+    kernel's arithmetic) at which tile; both None: default_choice's for this device. A tile's "TMA": True
     brings the a8 kernel's weight tiles by tensor descriptor instead of per-thread loads (the same
     arithmetic; benchmarks/fp8_tma_tiles.py measures whether it streams faster). pdl: launch under PDL (the
     tensor-core kernels), as a link of the decode chain.
@@ -316,13 +258,15 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple
     n = w.shape[0]
     assert 0 < m <= MAX_ROWS, f"fp8_gemv: {m} rows, at most {MAX_ROWS}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.is_contiguous(), "fp8_gemv: rows must be contiguous"
-    cfg = dict(config or fp8_gemv_config(m, n, k, block, num_sms(x.device), fp8_dot_supported(x.device)))
-    assert not silu_mul or silu_mul_fits(n, cfg), \
+    if config is None:
+        assert kernel is None, "fp8_gemv: a kernel comes with its tile (config)"
+        kernel, config = default_choice(tuned.device_spec(x.device), m, n, k, block)
+    assert kernel in KERNELS, f"fp8_gemv: kernel must be one of {KERNELS} for a tile, not {kernel!r}"
+    assert not silu_mul or silu_mul_fits(n, Choice(kernel, config)), \
         "fp8_gemv: silu_mul needs an even N and the a8 or dot kernel at an even BLOCK_N, one K split, no TMA"
+    cfg = dict(config)
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
-    kernel = cfg.pop("KERNEL", "dot")
     tma = cfg.pop("TMA", False)
-    assert kernel in ("dot", "a8", "fma", "fma_late"), f"fp8_gemv: unknown KERNEL {kernel!r}"
     prequantized = x.dtype == FP8
     if prequantized:
         assert kernel == "a8", "fp8_gemv: an e4m3 x needs the a8 kernel"

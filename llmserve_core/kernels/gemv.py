@@ -1,5 +1,5 @@
-"""Skinny matmul y = x @ W^T for 1-64 rows: the lm_head of a decode or small verify step, and on the H200
-the decoder's projections for 2-16 rows.
+"""Skinny matmul y = x @ W^T for 1-64 rows: the lm_head of a decode or small verify step, and on Hopper
+the decoder's projections for 2-16 rows at the shapes its table has.
 
 At these sizes a linear layer only streams its weight once. One program owns BLOCK_N output columns over
 a slice of K; the rows run as one 16-, 32- or 64-row tensor-core tile with the weight tile as the wide
@@ -8,11 +8,11 @@ there are too few column blocks to keep every multiprocessor streaming. Under PD
 call waits for the kernel before it first thing and releases the one after, so a decode layer's chain
 of launches overlaps each launch with the tail of the kernel before.
 
-Measured on the H200 inside CUDA graphs (benchmarks/gemv_bench.py, benchmarks/results/gemv_h200.json),
-it beats cuBLAS alone only on the 152k-row lm_head (4.47 against 4.19 TB/s at one row, logits written as
-float32 straight from the accumulator); on the decoder's projections cuBLAS is ahead kernel for kernel
-(3.3 against 3.0 TB/s for qkv), but a decode layer of 2-16 rows chained under PDL runs faster with it
-(MEASURED_CONFIGS below). Fusing RMSNorm or SiLU-and-mul into its prologue lost more than it saved.
+Alone it beats cuBLAS only on the 152k-row lm_head (logits written as float32 straight from the
+accumulator); on the decoder's projections cuBLAS is ahead kernel for kernel, but a decode layer of 2-16
+rows chained under PDL runs faster with it (benchmarks/results/gemv_h200.md, skinny_gemm_h200.md). Fusing
+RMSNorm or SiLU-and-mul into its prologue lost more than it saved. Tiles come from kernels/configs/gemv/
+where a card was tuned, else from split_k_tile's rule.
 
 `gemv_argmax` is the greedy decode's lm_head: each program reduces its tile of logits to a (value, index)
 per row and folds it into one int64 per row with an atomic max, so the logits are never written out and
@@ -20,15 +20,17 @@ no argmax pass reads them back; a one-program kernel then reads each row's winne
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels import tuned
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
-from llmserve_core.kernels.tiling import device_smem_limit, fit_gemv_config
+from llmserve_core.kernels.tiling import fit_gemv_config
 
 MAX_ROWS = 64
 ROW_TILES = (16, 32, 64)      # the tensor-core tile a call's rows run in
@@ -110,8 +112,7 @@ def store_split_k(acc, y_ptrs, y_mask, part_ptr, count_ptr, pid_n, pid_k, M,
         # arrives last at this column block sums them, writes y and re-arms the counter for the next call.
         # Up to PARK_REAL_ROWS rows, only the real rows are parked and summed, each row's columns
         # contiguous (at one row, 1/16 of the tile through L2); past it, the whole tile as the
-        # accumulator holds it, which stores wider. Measured on an H100 (results/fp8_h200.md): one FP8
-        # row 3.78 -> 3.72 ms a step, 4 bf16 rows 6.24 -> 6.14 ms, but 16 rows 6.70 -> 6.75 ms masked.
+        # accumulator holds it, which stores wider: masked, 16 rows stepped slower (results/fp8_h200.md).
         parts = part_ptr + pid_n * SPLIT_K * BLOCK_N * BLOCK_M
         rows_major = tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         cols_major = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -137,39 +138,20 @@ def store_split_k(acc, y_ptrs, y_mask, part_ptr, count_ptr, pid_n, pid_k, M,
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def row_tile(m: int) -> int:
     """The smallest tensor-core row tile that holds m rows."""
     return next(t for t in ROW_TILES if m <= t)
 
 
-TABLE_SMS = 132     # the measured tables' K splits assume the H200's multiprocessor count
-# (N, K, row tile) -> tiles, measured on the H200 at the Qwen3-8B shape (benchmarks/skinny_gemm_bench.py,
-# benchmarks/results/skinny_gemm_h200.md): the best of 30-odd tiles per shape, timed in CUDA graphs over
-# weights larger than L2. The decoder's projections are here only where the kernel beat cuBLAS in a
-# decode layer's chain of launches: at 2-16 rows under PDL (108.6 against 115.5 us a layer); at 32 and
-# 64 rows cuBLAS stays ahead (qkv 3.08 against 2.33 TB/s at 64). The lm_head's 64-row tile wants wider
-# column blocks than the rule below gives (296 against 328 us; cuBLAS 298).
-MEASURED_CONFIGS: dict[tuple[int, int, int], dict] = {
-    (6144, 4096, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=3),
-    (4096, 4096, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=3),
-    (24576, 4096, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),
-    (4096, 12288, 16): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=3),
-    (151936, 4096, 64): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4),
-}
-PROJECTION_MAX_ROWS = 16      # the decoder's projections take this kernel for 2..16 rows (see above)
+# A decoder projection takes this kernel for 2..16 rows only where its table has the shape: it beat cuBLAS
+# there in a decode layer's chain of launches under PDL (at 32 and 64 rows cuBLAS stays ahead).
+PROJECTION_MAX_ROWS = 16
 
 
-def gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                num_stages: int = 4, programs_per_sm: int = 4) -> dict:
+def split_k_tile(m: int, n: int, k: int, sms: int, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                 num_stages: int = 4, programs_per_sm: int = 4) -> dict:
     """Tiles for m <= MAX_ROWS rows: one row tile, column blocks of the weight, and K split until about
-    programs_per_sm programs per multiprocessor are streaming (fewer would leave bandwidth unused). The
-    tile defaults come from the H200 sweep in benchmarks/gemv_bench.py (results in benchmarks/results/)."""
+    programs_per_sm programs per multiprocessor are streaming (fewer would leave bandwidth unused)."""
     n_blocks = -(-n // block_n)
     split = 1
     while n_blocks * split < programs_per_sm * sms and k % (2 * split * block_k) == 0 and split < 16:
@@ -178,51 +160,37 @@ def gemv_config(m: int, n: int, k: int, sms: int = 132, block_n: int = 64, block
                 num_stages=num_stages)
 
 
-def default_config(m: int, n: int, k: int, sms: int) -> dict:
-    """The measured table's tiles for this shape and row tile on a card like the one measured, else
-    gemv_config's rule."""
-    measured = MEASURED_CONFIGS.get((n, k, row_tile(m))) if sms == TABLE_SMS else None
-    return dict(measured) if measured is not None else gemv_config(m, n, k, sms)
+@tuned.family("gemv", ("N", "K", "rows", "dtype"))
+def _heuristic(device: tuned.Device, N: int, K: int, rows: int, dtype: str) -> dict:
+    """split_k_tile's rule, its tile defaults from benchmarks/gemv_bench.py's sweep on the H200."""
+    return split_k_tile(rows, N, K, device.sms)
 
 
-def projection_config(m: int, n: int, k: int, sms: int) -> dict | None:
-    """Tiles for a decoder projection of m rows where this kernel measured faster than cuBLAS in the decode
-    chain (2..PROJECTION_MAX_ROWS rows, the measured shapes, a card like the H200); None: use cuBLAS."""
-    if not 1 < m <= PROJECTION_MAX_ROWS or sms != TABLE_SMS:
+def gemv_tiles(device: tuned.Device, rows: int, n: int, k: int, dtype: torch.dtype,
+               x_dtype: torch.dtype | None = None) -> Mapping:
+    """The tiles a call of `rows` rows of an [n, k] weight in dtype (x in x_dtype, default the same) runs by
+    default on this device: the table's for its row tile, else the heuristic's, fitted to the device's
+    shared memory (tables hold bf16 tiles; float32 doubles every tile)."""
+    return _fitted(device, row_tile(rows), n, k, dtype, x_dtype or dtype, False)
+
+
+def projection_tiles(device: tuned.Device, rows: int, n: int, k: int, dtype: torch.dtype,
+                     x_dtype: torch.dtype | None = None) -> Mapping | None:
+    """The tiles for `rows` rows of a decoder projection where this kernel runs them (2..PROJECTION_MAX_ROWS
+    rows of a shape its table has: measured faster than cuBLAS in the decode chain); None: cuBLAS."""
+    if not 1 < rows <= PROJECTION_MAX_ROWS:
         return None
-    measured = MEASURED_CONFIGS.get((n, k, row_tile(m)))
-    return dict(measured) if measured is not None else None
+    return _fitted(device, row_tile(rows), n, k, dtype, x_dtype or dtype, True)
 
 
-def launch_config(x: torch.Tensor, weight: torch.Tensor, config: dict | None) -> dict:
-    """The tiles a call runs: the caller's as given, or the default fitted to the device."""
-    if config is not None:
-        return dict(config)
-    return dict(_device_tiles(row_tile(x.shape[0]), *weight.shape, x.device, weight.element_size(),
-                              x.element_size(), False))
-
-
-def projection_launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
-    """projection_config for this call, fitted to the device; None: use cuBLAS. The dict is shared (gemv
-    copies what it is given): the caller must not change it."""
-    if not 1 < x.shape[0] <= PROJECTION_MAX_ROWS:
-        return None
-    return _device_tiles(row_tile(x.shape[0]), *weight.shape, x.device, weight.element_size(), x.element_size(),
-                         True)
-
-
-@lru_cache(maxsize=None)
-def _device_tiles(tile: int, n: int, k: int, device: torch.device, w_bytes: int, x_bytes: int,
-                  projection: bool) -> dict | None:
-    """The tiles for a call of `tile` rows (a row tile: every row count in it gets the same) on this device:
-    projection_config's (None where cuBLAS stays) or default_config's, fitted to the device's shared memory
-    for these element sizes (the tables were measured in bf16; float32 doubles every tile). Cached: the
-    decoder's projections ask on every eager call."""
-    sms = num_sms(device)
-    cfg = projection_config(tile, n, k, sms) if projection else default_config(tile, n, k, sms)
-    if cfg is None or device.type != "cuda":
+@tuned.cached
+def _fitted(device: tuned.Device, tile: int, n: int, k: int, dtype: torch.dtype, x_dtype: torch.dtype,
+            tuned_only: bool) -> Mapping | None:
+    shape = dict(N=n, K=k, rows=tile, dtype=tuned.dtype_key(dtype))
+    cfg = tuned.tuned("gemv", device, **shape) if tuned_only else tuned.lookup("gemv", device, **shape)
+    if cfg is None or not device.smem:
         return cfg
-    return fit_gemv_config(cfg, w_bytes, x_bytes, device_smem_limit(device))
+    return MappingProxyType(fit_gemv_config(cfg, dtype.itemsize, x_dtype.itemsize, device.smem))
 
 
 class _ArgmaxSlots:
@@ -243,7 +211,7 @@ _SLOTS = _ArgmaxSlots()
 class _SplitKScratch:
     """Partial tiles and arrival counters for split-K, one set per device, allocated at the first call and
     never resized, so CUDA graphs keep valid pointers. A split call has at most 8 programs per
-    multiprocessor (gemv_config splits only while there are fewer than 4; the measured tables stay under
+    multiprocessor (split_k_tile splits only while there are fewer than 4; the tuned tables stay under
     8), each parking at most a 128-column x MAX_ROWS tile: that bounds both buffers. The kernel re-arms
     the counters to zero itself."""
 
@@ -252,7 +220,7 @@ class _SplitKScratch:
 
     def get(self, device: torch.device, part_elems: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self.buffers:
-            programs = 8 * num_sms(device)
+            programs = 8 * tuned.device_spec(device).sms
             self.buffers[device] = (torch.empty(programs * 128 * MAX_ROWS, dtype=torch.float32, device=device),
                                     torch.zeros(programs, dtype=torch.int32, device=device))
         parts, counts = self.buffers[device]
@@ -275,7 +243,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv: rows must be contiguous"
     assert x.shape[1] == k, "gemv: x does not match the weight"
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = launch_config(x, weight, config)
+    cfg = dict(config if config is not None else _default_tiles(x, weight))
     assert cfg["BLOCK_M"] >= m, f"gemv: {m} rows for a {cfg['BLOCK_M']}-row tile"
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.pop("SPLIT_K")
     n_blocks = triton.cdiv(n, block_n)
@@ -295,7 +263,7 @@ def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, config: dict | None = Non
     n, k = weight.shape
     assert 0 < m <= MAX_ROWS and x.shape[1] == k, f"gemv_argmax: {m} rows of {x.shape[1]}, weight [{n}, {k}]"
     assert x.stride(-1) == 1 and weight.is_contiguous(), "gemv_argmax: rows must be contiguous"
-    cfg = launch_config(x, weight, config)
+    cfg = dict(config if config is not None else _default_tiles(x, weight))
     assert cfg["BLOCK_M"] >= m, f"gemv_argmax: {m} rows for a {cfg['BLOCK_M']}-row tile"
     cfg.pop("SPLIT_K")          # one program sees a whole column block's K: its logits are final
     best = _SLOTS.get(x.device)
@@ -306,6 +274,10 @@ def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, config: dict | None = Non
         **pdl_launch(pdl))
     _argmax_unpack_kernel[(1,)](best, out, m, BLOCK_M=MAX_ROWS)
     return out
+
+
+def _default_tiles(x: torch.Tensor, weight: torch.Tensor) -> Mapping:
+    return gemv_tiles(tuned.device_spec(x.device), x.shape[0], *weight.shape, weight.dtype, x.dtype)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -12,9 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels import tuned
 from llmserve_core.kernels.fp8_format import multiplies_fp8_cache_in_f16
 from llmserve_core.kernels.f16_query import f16_query
-from llmserve_core.kernels.tiling import prefill_config, smem_limit_for
+from llmserve_core.kernels.tiling import TileConfig, first_fitting
+
+# Tiles best first (the first that fits the device's shared memory is taken, tiling.first_fitting): 128 x 128
+# over 8 warps and 2 stages led on long extends, and short queries (tree verify, small chunks) keep 64-row
+# tiles so few rows are padding (results/kernels_h200_run1.md); the rest are for wider elements and heads.
+LONG_TILES = [TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)]
+SHORT_TILES = [TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)]
+SHORT_QUERY = 64       # the most query rows a sequence brings for the short tiles (any tree takes them)
 
 
 # Triton compiles a variant per int argument that is 1 or divisible by 16. These vary with each step's
@@ -112,6 +120,21 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+@tuned.family("paged_prefill", ("head_dim", "dtype", "query"))
+def _heuristic(device: tuned.Device, head_dim: int, dtype: str, query: str) -> dict:
+    tile = first_fitting(SHORT_TILES if query == "short" else LONG_TILES, triton.next_power_of_2(head_dim),
+                         tuned.key_dtype(dtype).itemsize, device.smem)
+    return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def prefill_tiles(device: tuned.Device, head_dim: int, dtype: torch.dtype, short: bool) -> TileConfig:
+    """The tile for queries of this head size and dtype on this device: its table's, else the first of the
+    short or long tiles that fits its shared memory."""
+    cfg = tuned.lookup("paged_prefill", device, head_dim=head_dim, dtype=tuned.dtype_key(dtype),
+                       query="short" if short else "long")
+    return TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                   tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -132,8 +155,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     if q.is_cuda:
-        short = tree_mask is not None or max_query_len <= 64
-        cfg = prefill_config(triton.next_power_of_2(head_dim), q.element_size(), short, smem_limit_for(q))
+        cfg = prefill_tiles(tuned.device_spec(q.device), head_dim, q.dtype,
+                            short=tree_mask is not None or max_query_len <= SHORT_QUERY)
         block_m, block_n = block_m or cfg.block_m, block_n or cfg.block_n
         num_warps, num_stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     else:

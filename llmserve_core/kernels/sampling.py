@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.gemv import num_sms
+from llmserve_core.kernels import tuned
 
 BLOCK = 1024
 
@@ -74,7 +74,7 @@ def race_argmax(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Te
     if n == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device)
     if num_chunks is None:    # about four programs per multiprocessor, each over at least a few blocks
-        num_chunks = max(1, min(triton.cdiv(4 * num_sms(logits.device), n), triton.cdiv(v, 4 * BLOCK)))
+        num_chunks = max(1, min(triton.cdiv(4 * tuned.device_spec(logits.device).sms, n), triton.cdiv(v, 4 * BLOCK)))
     chunk = triton.cdiv(triton.cdiv(v, num_chunks), BLOCK) * BLOCK
     num_chunks = triton.cdiv(v, chunk)
     best = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)

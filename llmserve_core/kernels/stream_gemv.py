@@ -23,12 +23,14 @@ decode MLP launches no SiLU-and-mul between its two projections.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels import tuned
 from llmserve_core.kernels.fp8_format import dequantize_weight
-from llmserve_core.kernels.gemv import num_sms
 from llmserve_core.kernels.pdl import pdl_launch, pdl_wait_and_release
 from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
 
@@ -61,7 +63,7 @@ def _stream_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_sn, BLOCK_N
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + rk[None, :]
     # The first tiles are read before the grid dependency resolves: no kernel before this one writes W.
-    # K is a multiple of BLOCK_K (stream_gemv_config): only prefetches past the last tile are masked off.
+    # K is a multiple of BLOCK_K (every tile's): only prefetches past the last tile are masked off.
     if PIECES >= 2:
         # Pieces side by side as one tile, so that x below is one load too: loaded a piece at a time, each
         # piece's x waited behind the last one's layout change (a shared-memory round trip after its load).
@@ -128,56 +130,46 @@ def _x_columns(x_ptr, s_row, cols, BLOCK_SCALED: tl.constexpr, SCALE_K: tl.const
     return xk
 
 
-def stream_gemv_config(n: int, k: int, block_n: int = ROWS_PER_PROGRAM, sms: int = 132,
-                       weight_bytes: int = 2, block_scaled: bool = False) -> dict | None:
-    """Tiles for an [n, k] weight of weight_bytes-byte elements, or None where no tile width divides K.
+@tuned.family("stream_gemv", ("N", "K", "dtype", "scale"))
+def _heuristic(device: tuned.Device, N: int, K: int, dtype: str, scale: str) -> dict | None:
+    """Tiles for an [N, K] weight of dtype ("fp8" with scale "channel" or "<bn>x<bk>"), or None where no
+    tile width divides K.
 
-    16-bit weights: 8 rows x 512 columns a program over 4 warps, with two tiles in flight ahead of the one
-    being multiplied. One row under PDL on an H100 at the Qwen3-8B shapes (`fp8_gemv_sweep.py --stream`,
-    benchmarks/results/stream_depth_h100.md), us against the rule below: qkv 18.7 (19.2), o_proj 11.8
-    (12.5), gate_up 66.4 (68.2), down 35.6 (36.1); three tiles ahead read no faster. The whole batch-1 bf16
-    step: 5.640 -> 5.610 ms.
-
-    FP8 rows of up to WHOLE_ROW_K columns (a power of two): each program's 8 rows whole, one tile read
-    before the wait, over 8 warps. One row under PDL on an H100 (`fp8_gemv_sweep.py --stream`,
-    benchmarks/results/fp8_whole_rows_h100.md), us per channel / block scales: qkv 10.5 / 10.9 (the W8A8
-    kernel on x quantized ahead 12.1 / 12.2), o_proj 7.5 / 7.4 (8 x 512 tiles the same, but in the step its
-    frontier fell 287 -> 129 us: the attention before it hides most of its stream). The whole batch-1 FP8
-    step: 3.722 -> 3.662 ms per channel with o_proj so, 3.598 with qkv too (blocks 3.737 -> 3.651 -> 3.563).
-
-    Longer FP8 rows with row scales that up to MAX_PIECES power-of-two tiles make up are read whole too, in
-    pieces side by side, over fewer rows a program (down_proj: 3 x 4,096, 4 rows, 48 KB): on an H100 the whole
-    batch-1 step went 3.470 / 3.468 -> 3.455 / 3.456 ms (benchmarks/results/fp8_down_pieces_h100.md). Under
-    block scales the same tile took 3.417 -> 3.521 ms (every column of x scaled by its block's scale, in twice
-    the programs), so there only rows of one piece are read whole.
-
-    Other weights (FP8 read slower with two or three tiles ahead: o_proj 10.1 against 8.3 us), measured on the H200
-    (benchmarks/pdl_chain_bench.py): 8 rows x 512 columns, except where the programs would overfill one
-    wave of about four per multiprocessor (qkv's 768 on 132): there half-width tiles hold fewer registers,
-    so the whole grid stays resident at once. Long rows (down_proj's 12,288) stream faster under PDL with 8
-    warps a program (25.1 against 27.3 us)."""
-    sixteen_bit = weight_bytes == 2
+    16-bit weights: 8 rows x 512 columns a program over 4 warps, two tiles in flight ahead of the one
+    being multiplied (a third read no faster). FP8 rows of up to WHOLE_ROW_K columns (a power of two):
+    each program's 8 rows whole, one tile read before the PDL wait, over 8 warps, so the weight streams
+    while the kernel before runs. Longer FP8 rows with row scales that up to MAX_PIECES power-of-two tiles
+    make up are read whole too, in pieces side by side, over fewer rows a program; under block scales
+    every column of x would be scaled in twice the programs (slower), so there only rows of one piece are.
+    Other weights (FP8 read slower with two tiles ahead): 8 rows x 512 columns, half-width tiles where
+    the programs would overfill one wave of about four per multiprocessor, 8 warps on long rows.
+    (benchmarks/results/stream_depth_h100.md, fp8_whole_rows_h100.md, fp8_down_pieces_h100.md)"""
+    weight_bytes = 1 if dtype == "fp8" else 4 if dtype == "fp32" else 2
+    block_scaled = scale not in ("none", "channel")
     if weight_bytes == 1:
-        piece = min(k & -k, WHOLE_ROW_K)                # the longest power-of-two tile that divides K
-        if piece >= MIN_BLOCK_K and k // piece <= (1 if block_scaled else MAX_PIECES):
-            rows = block_n
-            while rows > 2 and rows * k > WHOLE_ROW_BYTES:
+        piece = min(K & -K, WHOLE_ROW_K)                # the longest power-of-two tile that divides K
+        if piece >= MIN_BLOCK_K and K // piece <= (1 if block_scaled else MAX_PIECES):
+            rows = ROWS_PER_PROGRAM
+            while rows > 2 and rows * K > WHOLE_ROW_BYTES:
                 rows //= 2
-            return dict(BLOCK_N=rows, BLOCK_K=piece, num_warps=8, num_stages=1, DEPTH=0, PIECES=k // piece)
-    block_k = 512 if sixteen_bit or -(-n // block_n) <= 4 * sms else 256
-    num_warps = 8 if k >= 8192 and not sixteen_bit else 4
-    while block_k > MIN_BLOCK_K and k % block_k:
+            return dict(BLOCK_N=rows, BLOCK_K=piece, num_warps=8, num_stages=1, DEPTH=0, PIECES=K // piece)
+    sixteen_bit = weight_bytes == 2
+    block_k = 512 if sixteen_bit or -(-N // ROWS_PER_PROGRAM) <= 4 * device.sms else 256
+    num_warps = 8 if K >= 8192 and not sixteen_bit else 4
+    while block_k > MIN_BLOCK_K and K % block_k:
         block_k //= 2
-    if k % block_k:
+    if K % block_k:
         return None
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1, DEPTH=2 if sixteen_bit else 1)
+    return dict(BLOCK_N=ROWS_PER_PROGRAM, BLOCK_K=block_k, num_warps=num_warps, num_stages=1,
+                DEPTH=2 if sixteen_bit else 1)
 
 
-def weight_tile(weight: torch.Tensor, block: tuple[int, int] | None = None) -> dict | None:
-    """stream_gemv_config's tile for this weight (with block scales where block is given) on its device
-    (stream_gemv's default)."""
-    return stream_gemv_config(*weight.shape, sms=num_sms(weight.device), weight_bytes=weight.element_size(),
-                              block_scaled=block is not None)
+def stream_tiles(device: tuned.Device, n: int, k: int, dtype: torch.dtype,
+                 block: tuple[int, int] | None = None) -> Mapping | None:
+    """The tile for an [n, k] weight of dtype (FP8: with block scales where block is given) on this device:
+    its table's, else the heuristic's (None: no tile divides K)."""
+    scale = tuned.scale_key(block) if dtype == torch.float8_e4m3fn else "none"
+    return tuned.lookup("stream_gemv", device, N=n, K=k, dtype=tuned.dtype_key(dtype), scale=scale)
 
 
 def silu_mul_fits(n: int, cfg: dict, block: tuple[int, int] | None) -> bool:
@@ -198,7 +190,7 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.is_contiguous(), "stream_gemv: one contiguous row"
     assert (scale is None) == (weight.dtype == x.dtype), "stream_gemv: a scale comes with an FP8 weight, and only then"
-    cfg = config or weight_tile(weight, block)
+    cfg = config or stream_tiles(tuned.device_spec(weight.device), n, k, weight.dtype, block)
     assert cfg is not None and k % cfg["BLOCK_K"] == 0, f"stream_gemv: no tile for a [{n}, {k}] weight"
     cfg = dict(cfg)
     cfg.setdefault("DEPTH", 1)

@@ -12,9 +12,10 @@ has room to spare. The GPU sweep (tests/test_gpu_dtypes.py) runs every dtype and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+from llmserve_core.kernels import tuned
 
 
 @dataclass(frozen=True)
@@ -32,19 +33,9 @@ def attention_smem_bytes(cfg: TileConfig, block_d: int, elem_bytes: int) -> int:
     return kv_tiles + cfg.block_m * block_d * elem_bytes + cfg.block_m * cfg.block_n * elem_bytes
 
 
-@lru_cache(maxsize=None)
-def device_smem_bytes(device_index: int) -> int:
-    """Opt-in shared memory per block of a CUDA device (the limit Triton checks a launch against)."""
-    import triton
-    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
-
-
 def smem_limit_for(t: torch.Tensor) -> int:
-    return device_smem_limit(t.device)
-
-
-def device_smem_limit(device: torch.device) -> int:
-    return device_smem_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    """Opt-in shared memory per block of t's device (the limit Triton checks a launch against)."""
+    return tuned.device_spec(t.device).smem
 
 
 def first_fitting(candidates: list[TileConfig], block_d: int, elem_bytes: int, smem_limit: int) -> TileConfig:
@@ -65,19 +56,6 @@ def first_fitting(candidates: list[TileConfig], block_d: int, elem_bytes: int, s
             raise ValueError(f"head_dim padded to {block_d} with {elem_bytes}-byte elements does not fit "
                              f"{smem_limit} bytes of shared memory at the smallest tile")
     return cfg
-
-
-# Measured on the H200 at head_dim 128, bf16 (benchmarks/results/kernels_h200_run1.md): 128 x 128 tiles,
-# 8 warps, 2 stages beat 128 x 64 / 3 stages by 19% on a long extend and tie 64 x 64 on 8 x 512. Short
-# queries (tree verify, small chunks) keep 64-row tiles so few rows are padding. The rest are fallbacks
-# for wider elements and heads, largest first.
-PREFILL_LONG = [TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2),
-                TileConfig(64, 32, 4, 2)]
-PREFILL_SHORT = [TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)]
-
-
-def prefill_config(block_d: int, elem_bytes: int, short: bool, smem_limit: int) -> TileConfig:
-    return first_fitting(PREFILL_SHORT if short else PREFILL_LONG, block_d, elem_bytes, smem_limit)
 
 
 def decode_config(block_g: int, block_n: int, block_d: int, elem_bytes: int, smem_limit: int,

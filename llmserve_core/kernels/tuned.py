@@ -61,9 +61,16 @@ def device_spec(device: torch.device) -> Device:
     return Device(device_name(props.name), props.multi_processor_count, smem, (props.major, props.minor))
 
 
+_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
+
+
 def dtype_key(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-            torch.float8_e4m3fn: "fp8"}.get(dtype, str(dtype).removeprefix("torch."))
+    """A dtype as table keys spell it: "bf16", "fp16", "fp32", "fp8" (e4m3)."""
+    return _DTYPE_KEYS.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def key_dtype(key: str) -> torch.dtype:
+    return next(dtype for dtype, name in _DTYPE_KEYS.items() if name == key)
 
 
 def scale_key(block: Sequence[int] | None) -> str:

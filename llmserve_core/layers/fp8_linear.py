@@ -3,15 +3,16 @@
 `weight_scale` is one scale per output row ([out]) or, with a `block` (bn, bk), one per bn x bk tile
 ([ceil(out/bn), ceil(in/bk)]); the real weight is weight * scale either way. On CUDA, 1-16 rows take the
 GEMV of kernels/fp8_gemv.py (the weight stream is the whole cost), and so do 17-64 rows of a shape its
-measured table names a tile for: on Ada and Hopper its "a8" kernel quantizes each row per 1 x 128 piece as
-it reads it and multiplies FP8 by FP8, and one row of the shapes the table names (qkv, o_proj, down_proj)
-takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it; other rows run a
+tuned table (kernels/configs/fp8_gemv/) names a tile for: on Ada and Hopper its "a8" kernel quantizes each
+row per 1 x 128 piece as it reads it and multiplies FP8 by FP8, and one row of the shapes the table gives
+the stream kernel takes kernels/stream_gemv.py (weight-only), chained under PDL with the kernels around it
+(kernels/fp8_gemv.choose decides which kernel runs a shape, and its tile); other rows run a
 W8A8 GEMM on the FP8 tensor cores, the activations quantized dynamically (per token, or per 1 x bk piece for
 block scales). A packed gate_up whose GEMV tile keeps K whole ends in the SiLU-and-mul (folds_silu_mul).
 `input_quant` says how the layer wants its rows quantized ahead (fp8_format.RowQuant), and the RMSNorm or
 the SiLU-and-mul before qkv, gate_up and down hands it QuantizedRows: for the W8A8 GEMM always (no
-quantization launch of its own), for the GEMV where its table measured x quantized ahead to read faster
-(qkv and gate_up at 1-64 rows, down at 17-64); the layer quantizes whatever else it is handed. Off the fast
+quantization launch of its own), for the GEMV where its table has a tile for x quantized ahead (tuned
+where that read faster); the layer quantizes whatever else it is handed. Off the fast
 path (the CPU, or the torch attention backend: see layers/fast_path.py) it computes the reference, the
 dequantized weight times the input in float32.
 """
@@ -24,8 +25,7 @@ from torch import nn
 
 from llmserve_core.kernels.fp8_format import FP8, RowQuant, dequantize_weight, quantize_per_block, quantize_per_channel
 
-GEMV_MAX_ROWS = 16          # rows that always take the GEMV
-TABLE_GEMV_MAX_ROWS = 64    # kernels/fp8_gemv.MAX_ROWS: up to here, rows take it where its table names a tile
+TABLE_GEMV_MAX_ROWS = 64    # kernels/fp8_gemv.MAX_ROWS: up to here, rows may take the GEMV
 
 
 class QuantizedRows(NamedTuple):
@@ -84,15 +84,15 @@ class Fp8Linear(nn.Module):
 
     def input_quant(self, rows: int, dtype: torch.dtype) -> RowQuant | None:
         """How this layer wants `rows` rows of x (in `dtype`) quantized ahead (QuantizedRows): as its W8A8
-        GEMM reads them, or as the GEMV's measured x-ahead tile does (kernels/fp8_gemv.X_AHEAD_CONFIGS);
+        GEMM reads them, or as the GEMV's tile tuned for x quantized ahead does (kernels/fp8_gemv.choose);
         None: hand x as it is (the GEMV quantizes as it reads, or the reference path)."""
         if not self.fused or rows <= 0:
             return None
         if rows <= TABLE_GEMV_MAX_ROWS:
-            if self._x_ahead_tile(rows) is not None:
+            if self._x_ahead_choice(rows) is not None:
                 from llmserve_core.kernels.fp8_gemv import X_AHEAD_GROUP
                 return RowQuant(X_AHEAD_GROUP)
-            if self._gemv_tile(rows) is not None:
+            if self._gemv_choice(rows) is not None:
                 return None
         return self._w8a8_input(dtype)
 
@@ -110,12 +110,13 @@ class Fp8Linear(nn.Module):
             self._w8a8_inputs[key] = quant
         return quant
 
-    def _x_ahead_tile(self, rows: int) -> dict | None:
-        """kernels/fp8_gemv.x_ahead_config for this layer's shape and scales, on its device."""
-        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, num_sms, x_ahead_config
-        device = self.weight.device
-        return x_ahead_config(rows, self.out_features, self.in_features, self.block, num_sms(device),
-                              fp8_dot_supported(device))
+    def _x_ahead_choice(self, rows: int):
+        """The GEMV's Choice (kernels/fp8_gemv.choose) for `rows` rows of this layer quantized ahead, on its
+        device; None: hand them as they are."""
+        from llmserve_core.kernels import tuned
+        from llmserve_core.kernels.fp8_gemv import choose
+        return choose(tuned.device_spec(self.weight.device), rows, self.out_features, self.in_features, self.block,
+                      x="fp8")
 
     def forward(self, x: torch.Tensor | QuantizedRows, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: this is a packed [gate | up] projection of rows (handed as input_quant asks) for which
@@ -124,19 +125,19 @@ class Fp8Linear(nn.Module):
             rows = x.rows if isinstance(x, QuantizedRows) else x.shape[0]
             assert self.folds_silu_mul(rows), f"Fp8Linear: no GEMV tile of {rows} rows ends in the SiLU-and-mul"
             if isinstance(x, QuantizedRows):
-                return self._gemv_quantized(x, self._x_ahead_tile(rows), silu_mul=True)
-            return self._gemv(x.contiguous(), self._gemv_tile(rows), silu_mul=True)
+                return self._gemv_quantized(x, self._x_ahead_choice(rows), silu_mul=True)
+            return self._gemv(x.contiguous(), self._gemv_choice(rows), silu_mul=True)
         if isinstance(x, QuantizedRows):       # input_quant's answer: the x-ahead tile's rows, else the GEMM's
             assert self.fused, "Fp8Linear: rows quantized ahead go to the fast path only"
-            if x.rows <= TABLE_GEMV_MAX_ROWS and (tile := self._x_ahead_tile(x.rows)) is not None:
-                return self._gemv_quantized(x, tile)
+            if x.rows <= TABLE_GEMV_MAX_ROWS and (choice := self._x_ahead_choice(x.rows)) is not None:
+                return self._gemv_quantized(x, choice)
             return self._w8a8(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if not self.fused or x2.shape[0] == 0:
             out = (x2.float() @ self.dequantized_weight().t()).to(x.dtype)
-        elif (tile := self._gemv_tile(x2.shape[0])) is not None:
-            out = self._gemv(x2.contiguous(), tile)
+        elif (choice := self._gemv_choice(x2.shape[0])) is not None:
+            out = self._gemv(x2.contiguous(), choice)
         else:
             from llmserve_core.kernels.fp8_quant import quantize_activation
             quant = self._w8a8_input(x.dtype)
@@ -144,19 +145,16 @@ class Fp8Linear(nn.Module):
             out = self._w8a8(QuantizedRows(data, scale, quant, x2.shape[0], x.dtype))
         return out.view(*shape[:-1], self.out_features)
 
-    def _gemv_tile(self, rows: int) -> dict | None:
-        """The GEMV's tile for `rows` rows of this layer: for 1-16 rows kernels/fp8_gemv.py's measured table's
-        (on Hopper the W8A8 "a8" kernel, or for one row the stream kernel where it was faster), else its
-        rule's; for 17-64 rows the table's only (elsewhere cuBLAS's GEMM was not measured slower). None: the
-        W8A8 GEMM."""
+    def _gemv_choice(self, rows: int):
+        """The GEMV's Choice (kernels/fp8_gemv.choose: the tuned table's kernel and tile, the stream kernel's at
+        one row only on the decode chain, the heuristic's for 1-16 untuned rows) for `rows` rows of this layer
+        handed as they are. None: the W8A8 GEMM."""
         if rows > TABLE_GEMV_MAX_ROWS:
             return None
-        from llmserve_core.kernels.fp8_gemv import fp8_dot_supported, fp8_gemv_config, measured_config, num_sms
-        device = self.weight.device
-        shape = (rows, self.out_features, self.in_features, self.block, num_sms(device), fp8_dot_supported(device))
-        if rows > GEMV_MAX_ROWS:
-            return measured_config(*shape)
-        return fp8_gemv_config(*shape, stream=self.fast_kernel == "stream" and rows == 1 and self._streams())
+        from llmserve_core.kernels import tuned
+        from llmserve_core.kernels.fp8_gemv import choose
+        return choose(tuned.device_spec(self.weight.device), rows, self.out_features, self.in_features, self.block,
+                      stream=self.fast_kernel == "stream" and rows == 1 and self._streams())
 
     def folds_silu_mul(self, rows: int) -> bool:
         """Whether forward can end `rows` rows of this packed [gate | up] weight, handed as input_quant asks,
@@ -164,29 +162,30 @@ class Fp8Linear(nn.Module):
         stream_gemv.silu_mul_fits: with block scales, on whole rows only)."""
         if not self.fused or not 0 < rows <= TABLE_GEMV_MAX_ROWS or self.out_features % 2:
             return False
-        tile = self._x_ahead_tile(rows) or self._gemv_tile(rows)     # the tile forward takes, or the GEMM
-        if tile is None:
+        choice = self._x_ahead_choice(rows) or self._gemv_choice(rows)     # what forward runs, or the GEMM
+        if choice is None:
             return False
-        if tile["KERNEL"] == "stream":
-            from llmserve_core.kernels.stream_gemv import silu_mul_fits, weight_tile
-            return silu_mul_fits(self.out_features, weight_tile(self.weight, self.block), self.block)
+        if choice.kernel == "stream":
+            from llmserve_core.kernels.stream_gemv import silu_mul_fits
+            return silu_mul_fits(self.out_features, choice.tile, self.block)
         from llmserve_core.kernels.fp8_gemv import silu_mul_fits
-        return silu_mul_fits(self.out_features, tile)
+        return silu_mul_fits(self.out_features, choice)
 
-    def _gemv(self, x: torch.Tensor, tile: dict, silu_mul: bool = False) -> torch.Tensor:
-        """The GEMV at `tile` (_gemv_tile's), launched under PDL on the decode chain."""
-        if tile["KERNEL"] == "stream":
+    def _gemv(self, x: torch.Tensor, choice, silu_mul: bool = False) -> torch.Tensor:
+        """The GEMV _gemv_choice chose, launched under PDL on the decode chain."""
+        if choice.kernel == "stream":
             from llmserve_core.kernels.stream_gemv import stream_gemv
-            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl, silu_mul=silu_mul)
+            return stream_gemv(x, self.weight, self.weight_scale, self.block, pdl=self.pdl, config=choice.tile,
+                               silu_mul=silu_mul)
         from llmserve_core.kernels.fp8_gemv import fp8_gemv
-        return fp8_gemv(x, self.weight, self.weight_scale, self.block, config=tile,
-                        pdl=self.pdl and not tile["KERNEL"].startswith("fma"), silu_mul=silu_mul)
+        return fp8_gemv(x, self.weight, self.weight_scale, self.block, kernel=choice.kernel, config=choice.tile,
+                        pdl=self.pdl and not choice.kernel.startswith("fma"), silu_mul=silu_mul)
 
-    def _gemv_quantized(self, x: QuantizedRows, tile: dict, silu_mul: bool = False) -> torch.Tensor:
-        """Rows quantized ahead for the GEMV: the a8 kernel at the x-ahead tile measured for them."""
+    def _gemv_quantized(self, x: QuantizedRows, choice, silu_mul: bool = False) -> torch.Tensor:
+        """Rows quantized ahead for the GEMV: the a8 kernel at the tile tuned for them."""
         from llmserve_core.kernels.fp8_gemv import fp8_gemv
-        return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, config=tile, pdl=self.pdl,
-                        x_scale=x.scale, x_group=x.quant.group, out_dtype=x.dtype, silu_mul=silu_mul)
+        return fp8_gemv(x.data, self.weight, self.weight_scale, self.block, kernel=choice.kernel, config=choice.tile,
+                        pdl=self.pdl, x_scale=x.scale, x_group=x.quant.group, out_dtype=x.dtype, silu_mul=silu_mul)
 
     def _streams(self) -> bool:
         """Whether kernels/stream_gemv.py takes this layer's shape: a K its tiles divide, and block

@@ -3,10 +3,10 @@
 `Linear` holds a weight [out, in] under the checkpoint's name. The model picks its fast kernel: the
 lm_head takes kernels.gemv for 1-64 rows (on the 152k-row head it beats cuBLAS); on Hopper the decoder's
 projections take kernels.stream_gemv for a single row (a batch-1 decode) and kernels.gemv for 2-16 rows
-where its measured table has the shape, chained under PDL with the kernels around them; a streamed row of
-the packed gate_up ends in the SiLU-and-mul (folds_silu_mul). Everywhere else
-it is F.linear, which is also the reference the fast paths are tested against; on the fast path down_proj
-and o_proj take cuBLASLt's kernel instead of cuBLAS's at 17-64 / 17-48 rows (cublaslt_max_rows).
+where its tuned table has the shape, chained under PDL with the kernels around them; a streamed row of
+the packed gate_up ends in the SiLU-and-mul (folds_silu_mul). Everywhere else it is F.linear, which is also
+the reference the fast paths are tested against; on the fast path a shape on which cuBLAS splits K takes
+cuBLASLt's kernel for 17 rows and up (cublaslt_max_rows: down_proj and o_proj).
 """
 from __future__ import annotations
 
@@ -14,24 +14,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve_core.kernels import tuned
+
 # kernels.gemv's MAX_ROWS and PROJECTION_MAX_ROWS, repeated so that a CPU-only install without Triton never
-# imports the kernels.
+# imports the Triton kernels.
 MAX_ROWS = 64
 PROJECTION_MAX_ROWS = 16
-# On a weight with at least twice as many inputs as outputs (down_proj: 12,288 in, 4,096 out), cuBLAS's
-# heuristic splits K at decode batch sizes and sums the pieces in a kernel of its own; cuBLASLt runs one
-# kernel. H200, Qwen3-8B's down_proj, us per call: 28.9 against 26.8 at 32 rows, 31.2 against 27.5 at 64;
-# at 16 rows cuBLAS wins (28.2 against 30.1) and past 64 it varies (benchmarks/results/blas_library_h200.md).
+# Where no card was tuned: on a weight with at least twice as many inputs as outputs cuBLAS's heuristic splits
+# K at 17-64 rows and sums the pieces in a kernel of its own, where cuBLASLt runs one; on a square weight it
+# does so at 17-48 rows (benchmarks/results/blas_library_h200.md).
 CUBLASLT_MAX_ROWS = 64
-# On a square weight (o_proj) cuBLAS splits K too, at 32 and 48 rows (13.4 against 11.9 us at 32); at 64 the
-# two tie.
 SQUARE_CUBLASLT_MAX_ROWS = 48
+
+
+@tuned.family("cublaslt", ("N", "K", "dtype"))
+def _cublaslt_heuristic(device: tuned.Device, N: int, K: int, dtype: str) -> dict:
+    if K >= 2 * N:
+        return {"max_rows": CUBLASLT_MAX_ROWS}
+    return {"max_rows": SQUARE_CUBLASLT_MAX_ROWS if K == N else 0}
+
+
+def cublaslt_max_rows(device: tuned.Device, n: int, k: int, dtype: torch.dtype) -> int:
+    """The most rows (past PROJECTION_MAX_ROWS) for which an [n, k] weight's F.linear takes cuBLASLt on the
+    fast path (0: never): where cuBLAS splits K and cuBLASLt does not."""
+    return tuned.lookup("cublaslt", device, N=n, K=k, dtype=tuned.dtype_key(dtype))["max_rows"]
 
 
 class Linear(nn.Module):
     # Set by the model on the fast path: "gemv" (the lm_head: kernels/gemv.py for 1-64 rows) or "stream"
     # (the decoder's projections: kernels/stream_gemv.py for one row, kernels/gemv.py for 2-16 rows at a
-    # measured shape, launched under PDL when `pdl`).
+    # tuned shape, launched under PDL when `pdl`).
     fast_kernel: str | None = None
     pdl = False
     # Set by the model on the fast path (cublaslt_max_rows): F.linear of 17 up to this many rows goes
@@ -59,8 +71,9 @@ class Linear(nn.Module):
                     from llmserve_core.kernels.stream_gemv import stream_gemv
                     return stream_gemv(x, self.weight, out_dtype=out_dtype, pdl=self.pdl)
             else:
-                from llmserve_core.kernels.gemv import gemv, projection_launch_config
-                cfg = projection_launch_config(x, self.weight)
+                from llmserve_core.kernels.gemv import gemv, projection_tiles
+                cfg = projection_tiles(tuned.device_spec(x.device), x.shape[0], *self.weight.shape, self.weight.dtype,
+                                       x.dtype)
                 if cfg is not None:
                     return gemv(x, self.weight, out_dtype=out_dtype, config=cfg, pdl=self.pdl)
         if PROJECTION_MAX_ROWS < x.shape[0] <= self.cublaslt_rows and x.is_cuda:
@@ -79,11 +92,9 @@ class Linear(nn.Module):
         return self.in_features % MIN_BLOCK_K == 0
 
     def cublaslt_max_rows(self) -> int:
-        """The most rows for which this weight's shape takes cuBLASLt on the fast path (0: never): the
-        shapes on which cuBLAS splits K (CUBLASLT_MAX_ROWS, SQUARE_CUBLASLT_MAX_ROWS say where)."""
-        if self.in_features >= 2 * self.out_features:
-            return CUBLASLT_MAX_ROWS
-        return SQUARE_CUBLASLT_MAX_ROWS if self.in_features == self.out_features else 0
+        """cublaslt_max_rows for this weight on its device."""
+        return cublaslt_max_rows(tuned.device_spec(self.weight.device), self.out_features, self.in_features,
+                                 self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
