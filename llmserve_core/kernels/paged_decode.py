@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_core.kernels.attention_tile import attend_tile
 from llmserve_core.kernels.fp8_format import FP8_MAX, MIN_SCALE, RowQuant, empty_quantized, multiplies_fp8_cache_in_f16
 from llmserve_core.kernels.fp8_quant import quantize_pieces
 from llmserve_core.kernels.f16_query import f16_query
@@ -130,10 +131,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
             late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
             k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
             v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
-            m_i, l_i, acc = _attend_tile(q, tl.where(late, k_own, k_first).to(q.dtype),
-                                         tl.where(late, v_own, v_first).to(q.dtype), n_first, first_mask, rows,
-                                         g_mask, prefix, limit, tree_ptr, stride_tree, sm_scale_log2, m_i, l_i, acc,
-                                         ROWS, HAS_TREE, PRECISION)
+            m_i, l_i, acc = attend_tile(q, tl.where(late, k_own, k_first).to(q.dtype),
+                                        tl.where(late, v_own, v_first).to(q.dtype), n_first, first_mask, rows,
+                                        g_mask, prefix, limit, tree_ptr, stride_tree, sm_scale_log2, m_i, l_i, acc,
+                                        ROWS > 1, HAS_TREE, PRECISION, True)
             loop_start = start + BLOCK_N
         for n0 in range(loop_start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -143,8 +144,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, rows, g_mask, prefix, limit, tree_ptr, stride_tree,
-                                         sm_scale_log2, m_i, l_i, acc, ROWS, HAS_TREE, PRECISION)
+            m_i, l_i, acc = attend_tile(q, k, v, n, n_mask, rows, g_mask, prefix, limit, tree_ptr, stride_tree,
+                                        sm_scale_log2, m_i, l_i, acc, ROWS > 1, HAS_TREE, PRECISION, True)
 
         out_mask = g_mask[:, None] & d_mask[None, :]
         # A piece with nothing visible to a row (past the end of its view) leaves l_i == 0 there: zeros,
@@ -206,31 +207,6 @@ def _store_rows(o, rows, heads, r_mask, d, d_mask, last_seq, out_ptr, stride_ob,
                 tl.store(qs_ptr + row * stride_qsr + heads * stride_qsp, floor, mask=r_mask)
     else:
         tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :], y, mask=mask)
-
-
-@triton.jit
-def _attend_tile(q, k, v, n, n_mask, rows, g_mask, prefix, limit, tree_ptr, stride_tree, sm_scale_log2,
-                 m_i, l_i, acc, ROWS: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr):
-    """One K/V tile (keys n) into the online softmax of the tile's query rows: (m_i, l_i, acc) after it."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-    if HAS_TREE:
-        # Among the last ROWS positions a row sees what its tree-mask row allows (its ancestors).
-        own = (n[None, :] >= prefix) & n_mask[None, :] & g_mask[:, None]
-        bit = tl.load(tree_ptr + rows[:, None] * stride_tree + (n[None, :] - prefix), mask=own, other=0)
-        visible = n_mask[None, :] & ((n[None, :] < prefix) | (bit != 0))
-    elif ROWS == 1:
-        visible = n_mask[None, :]
-    else:
-        visible = n_mask[None, :] & (n[None, :] < limit[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that sees nothing in this tile yet keeps m at -inf: shift by 0 there instead of NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from llmserve_core.kernels import tuned
+from llmserve_core.kernels.attention_tile import attend_tile
 from llmserve_core.kernels.fp8_format import multiplies_fp8_cache_in_f16
 from llmserve_core.kernels.f16_query import f16_query
 from llmserve_core.kernels.tiling import TileConfig, first_fitting
@@ -73,22 +74,18 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head = kvh * stride_ch
+    rows = (q_start + m).to(tl.int64)       # the query rows' rows of the tree mask
+    limit = ctx_len + m + 1                 # causal: the keys row m sees end here
 
     for n0 in range(0, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         phys = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, k, v, n, m_mask, rows, m_mask, ctx_len, limit, tree_ptr, stride_tree,
+                                    sm_scale_log2, m_i, l_i, acc, True, HAS_TREE, PRECISION, False)
 
-    q_pos = ctx_len + m
     for n0 in range(full_end, diag_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < seq_len
@@ -96,24 +93,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
         off = phys * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        if HAS_TREE:
-            own = n - ctx_len
-            in_tree = tl.load(tree_ptr + (q_start + m)[:, None].to(tl.int64) * stride_tree + own[None, :],
-                              mask=m_mask[:, None] & (own[None, :] >= 0) & n_mask[None, :], other=0)
-            allowed = ((n[None, :] < ctx_len) | (in_tree != 0)) & n_mask[None, :]
-        else:
-            allowed = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # Causal: row m sits at position ctx_len + m; a tree mask's rows are the step's own tokens.
+        m_i, l_i, acc = attend_tile(q, k, v, n, n_mask, rows, m_mask, ctx_len, limit, tree_ptr, stride_tree,
+                                    sm_scale_log2, m_i, l_i, acc, True, HAS_TREE, PRECISION, True)
 
     o = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
     tl.store(out_ptr + (q_start + m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + d[None, :],
