@@ -36,17 +36,13 @@ MAX_SPLITS = 128
 SMALL_BATCH_SPLITS = 32   # the most pieces choose_num_splits picks (its docstring says why)
 # Elements of the partial outputs the merging program loads at once ([rows, pieces, head_dim] floats).
 MERGE_TILE = 8192
-# Keys a decode tile holds, and so the fewest a piece takes. 32-key tiles at batch 1-4 (32 pieces) once kept
-# short contexts' pieces from being mostly padding, but 64 halves the pieces at 512 context (16 -> 8): the
-# merge reads half the partials, and the tile read before the PDL wait is then the whole piece. On the H200
-# (benchmarks/results/decode_tiles_h200.md), whole decode steps at 512 context: batch 1 4.196 -> 4.178 ms,
-# batch 4 4.717 -> 4.642; at 4,096: 4.498 -> 4.446 and 5.409 -> 5.299. One-piece decodes: 32 lost at batch 256.
+# Keys a decode tile holds, and so the fewest a piece takes: against 32, 64 halves a short context's pieces
+# (the merge reads half the partials, and the tile read before the PDL wait is the whole piece), and whole
+# steps ran faster at 512 and 4,096 keys (benchmarks/results/decode_tiles_h200.md).
 DECODE_BLOCK_N = 64
-# One-piece decodes over an FP8 cache: 128 keys, the bytes of a 64-key bf16 tile, over 2 warps and 2 stages.
-# On the H200 (benchmarks/results/fp8_kv_decode_h200.md, float16 products), us at batch 64 x 512 / 4,096
-# keys: 29.8 / 191.7 against 35.0 / 212.3 for 4 warps and 46.0 / 312.3 for 64-key tiles; at batch 256 they
-# tie 4 warps (103.4 / 355.2 against 101.3 / 355.5; 64-key tiles 134.2 / 486.4). Split decodes keep 64 (at
-# batch 1 x 4,096, 128-key pieces ran 14.1 against 12.5 us).
+# One-piece decodes over an FP8 cache: 128 keys (the bytes of a 64-key bf16 tile) over 2 warps and 2 stages,
+# fastest at batch 64 and even at 256; split decodes keep 64, whose pieces are shorter
+# (benchmarks/results/fp8_kv_decode_h200.md).
 FP8_DECODE_BLOCK_N = 128
 
 
@@ -69,8 +65,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
 
     The grid is (sequences x KV heads, pieces), KV heads first: the programs that run together read all
     heads of the same cache rows. (Sequences first, they read one head of every sequence, 256 of each 2,048
-    bytes a token: at batch 256 on an H100 the attention took 7,860 us a step against 7,740 heads first;
-    benchmarks/results/decode_order_h100.md.)"""
+    bytes a token, and ran slower at batch 256: benchmarks/results/decode_order_h100.md.)"""
     b = tl.program_id(0) // KV_HEADS
     kvh = tl.program_id(0) % KV_HEADS
     split = tl.program_id(1)
@@ -125,8 +120,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         loop_start = start
         if SPLIT:
             # The first tile's own rows (this call's, written by the kernel before) are read now. (Asked for
-            # with q instead, the SASS lost a round trip, but the tile's registers were held longer, 165 -> 186
-            # a thread: on an H100 batch 16 took 6.539 -> 6.672 ms and batch 1 gained nothing,
+            # with q instead, the tile's registers were held longer and batch 16 stepped slower:
             # benchmarks/results/decode_round_trips_h100.md.)
             late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
             k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
@@ -248,12 +242,9 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = NUM_SMS
     """Split only while batch x kv_heads leaves SMs idle; then aim at about four programs per SM, in at
     most SMALL_BATCH_SPLITS pieces.
 
-    Measured on the H200: at batch 64 (512 programs) one piece beat two and four
-    (benchmarks/results/kernels_h200_run1.md). The pieces merge inside the same launch, and that merge makes
-    many small pieces cost more than they did as a separate reduce: at batch 1, 32 pieces took 6.8 us at
-    512 context and 15.0 us at 4,096 against 7.2 and 22.2 us for 128 (benchmarks/decode_layer_bench.py,
-    benchmarks/results/decode_layer_h200.md); at batch 16, 8 pieces matched the two-launch kernel while 2
-    lost 13 us at 4,096 context.
+    At batch 64 one piece beat two and four; the pieces merge inside the same launch, which makes many small
+    pieces cost more than a separate reduction did, so a batch of one takes 32, not 128
+    (benchmarks/results/kernels_h200_run1.md, decode_layer_h200.md).
     """
     programs = batch_size * num_kv_heads
     if programs >= 2 * num_sms:
@@ -265,10 +256,8 @@ def verify_tiles(rows_per_seq: int, block_g: int, num_splits: int) -> tuple[int,
     """(num_splits, block_n, num_warps) for a few query rows per sequence (a verify, a padded catch-up, a
     tree). Each piece's merge grows with the rows, so these want fewer, longer pieces than a decode; and a
     128-row tile (a 32-node tree x a KV group of 4) holds a 128 x head_dim float32 accumulator, 128
-    registers a thread over four warps, which spills. Measured on the H200 at Qwen3-8B's heads, context 512
-    (`kernels_bench.py --verify-only`, benchmarks/results/verify_kernels_h200.md), against the decode
-    tiles: batch 1, 4 rows 8.5 us (15.5), 8 rows 11.7 (16.6), 16 rows 16.7 (25.2); batch 16, 8 rows 27.3
-    (38.3); batch 64, 16 rows 100.1 (138.8), 32 rows 210.8 (272.4)."""
+    registers a thread over four warps, which spills. These beat the decode tiles at every batch and row
+    count measured at Qwen3-8B's heads (benchmarks/results/verify_kernels_h200.md)."""
     if num_splits >= 16:                     # a batch of one or two: eight warps over 64-key tiles
         return num_splits, 64, 8
     warps = 8 if block_g >= 128 else 4
@@ -368,10 +357,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_n = (tile_n or (FP8_DECODE_BLOCK_N if fp8_tiles else DECODE_BLOCK_N)) if q.is_cuda else 16
     num_warps = num_warps if num_warps is not None else (2 if fp8_tiles else warps)
     if num_stages is None:
-        # One piece per (sequence, KV head), 64-key tiles: a third K/V tile in flight read 3-6% faster at
-        # batch 64 and 256, 512 and 640 keys (36.7 against 37.8 us, 160.6 against 170.2; kernels_bench.py
-        # --decode-sweep, benchmarks/results/decode_sweep_h200_f3f7a22.md). Split decodes keep 2, and so
-        # do FP8 caches' 128-key tiles (FP8_DECODE_BLOCK_N says why).
+        # One piece per (sequence, KV head), 64-key tiles: a third K/V tile in flight read faster at batch 64
+        # and 256 (benchmarks/results/decode_sweep_h200_f3f7a22.md). Split decodes keep 2, and so do FP8
+        # caches' 128-key tiles.
         num_stages = 3 if one_piece and not fp8_tiles else 2
     if q.is_cuda:
         # float32 or head_dim 256 can ask for more shared memory than the chip has: fewer stages, shorter tiles.
