@@ -723,10 +723,20 @@ def test_fp8_gemv_sweep_smoke(tmp_path):
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_gemv_sweep.py"
     out = tmp_path / "sweep.json"
-    subprocess.run([sys.executable, str(script), "--smoke", "--a8x", "--out", str(out)], check=True, timeout=600,
-                   capture_output=True)
-    cases = json.loads(out.read_text())["cases"]
+    subprocess.run([sys.executable, str(script), "--smoke", "--a8x", "--out", str(out), "--configs",
+                    str(tmp_path / "configs")], check=True, timeout=600, capture_output=True)
+    res = json.loads(out.read_text())
+    cases = res["cases"]
     assert len(cases) == 4                              # two shapes x two scale kinds, one row
     for rows in cases.values():
         assert {lbl.split("_")[0] for lbl in rows} >= {"current", "a8x", "a8"}, rows
         assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows.values()), rows
+    # the winners went into this "card's" table through the writer: one row quantized ahead, wherever an a8x
+    # tile beat every tile on x as it is
+    table = json.loads((tmp_path / "configs" / "fp8_gemv" / "device=cpu.json").read_text())
+    assert res["tables"] == [str(tmp_path / "configs" / "fp8_gemv" / "device=cpu.json")]
+    assert table["keys"] == ["N", "K", "rows", "scale", "x"]
+    assert table["sources"] == ["benchmarks/fp8_gemv_sweep.py --a8x (sweep.json)"]
+    for key, entry in table["configs"].items():
+        assert key.endswith(",rows=1,scale=channel,x=fp8") or key.endswith(",rows=1,scale=128x128,x=fp8"), key
+        assert entry["kernel"] == "a8" and entry["tile"]["BLOCK_K"] in (64, 128)

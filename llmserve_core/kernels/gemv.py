@@ -112,7 +112,7 @@ def store_split_k(acc, y_ptrs, y_mask, part_ptr, count_ptr, pid_n, pid_k, M,
         # arrives last at this column block sums them, writes y and re-arms the counter for the next call.
         # Up to PARK_REAL_ROWS rows, only the real rows are parked and summed, each row's columns
         # contiguous (at one row, 1/16 of the tile through L2); past it, the whole tile as the
-        # accumulator holds it, which stores wider: masked, 16 rows stepped slower (results/fp8_h200.md).
+        # accumulator holds it, which stores wider: masked, 16 rows stepped slower (benchmarks/results/LOG.md).
         parts = part_ptr + pid_n * SPLIT_K * BLOCK_N * BLOCK_M
         rows_major = tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         cols_major = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]

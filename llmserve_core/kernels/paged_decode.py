@@ -38,7 +38,7 @@ SMALL_BATCH_SPLITS = 32   # the most pieces choose_num_splits picks (its docstri
 MERGE_TILE = 8192
 # Keys a decode tile holds, and so the fewest a piece takes: against 32, 64 halves a short context's pieces
 # (the merge reads half the partials, and the tile read before the PDL wait is the whole piece), and whole
-# steps ran faster at 512 and 4,096 keys (benchmarks/results/decode_tiles_h200.md).
+# steps ran faster at 512 and 4,096 keys (benchmarks/results/LOG.md).
 DECODE_BLOCK_N = 64
 # One-piece decodes over an FP8 cache: 128 keys (the bytes of a 64-key bf16 tile) over 2 warps and 2 stages,
 # fastest at batch 64 and even at 256; split decodes keep 64, whose pieces are shorter
@@ -65,7 +65,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
 
     The grid is (sequences x KV heads, pieces), KV heads first: the programs that run together read all
     heads of the same cache rows. (Sequences first, they read one head of every sequence, 256 of each 2,048
-    bytes a token, and ran slower at batch 256: benchmarks/results/decode_order_h100.md.)"""
+    bytes a token, and ran slower at batch 256: benchmarks/results/LOG.md.)"""
     b = tl.program_id(0) // KV_HEADS
     kvh = tl.program_id(0) % KV_HEADS
     split = tl.program_id(1)
@@ -121,7 +121,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, tree_ptr, out_pt
         if SPLIT:
             # The first tile's own rows (this call's, written by the kernel before) are read now. (Asked for
             # with q instead, the tile's registers were held longer and batch 16 stepped slower:
-            # benchmarks/results/decode_round_trips_h100.md.)
+            # benchmarks/results/LOG.md.)
             late = (first_mask & (n_first >= prefix))[:, None] & d_mask[None, :]
             k_own = tl.load(kc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)
             v_own = tl.load(vc_ptr + first_off[:, None] + d[None, :], mask=late, other=0.0)

@@ -143,7 +143,7 @@ def _heuristic(device: tuned.Device, N: int, K: int, dtype: str, scale: str) -> 
     every column of x would be scaled in twice the programs (slower), so there only rows of one piece are.
     Other weights (FP8 read slower with two tiles ahead): 8 rows x 512 columns, half-width tiles where
     the programs would overfill one wave of about four per multiprocessor, 8 warps on long rows.
-    (benchmarks/results/stream_depth_h100.md, fp8_whole_rows_h100.md, fp8_down_pieces_h100.md)"""
+    (benchmarks/results/stream_depth_sweep_h100_3576f60.json; the whole steps in benchmarks/results/LOG.md)"""
     weight_bytes = 1 if dtype == "fp8" else 4 if dtype == "fp32" else 2
     block_scaled = scale not in ("none", "channel")
     if weight_bytes == 1:

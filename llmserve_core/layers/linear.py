@@ -22,7 +22,7 @@ MAX_ROWS = 64
 PROJECTION_MAX_ROWS = 16
 # Where no card was tuned: on a weight with at least twice as many inputs as outputs cuBLAS's heuristic splits
 # K at 17-64 rows and sums the pieces in a kernel of its own, where cuBLASLt runs one; on a square weight it
-# does so at 17-48 rows (benchmarks/results/blas_library_h200.md).
+# does so at 17-48 rows (benchmarks/results/LOG.md).
 CUBLASLT_MAX_ROWS = 64
 SQUARE_CUBLASLT_MAX_ROWS = 48
 
