@@ -133,6 +133,22 @@ def test_untuned_cards_and_shapes_get_valid_heuristic_tiles(name, sms):
                 assert attention_smem_bytes(tile, 1 << math.ceil(math.log2(head_dim)), dtype.itemsize) <= card.smem
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_this_card_is_read_as_its_tables_card():
+    """On an H100 or H200 the device torch reports is the Device the captured choices above were checked for
+    (name as its tables spell it, 132 multiprocessors, its shared memory, sm_90), so the engine on it runs
+    those choices; on another card there is nothing to compare."""
+    name = torch.cuda.get_device_name()
+    if name not in CHOICES["cards"]:
+        pytest.skip(f"{name}: the captured choices are the H100's and H200's")
+    tuned.clear_cache()
+    assert tuned.device_spec(torch.device("cuda")) == tuned.Device(
+        tuned.device_name(name), sms=CHOICES["sms"], smem=CHOICES["smem"], capability=tuple(CHOICES["capability"]))
+    for kernel in ("gemv", "fp8_gemv", "stream_gemv", "paged_prefill", "cublaslt"):
+        assert tuned.config_path(kernel, name).is_file(), kernel
+
+
 def test_the_interpreter_gets_the_heuristic():
     """Off CUDA the device is `tuned.CPU`: no table, a few multiprocessors, no shared-memory fitting."""
     cpu = tuned.device_spec(torch.device("cpu"))
