@@ -121,20 +121,20 @@ class AsyncClient:
         return [(ep, t.final) for ep, t in zip(self.endpoints, self._cores.transports) if t.final is not None]
 
     async def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
-                     skip_special_tokens: bool = True, **sampling) -> "AsyncStream":
+                     skip_special_tokens: bool = True, user: str = "", **sampling) -> "AsyncStream":
         """Start a request; `async for chunk in await client.stream(...)`. Cancelling the consuming task, or
-        aclose(), aborts the request in the engine."""
+        aclose(), aborts the request in the engine. `user`: as in Client.stream."""
         await self.connect()
         params = build_params(sampling, detokenize)
         tok = await self.get_tokenizer() if (detokenize or not _is_ids(prompt)) else None
         ids = to_token_ids(prompt, lambda: tok)
         return AsyncStream(self._cores, self._sink(), request_id or new_request_id(), ids, params, tok,
-                           detokenize, skip_special_tokens)
+                           detokenize, skip_special_tokens, user)
 
     async def generate(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
-                       skip_special_tokens: bool = True, **sampling) -> Completion:
+                       skip_special_tokens: bool = True, user: str = "", **sampling) -> Completion:
         s = await self.stream(prompt, request_id=request_id, detokenize=detokenize,
-                              skip_special_tokens=skip_special_tokens, **sampling)
+                              skip_special_tokens=skip_special_tokens, user=user, **sampling)
         async with s:
             async for _ in s:
                 pass

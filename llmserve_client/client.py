@@ -60,15 +60,16 @@ class Client:
         return tok
 
     def stream(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
-               skip_special_tokens: bool = True, **sampling) -> "Stream":
-        """Start a request; iterate the result for StreamChunks. `sampling`: SamplingParams fields."""
-        return Stream(self, prompt, request_id, detokenize, skip_special_tokens, sampling)
+               skip_special_tokens: bool = True, user: str = "", **sampling) -> "Stream":
+        """Start a request; iterate the result for StreamChunks. `sampling`: SamplingParams fields. `user`:
+        whom the request is for, when this client serves several (the core shares fairly between them)."""
+        return Stream(self, prompt, request_id, detokenize, skip_special_tokens, sampling, user)
 
     def generate(self, prompt, *, request_id: str | None = None, detokenize: bool = True,
-                 skip_special_tokens: bool = True, **sampling) -> Completion:
+                 skip_special_tokens: bool = True, user: str = "", **sampling) -> Completion:
         """Run one request to the end. Raises RequestError if it is rejected, EngineDeadError if the core dies."""
         with self.stream(prompt, request_id=request_id, detokenize=detokenize,
-                         skip_special_tokens=skip_special_tokens, **sampling) as s:
+                         skip_special_tokens=skip_special_tokens, user=user, **sampling) as s:
             for _ in s:
                 pass
             return s.completion
@@ -111,11 +112,11 @@ class Stream(RequestStream):
     """Iterator of StreamChunks for one request. `.completion` holds the whole result once it ends.
     Closing it early (close(), leaving a `with` block, or garbage collection) aborts the request."""
 
-    def __init__(self, client: Client, prompt, request_id, detokenize, skip_special_tokens, sampling):
+    def __init__(self, client: Client, prompt, request_id, detokenize, skip_special_tokens, sampling, user=""):
         params = build_params(sampling, detokenize)
         ids = to_token_ids(prompt, lambda: client.tokenizer)
         super().__init__(client._cores, queue.SimpleQueue(), request_id or new_request_id(), ids, params,
-                         client.tokenizer if detokenize else None, detokenize, skip_special_tokens)
+                         client.tokenizer if detokenize else None, detokenize, skip_special_tokens, user)
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self

@@ -14,14 +14,14 @@ class RequestStream:
     """sink: where the transport delivers this request's messages (a queue, which the subclass reads)."""
 
     def __init__(self, cores: Cores, sink, request_id: str, ids: list[int], params, tokenizer,
-                 detokenize: bool, skip_special_tokens: bool):
+                 detokenize: bool, skip_special_tokens: bool, user: str = ""):
         self.request_id = request_id
         self._state = RequestState(request_id, ids, params, tokenizer, detokenize=detokenize,
                                    skip_special_tokens=skip_special_tokens)
         self._sink = sink
         self._done = True      # until it is sent: a failed start leaves nothing to abort
         self._state.timings.sent = time.monotonic()
-        self._request = open_request(cores, request_id, ids, params, sink)
+        self._request = open_request(cores, request_id, ids, params, sink, user)
         self._transport = self._request.transport
         self._done = False
 

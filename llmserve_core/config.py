@@ -41,7 +41,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None      # None: the model's max_position_embeddings (x factor with YaRN)
     enable_chunked_prefill: bool = True
-    max_queued_requests_per_client: int = 1024   # waiting (not yet running) requests one client may have; 0: no cap
+    fairness_preempt_steps: int = 8       # steps a client's next request may wait for a slot while another client runs at least two more requests, before the scheduler preempts that client's newest for it (0: never preempt for fairness)
+    max_queued_requests_per_client: int = 1024   # waiting (not yet running) requests one client (a connection, or a user within one) may have; 0: no cap
     max_queued_requests: int = 4096       # waiting requests of all clients together, past which only a client with none waiting may queue one (up to twice this); 0: no cap
     max_queued_tokens: int = 16_777_216   # prompt tokens of the waiting requests of all clients together, with the same rule past it as max_queued_requests; 0: no cap
     # Model runner.
@@ -96,6 +97,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: {msg}")
         need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(0 <= self.fairness_preempt_steps <= 2**31 - 1, "fairness_preempt_steps", "must be in [0, 2^31 - 1]")
         need(self.max_queued_requests_per_client >= 0, "max_queued_requests_per_client", "must be >= 0")
         need(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0")
         need(self.max_queued_tokens >= 0, "max_queued_tokens", "must be >= 0")

@@ -36,6 +36,9 @@ class Generate(msgspec.Struct, **_msg("generate")):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # Who the request is for, inside this connection: the core shares its slots fairly between (connection,
+    # user) pairs, so a frontend serving many users over one connection passes each request's user on.
+    user: str = ""
 
 
 class Abort(msgspec.Struct, **_msg("abort")):
@@ -60,6 +63,7 @@ class Goodbye(msgspec.Struct, **_msg("goodbye")):
 ClientMessage = Hello | Generate | Abort | StatsRequest | Ping | Goodbye
 
 MAX_REQUEST_ID_LEN = 256
+MAX_USER_LEN = 256
 
 # Bounds of every client -> core field (see bounds.py), one table per message. client_name is not bounded
 # here: a long one is truncated for display, never refused. Vocabulary and max_model_len limits are the
@@ -67,7 +71,8 @@ MAX_REQUEST_ID_LEN = 256
 CLIENT_BOUNDS = {
     Hello: {"protocol_version": Int(INT64_MIN, INT64_MAX)},
     Generate: {"request_id": Str(MAX_REQUEST_ID_LEN, min_chars=1),
-               "prompt_token_ids": IntList(0, INT64_MAX, max_len=INT32_MAX, min_len=1)},
+               "prompt_token_ids": IntList(0, INT64_MAX, max_len=INT32_MAX, min_len=1),
+               "user": Str(MAX_USER_LEN)},
     Abort: {"request_ids": StrList(max_len=65536, max_chars=MAX_REQUEST_ID_LEN)},
     StatsRequest: {"nonce": Int(INT64_MIN, INT64_MAX)},
     Ping: {"time": Float(-sys.float_info.max, sys.float_info.max)},

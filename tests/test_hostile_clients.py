@@ -375,11 +375,16 @@ def test_a_client_that_never_reads_is_disconnected_and_the_core_stays_small(smal
 
 # ---- floods -------------------------------------------------------------------------------------------
 
+FAIRNESS_STEPS = 4
+FLOOD_TOKENS = 400
+
+
 @pytest.fixture
 def flood_core(tiny_model_dir, tmp_path):
     endpoint, log = f"ipc://{tmp_path}/core.sock", str(tmp_path / "core.log")
     proc = start_core(tiny_model_dir, endpoint, log, "--max-num-seqs", "8", "--max-queued-requests-per-client",
-                      "20000", "--max-queued-requests", "20000", "--log-interval", "0")
+                      "20000", "--max-queued-requests", "20000", "--log-interval", "0",
+                      "--fairness-preempt-steps", str(FAIRNESS_STEPS))
     try:
         wait_ready(endpoint, proc, log)
         yield endpoint, proc
@@ -388,11 +393,13 @@ def flood_core(tiny_model_dir, tmp_path):
 
 
 def test_a_small_request_overtakes_a_10000_request_flood(flood_core):
+    # The flooder reads its outputs and pings: only its volume is hostile. Its requests are long, so a slot
+    # frees only when one of them ends (FLOOD_TOKENS steps): the probe must not wait for that.
     endpoint, proc = flood_core
     flood = Raw(endpoint, name="flood")
     stop = threading.Event()
 
-    def drain():                       # the flooder reads its outputs and pings: only its volume is hostile
+    def drain():
         last_ping = 0.0
         while not stop.is_set():
             if flood.sock.poll(200):
@@ -404,25 +411,28 @@ def test_a_small_request_overtakes_a_10000_request_flood(flood_core):
     reader = threading.Thread(target=drain)
     try:
         for i in range(10_000):
-            flood.send(["generate", f"f{i}", [9, 8, 7, i % 500], [8, 1.0, 1.0, -1, 0.0, None, [], True]])
+            flood.send(["generate", f"f{i}", [9, 8, 7, i % 500], [FLOOD_TOKENS, 1.0, 1.0, -1, 0.0, None, [], True]])
         reader.start()
         with Client(endpoint, client_name="small") as c:
             deadline = time.monotonic() + 120
-            while c.stats()["waiting"] < 5000:          # the flood is queued
-                assert time.monotonic() < deadline
+            while (s := c.stats())["waiting"] < 5000 or s["running"] < 8:     # queued, and holding every slot
+                assert time.monotonic() < deadline, s
                 time.sleep(0.1)
             for _ in range(3):
                 t0 = time.monotonic()
-                c.stats()
+                before = c.stats()
                 stats_latency = time.monotonic() - t0
                 t0 = time.monotonic()
                 done = c.generate(PROMPT, max_tokens=2, ignore_eos=True)
                 latency = time.monotonic() - t0
                 after = c.stats()
                 assert done.finish_reason == "length"
-                # Round-robin admission: the small request took the next free slot while thousands of the
-                # flood's still waited (arrival order would have put it behind all of them: minutes here).
-                assert after["waiting"] > 3000, after
+                # Fair shares: the flood gave a slot back within FAIRNESS_STEPS steps, not at the end of one of
+                # its requests (FLOOD_TOKENS steps), nor behind its thousands waiting (arrival order: hours).
+                # The slack covers the steps run between the stats replies and the request's arrival.
+                steps = after["num_steps"] - before["num_steps"]
+                assert steps <= FAIRNESS_STEPS + 2 + 10, (steps, before, after)
+                assert after["waiting"] > 3000 and after["num_fairness_preemptions"] >= 1, after
                 # Within a second on an idle machine; slack for a busy CI box, far below the FIFO wait.
                 assert latency < 5.0 and stats_latency < 5.0, (latency, stats_latency)
     finally:

@@ -144,15 +144,38 @@ def test_waiting_queue_passes_over_skipped_requests_in_round_robin_order():
     assert taken == ["b0", "c0", "b1", "a1"]
     assert len(q) == 1 and q.peek().request_id == "a0" and q.pop().request_id == "a0" and not q
 
-def test_waiting_queue_preempted_first_counts_and_removal():
+def test_waiting_queue_preempted_go_first_in_their_own_clients_queue_counts_and_removal():
     q = WaitingQueue()
     a0, a1, b0, p = _req("a0", "A"), _req("a1", "A"), _req("b0", "B"), _req("p", "B")
+    q.append(p)
+    assert q.pop() is p and q.running("B") == 1 and q.count("B") == 0
     for r in (a0, a1, b0):
         q.append(r)
-    q.push_preempted(p)
-    assert q.count("A") == 2 and q.count("B") == 1 and len(q) == 4
+    q.push_preempted(p)           # p gives its slot back and goes ahead of b0, not of client A
+    assert q.running("B") == 0 and q.count("A") == 2 and q.count("B") == 1 and len(q) == 4
     assert q.remove(a0) and not q.remove(a0) and len(q) == 3
-    assert [q.pop().request_id for _ in range(3)] == ["p", "a1", "b0"]
+    assert [q.pop().request_id for _ in range(3)] == ["a1", "p", "b0"]
+    assert q.running("A") == 1 and q.running("B") == 2 and q.num_tokens() == 0
+
+
+def test_waiting_queue_admits_the_client_running_the_fewest_and_forgets_idle_clients():
+    q = WaitingQueue()
+    flood = [_req(f"f{i}", "F") for i in range(5)]
+    for r in flood:
+        q.append(r)
+    for _ in range(4):
+        q.pop()
+    q.append(_req("s0", "S"))
+    q.append(_req("s1", "S"))
+    # F runs 4, S none: S goes first until it runs as many; then turns alternate.
+    assert [q.pop().request_id for _ in range(3)] == ["s0", "s1", "f4"]
+    assert q.most_running() == ("F", 5) and q.num_clients == 2
+    for r in flood:
+        q.stopped(r)
+    assert q.num_clients == 1 and q.running("F") == 0
+    q.stopped(_req("s0", "S"))
+    q.stopped(_req("s1", "S"))
+    assert q.num_clients == 0 and q.most_running() == (None, 0)     # nothing is kept for idle clients
 
 
 # ---- the busy loop's request bookkeeping, against a real tiny engine ----------------------------------

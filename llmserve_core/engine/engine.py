@@ -66,7 +66,8 @@ class Engine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           recompute_last_hit_block=bool(self.spec and self.spec.proposer.aux_layer_ids))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, lookahead_tokens=self.lookahead)
+                                   config.enable_chunked_prefill, lookahead_tokens=self.lookahead,
+                                   fairness_preempt_steps=config.fairness_preempt_steps)
         self.model_info = EngineModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
                                           tuple(self.model_config.eos_token_ids), self.spec is not None)
         self.requests: dict[str, Request] = {}
@@ -100,7 +101,7 @@ class Engine:
         self.total_prompt_tokens = 0
         self.total_generated_tokens = 0
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
-        self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_fairness_preemptions = 0
         if self.spec is not None:
             self.spec.reset_metrics()
         # What the policy learned (acceptance, step costs with compiles in them) came from the warm-up's
@@ -115,7 +116,8 @@ class Engine:
                     client=None) -> None:
         """Queue a request. Raises ValidationError naming the bad field (QueueFull when `client` already has
         as many waiting as it may: see _check_queue_caps); the engine is unchanged then. `client` is the
-        fairness key: waiting requests are admitted round-robin across clients."""
+        fairness key: running slots and each step's prefill budget are shared max-min fairly across clients
+        (scheduler.py)."""
         params = SamplingParams() if params is None else params
         self._validate(request_id, prompt_token_ids, params)
         if client is not None:
@@ -432,6 +434,8 @@ class Engine:
             "num_tokens_scheduled": self.num_tokens_scheduled,
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_fairness_preemptions": self.scheduler.num_fairness_preemptions,   # of num_preemptions
+            "num_scheduled_clients": self.scheduler.waiting.num_clients,           # with requests waiting or running
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_generated_tokens": self.total_generated_tokens,
             "jit_compilations": jit_compilations(),

@@ -41,7 +41,8 @@ class Request:
     # the blocks it publishes to the prefix cache are whole), and whether it drafts when decoding.
     spec_state: object | None = None
     speculative: bool = False
-    client: object = None               # fairness key: the scheduler admits round-robin across clients
+    client: object = None               # fairness key: the scheduler shares slots and budget fairly across clients
+    queued_step: int = 0                # the scheduler's step count when it last joined the waiting queue
     grammar: object | None = None       # engine.grammar.RequestGrammar for guided decoding
     # With params.prompt_logprobs: the scores of prompt positions 1, 2, ... so far (TokenLogprobs), until the
     # request's first output takes them (None from then on: see prompt_logprobs.py).

@@ -1,20 +1,29 @@
-"""Iteration-level scheduler: continuous batching with decode-first chunked prefill and recompute preemption.
+"""Iteration-level scheduler: continuous batching with decode-first chunked prefill, recompute preemption, and
+fair shares between clients.
 
 Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
 1. running requests that decode take one token each, first, so prefills never stall generation;
-2. running requests still mid-prefill take the next chunk of what remains;
-3. waiting requests are admitted while budget, sequence slots and KV blocks last: round-robin across
-   clients, in arrival order within a client (waiting_queue.py); one whose grammar is still compiling, or
-   whose prompt's first block a running request is about to publish to the prefix cache, lets the others
+2. running requests still mid-prefill take the next chunk of what remains, each client within a max-min
+   fair share of the budget left (counting the first prompt of each client that could start now), so one
+   client's long prompts cannot hold back another's;
+3. waiting requests are admitted while budget, sequence slots and KV blocks last: the client running the
+   fewest first, in arrival order within a client (waiting_queue.py); one whose grammar is still compiling,
+   or whose prompt's first block a running request is about to publish to the prefix cache, lets the others
    pass for now.
 When a running request needs a block and none is free, the newest running request is preempted:
-its blocks are released (full ones stay in the prefix cache) and it goes back to the front of the
-queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the oldest
-request can always progress: no deadlock, no lost request.
+its blocks are released (full ones stay in the prefix cache) and it goes back to the front of its
+client's queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the
+oldest request can always progress: no deadlock, no lost request.
+Fairness preemption: slots free up only as requests end, so a client whose requests were all admitted
+together can hold every slot for a whole request's length. When the head of a client's queue has waited
+fairness_preempt_steps steps for a slot (or blocks) while another client runs at least two more requests,
+the newest request of the client running the most is preempted for it: shares converge to max-min fair
+within that bound, and the victim, kept in the prefix cache, mostly resumes from cached blocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.request import Request, RequestStatus
@@ -35,41 +44,58 @@ class ScheduledBatch:
         return len(self.requests)
 
 
+def fair_shares(demands: dict, capacity: int) -> dict:
+    """Max-min fair split of `capacity` between demands: the smallest are met whole, the rest share equally
+    what is left (the largest takes the remainder of the integer division)."""
+    shares, left, n = {}, capacity, len(demands)
+    for key, want in sorted(demands.items(), key=lambda kv: kv[1]):
+        shares[key] = give = min(want, left // n if n > 1 else left)
+        left -= give
+        n -= 1
+    return shares
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, lookahead_tokens: int = 0):
+                 enable_chunked_prefill: bool, lookahead_tokens: int = 0, fairness_preempt_steps: int = 0):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
         # Extra KV slots a drafting request needs per step (speculative draft tokens to verify).
         self.lookahead_tokens = lookahead_tokens
+        self.fairness_preempt_steps = fairness_preempt_steps     # 0: never preempt for fairness
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        self.num_steps = 0                      # schedule() calls: the clock of queue waits
         self.num_preemptions = 0
+        self.num_fairness_preemptions = 0
         # First prompt block -> the running request computing it (not yet in the prefix cache).
         self._computing_first_block: dict[tuple[int, ...], Request] = {}
 
     def add(self, req: Request) -> None:
+        req.queued_step = self.num_steps
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
 
         # Decodes first, then in-flight prefill chunks, both in arrival order.
         for want_prefill in (False, True):
+            shares = self._prefill_shares(budget, scheduled) if want_prefill else None
             i = 0
             while i < len(self.running) and budget > 0:
                 req = self.running[i]
                 i += 1
                 if req.is_prefilling != want_prefill or req.request_id in scheduled or req.at_limit:
                     continue
-                num_new = self._num_new_tokens(req, budget)
+                num_new = self._num_new_tokens(req, budget if shares is None else min(budget, shares[req.client]))
                 if num_new == 0:
                     continue
                 # Victims are always newer, i.e. later in the list, so index i stays valid.
@@ -78,32 +104,45 @@ class Scheduler:
                 out.requests.append(req)
                 out.num_new_tokens.append(num_new)
                 scheduled.add(req.request_id)
+                if shares is not None:
+                    shares[req.client] -= num_new
                 budget = self.max_num_batched_tokens - out.total_tokens  # a victim may have returned budget
+        self._admit(out, budget)
+        return out
 
-        # Admit waiting requests, in admission order among those that may start now (see _may_start). The
-        # walk goes on past the requests it passes over and restarts only after an admission (which changes
-        # the order), so thousands waiting on their grammars cost one look each, not one walk each.
-        skipped: set[str] = set()
+    def _admit(self, out: ScheduledBatch, budget: int) -> None:
+        """Admit waiting requests, in admission order among those that may start now (see _may_start). The
+        walk goes on past the requests it passes over and restarts only after an admission (which changes
+        the order), so thousands waiting on their grammars cost one look each, not one walk each. No
+        admission follows a preemption for blocks: the pool is short."""
+        skipped: set[str] = {r.request_id for r in out.preempted}    # their tokens may still be in flight
+        short_of_blocks = bool(out.preempted)
         candidates = self.waiting.admission_order(skipped)
-        while budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while budget > 0 and not short_of_blocks:
             req = next(candidates, None)
             if req is None:
                 break
             if not req.ready:                   # before admit(): hashing its prompt would be wasted
                 skipped.add(req.request_id)
                 continue
+            full = len(self.running) >= self.max_num_seqs
+            if full and self._victim_for(req) is None:
+                break
             if not req.block_ids:
                 req.num_computed_tokens = self.blocks.admit(req)
             if not self._may_start(req):
-                self.blocks.release(req)
-                req.num_computed_tokens = 0
+                self._unadmit(req)
                 skipped.add(req.request_id)
                 continue
-            num_new = self._num_new_tokens(req, budget)
-            if num_new == 0 or not self.blocks.can_allocate(req, req.num_computed_tokens + num_new):
-                # Keep its cached-prefix references only while it is at the head of the queue.
-                self.blocks.release(req)
-                req.num_computed_tokens = 0
+            if full:
+                self._preempt_for(req, out, skipped)
+            num_new = self._num_new_tokens(req, self.max_num_batched_tokens - out.total_tokens)
+            while num_new and not self.blocks.can_allocate(req, req.num_computed_tokens + num_new):
+                num_new = 0
+                if self._preempt_for(req, out, skipped):
+                    num_new = self._num_new_tokens(req, self.max_num_batched_tokens - out.total_tokens)
+            if num_new == 0:
+                self._unadmit(req)       # keep its cached-prefix references only while it is admitted
                 break
             self.blocks.allocate(req, req.num_computed_tokens + num_new)
             if req.num_preemptions == 0:
@@ -116,8 +155,50 @@ class Scheduler:
             self._note_first_block(req)
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
-            budget -= num_new
-        return out
+            budget = self.max_num_batched_tokens - out.total_tokens
+
+    def _unadmit(self, req: Request) -> None:
+        self.blocks.release(req)
+        req.num_computed_tokens = 0
+
+    def _victim_for(self, req: Request) -> Request | None:
+        """What `req`, the next to start but short of a slot or blocks, may take them from: once it has
+        waited fairness_preempt_steps, the newest request of the client running the most, if that client
+        runs at least two more than req's (so the shares move one step toward max-min fair, never past it)."""
+        if not self.fairness_preempt_steps or self.num_steps - req.queued_step < self.fairness_preempt_steps:
+            return None
+        holder, most = self.waiting.most_running()
+        if most < self.waiting.running(req.client) + 2:
+            return None
+        return next((r for r in reversed(self.running) if r.client == holder and not r.at_limit), None)
+
+    def _preempt_for(self, req: Request, out: ScheduledBatch, skipped: set[str]) -> bool:
+        victim = self._victim_for(req)
+        if victim is None:
+            return False
+        self._preempt(victim, out)
+        skipped.add(victim.request_id)          # a step in flight may still bring its last token
+        self.num_fairness_preemptions += 1
+        return True
+
+    def _prefill_shares(self, budget: int, scheduled: set[str]) -> dict | None:
+        """Each client's max-min fair share of the budget for prefill chunks this step; None when one client
+        (or none) wants any, or without chunked prefill (a prompt must then fit one step whole). A client that
+        could start a request now counts with its head's prompt, so running prefills leave it room."""
+        if not self.chunked_prefill:
+            return None
+        demands: dict = {}
+        for req in self.running:
+            if req.is_prefilling and req.request_id not in scheduled and not req.at_limit:
+                demands[req.client] = demands.get(req.client, 0) + req.num_tokens - req.num_computed_tokens
+        free = self.max_num_seqs - len(self.running)
+        for client in islice(self.waiting.clients_in_turn(), max(free, 0)):
+            head = self.waiting.head(client)
+            if head.ready:
+                demands[client] = demands.get(client, 0) + head.num_tokens
+        if len(demands) < 2:
+            return None
+        return fair_shares(demands, budget)
 
     def _may_start(self, req: Request) -> bool:
         """A request (whose grammar, if any, is compiled) waits, letting others behind it pass, while a
@@ -174,6 +255,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        req.queued_step = self.num_steps
         self.num_preemptions += 1
         self.waiting.push_preempted(req)
         out.preempted.append(req)
@@ -183,6 +265,7 @@ class Scheduler:
         grammar compile queue)."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self.waiting.stopped(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.release(req)

@@ -109,7 +109,8 @@ class BusyLoop:
             return
         eid = f"{item.client.hex()}/{next(self._serials)}/{msg.request_id}"
         try:
-            self.engine.add_request(eid, msg.prompt_token_ids, msg.params, client=item.client)
+            # Fair shares and queue caps go by (connection, user): see PROTOCOL.md, "Fair shares".
+            self.engine.add_request(eid, msg.prompt_token_ids, msg.params, client=(item.client, msg.user))
         except ValidationError as e:       # also QueueFull: the client's waiting queue is at its cap
             self._reject(item.client, msg.request_id, e.field, e.message)
             return
@@ -234,10 +235,15 @@ class BusyLoop:
         return 1
 
     # ---- reporting ----------------------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        """A stop was asked for (a signal, or the stop event): new requests are refused from now on."""
+        return self.stop_reason is not None or (self.stop_event is not None and self.stop_event.is_set())
+
     def stats(self) -> dict:
         s = dict(self.engine.stats())
         s.update(self.counters)
-        s.update(num_clients=self.num_clients(), live_requests=len(self.live),
+        s.update(num_clients=self.num_clients(), draining=self.draining, live_requests=len(self.live),
                  uptime_s=round(time.monotonic() - self.start_time, 3))
         return s
 
