@@ -2,9 +2,11 @@
 
 Text lives here as in every client: prompts and chat messages are tokenized here, the core gets token ids,
 and streamed ids come back as text through the client library's detokenizer and stop-string logic.
-Tokenizing and rendering chat templates run on a worker thread, so a huge prompt never stalls the event
-loop (/health and every other request keep flowing); a prompt that cannot fit max_model_len is refused
-from its length in characters before it is tokenized at all.
+Tokenizing and rendering chat templates run on worker threads (tokenize_pool.py), so a huge prompt never
+stalls the event loop (/health and every other request keep flowing) nor another request's tokenizing; a
+prompt that cannot fit max_model_len is refused from its characters and message count before it is
+tokenized at all (limits.py). Each request reaches the core with its user (identity.py), among whom the
+core shares its slots fairly.
 A request whose HTTP client goes away is cancelled, and cancelling an AsyncStream aborts it in the core.
 """
 from __future__ import annotations
@@ -19,7 +21,6 @@ import math
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 from starlette.applications import Starlette
@@ -32,13 +33,17 @@ from starlette.routing import Route
 from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.http import responses, schemas
-from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
+from llmserve_client.http.health import STATS_TIMEOUT_S, Health, retry_after
+from llmserve_client.http.identity import Requester
+from llmserve_client.http.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, chars_per_token,
+                                         chat_size, fewest_tokens)
 from llmserve_client.http.chat_output import ChoiceShaper, guided_after_reasoning, render_chat
 from llmserve_client.http.guided import error_param, guided_from_request
 from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
 from llmserve_client.http.reasoning import END as THINK_END
 from llmserve_client.http.schemas import ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
+from llmserve_client.http.tokenize_pool import TokenizePool
 from llmserve_client.http.request_fields import HEADER as IGNORED_HEADER, IgnoredFieldLog, check_content_type, \
     check_neutral, decode as decode_request, header_value, thinking_switch
 from llmserve_client.http.tool_parsers import detect_parser
@@ -47,14 +52,6 @@ from llmserve_client.inputs import to_token_ids
 from llmserve_client.types import Completion, StreamChunk, Usage
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
-STATS_TIMEOUT_S = 2.0                 # /health and /metrics give up on a core this slow
-# What /health says about each core when there are several.
-HEALTH_CORE_KEYS = ("endpoint", "up", "error", "in_flight", "routed", "running", "waiting", "kv_usage",
-                    "prefix_hit_rate")
-RETRY_AFTER_S = 5                     # what a 503 asks clients to wait: a core restarts or drains meanwhile
-# Text may shrink a little under a tokenizer's normalizer (composed characters): the early length check
-# allows this factor before it trusts its lower bound on the token count.
-NORMALIZER_SLACK = 2
 
 log = logging.getLogger("llmserve_client.http")
 
@@ -62,8 +59,9 @@ log = logging.getLogger("llmserve_client.http")
 class Frontend:
     def __init__(self, client: AsyncClient, served_model_names: list[str] | None = None,
                  reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-                 strict_requests: bool = False):
+                 strict_requests: bool = False, api_key: str | None = None):
         self.client = client
+        self.api_key = api_key                       # the server's own key names no user (identity.py)
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser     # None: chosen from the chat template at start()
         self.strict_requests = strict_requests       # unknown request fields are a 400, not ignored
@@ -73,12 +71,11 @@ class Frontend:
         self.tokenizer = None
         self.reasoning_end_ids: list[int] | None = None    # `</think>`'s token ids, with a reasoning parser
         self.max_model_len = 0
-        self.max_token_chars = 1      # the longest token's text: a prompt of n characters has >= n / this tokens
+        self.chars_per_token = 1      # honest text has at least n / this tokens in n characters (limits.py)
         self.created = int(time.time())
         self.metrics: Metrics | None = None
-        # One thread: tokenizers are not safe to share between threads, and the point is to keep the event
-        # loop free, not to tokenize in parallel.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenize")
+        self.probes = Health(client)
+        self._tokenize_pool = TokenizePool()
 
     async def start(self) -> None:
         """Wait for the core's handshake and load the tokenizer it names (once: the CLI calls this before
@@ -89,11 +86,11 @@ class Frontend:
         self.tokenizer = await self.client.get_tokenizer()
         info = self.client.model_info
         self.max_model_len = info.max_model_len
-        self.max_token_chars = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, _longest_token_chars, self.tokenizer)
+        self._tokenize_pool.start(self.tokenizer)
+        self.chars_per_token = chars_per_token(await self._tokenize_pool.run(0, _longest_token_chars))
         if self.reasoning_parser is not None:
-            self.reasoning_end_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, lambda: list(self.tokenizer.encode(THINK_END, add_special_tokens=False)))
+            self.reasoning_end_ids = await self._tokenize_pool.run(
+                0, lambda tok: list(tok.encode(THINK_END, add_special_tokens=False)))
         template = getattr(self.tokenizer, "chat_template", None)
         if self.tool_call_parser is None:
             self.tool_call_parser = detect_parser(template)
@@ -123,21 +120,6 @@ class Frontend:
         if name not in self.names:
             return self._error(_model_not_found(name))
         return JSONResponse(self._model_card(name))
-
-    async def health(self, request: Request) -> Response:
-        """200 "ok" while every core answers; over several cores, 200 "degraded" while some do, with each
-        core's state; 503 once none does."""
-        try:
-            stats = await self.client.stats(timeout=STATS_TIMEOUT_S)
-        except (LLMServeError, asyncio.TimeoutError) as e:
-            return JSONResponse({"status": "unavailable", "error": str(e) or "the core did not answer"}, 503,
-                                headers=_retry_after(503))
-        if "cores" not in stats:
-            return JSONResponse({"status": "ok"})
-        cores = [{k: c[k] for k in HEALTH_CORE_KEYS if k in c} for c in stats["cores"]]
-        degraded = stats["num_cores_up"] < stats["num_cores"]
-        return JSONResponse({"status": "degraded" if degraded else "ok", "cores_up": stats["num_cores_up"],
-                             "cores": cores})
 
     async def prometheus(self, request: Request) -> Response:
         try:
@@ -174,7 +156,7 @@ class Frontend:
             req, ignored = self.decode(request, await request.body(),
                                        schemas.ChatRequest if chat else schemas.CompletionRequest,
                                        "chat" if chat else "completions")
-            streams, ctx = await self._start(req, chat, ignored)
+            streams, ctx = await self._start(req, chat, ignored, requester=Requester(request.scope, self.api_key))
         except ApiError as e:
             return self._error(e)
         merged = merge(streams)
@@ -209,11 +191,12 @@ class Frontend:
         return {IGNORED_HEADER: header_value(ignored)} if ignored else {}
 
     async def _start(self, req, chat: bool, ignored: list[str], endpoint: str | None = None,
-                     max_calls: int | None = None):
+                     max_calls: int | None = None, requester: Requester | None = None):
         """Validate, tokenize and send a decoded request (n engine requests per prompt, choice i of a seeded
         request seeded with seed + i); ApiError for anything wrong with it. ignored: the request's fields
         the server ignores, logged and named in a response header; endpoint: whose they are (default: chat
-        or completions); max_calls: tool calls kept per choice."""
+        or completions); max_calls: tool calls kept per choice; requester: who sent it (whom the core's
+        fair shares count it for)."""
         if req.model is not None and req.model not in self.names:
             raise _model_not_found(req.model)
         guided, source = guided_from_request(req)
@@ -224,7 +207,6 @@ class Frontend:
         ctx.continuous_usage = ctx.include_usage and req.stream_options.continuous_usage_stats
         ctx.echo_logprobs = not chat and req.echo and req.logprobs is not None
         ctx.vllm_prompt_logprobs = req.prompt_logprobs is not None
-        loop = asyncio.get_running_loop()
         if chat:
             sampling = schemas.chat_sampling(req)
             setup = tool_setup(req.tools, req.tool_choice, self.tool_call_parser)
@@ -236,10 +218,10 @@ class Frontend:
                                                               self.thinking_switch, "reasoning_effort")
             if effort_ignored:
                 ignored.append("reasoning_effort")
+            chars = self._check_length_early(*chat_size(req), "messages")
             messages = schemas.chat_messages(req)
-            self._check_length_early(messages, chat, "messages")
-            ids, prompt_text = await loop.run_in_executor(self._tokenize_pool, render_chat, self.tokenizer, messages,
-                                                          setup.tools, template_kwargs)
+            ids, prompt_text = await self._tokenize_pool.run(chars, render_chat, messages, setup.tools,
+                                                             template_kwargs)
             prompts = [(ids, prompt_text)]
             guided = guided_after_reasoning(guided, prompt_text, self.reasoning_end_ids)
             max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
@@ -251,9 +233,10 @@ class Frontend:
             prompts = []
             many = schemas.completion_prompts(req)
             for p, prompt in enumerate(many):
-                self._check_length_early(prompt, chat, schemas.prompt_param(p, len(many)))
+                chars = self._check_length_early(len(prompt), 0, schemas.prompt_param(p, len(many))) \
+                    if isinstance(prompt, str) else 0      # token ids: counted exactly below
                 try:
-                    ids = await loop.run_in_executor(self._tokenize_pool, to_token_ids, prompt, self._get_tokenizer)
+                    ids = await self._tokenize_pool.run(chars, _prompt_ids, prompt)
                 except RequestError as e:
                     raise self._api_error(e, chat, names={"prompt": schemas.prompt_param(p, len(many))}) from None
                 prompts.append((ids, prompt if isinstance(prompt, str) else None))
@@ -270,7 +253,7 @@ class Frontend:
             where = "messages" if chat else schemas.prompt_param(p, len(prompts))
             n_tokens = self._fit_max_tokens(len(ids), 1 if ctx.echo_only else max_tokens, param, chat, where)
             if not chat and req.echo and prompt_text is None:
-                prompt_text = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, ids)
+                prompt_text = await self._tokenize_pool.run(len(ids), lambda tok, ids: tok.decode(ids), ids)
             for i in range(req.n):
                 index = p * req.n + i
                 ctx.prompt_ids[index] = ids
@@ -282,11 +265,12 @@ class Frontend:
                 if not chat and req.echo:
                     ctx.echo[index] = prompt_text
         streams: list[AsyncStream] = []
+        user = requester.user(req.user) if requester is not None else ""
         try:
             for index, ids, params in jobs:
                 streams.append(await self.client.stream(
                     ids, request_id=rid if len(jobs) == 1 else f"{rid}-{index}",
-                    skip_special_tokens=req.skip_special_tokens, **params))
+                    skip_special_tokens=req.skip_special_tokens, user=user, **params))
         except BaseException as e:
             for s in streams:     # choices already sent
                 await s.aclose()
@@ -297,25 +281,16 @@ class Frontend:
         ctx.headers = self.note_ignored(endpoint or ("chat" if chat else "completions"), ignored)
         return streams, ctx
 
-    def _get_tokenizer(self):
-        return self.tokenizer
-
-    def _check_length_early(self, prompt, chat: bool, where: str) -> None:
-        """Refuse, before tokenizing, a text prompt whose length in characters proves it cannot fit. where:
-        the request's name for it (messages, prompt, prompt[i])."""
-        if isinstance(prompt, str):
-            chars = len(prompt)
-        elif chat:
-            # Only what the template copies verbatim counts: templates may drop earlier assistant reasoning,
-            # but tool results go in whole (Qwen3's <tool_response>).
-            chars = sum(len(m["content"].strip()) for m in prompt if m["role"] in ("system", "user", "tool"))
-        else:
-            return   # token ids: counted exactly below
-        fewest_tokens = chars // (self.max_token_chars * NORMALIZER_SLACK)
-        if fewest_tokens >= self.max_model_len:
+    def _check_length_early(self, chars: int, messages: int, where: str) -> int:
+        """Refuse, before tokenizing, a text prompt (or chat) whose characters and messages prove it cannot
+        fit; returns its characters. where: the request's name for it (messages, prompt, prompt[i])."""
+        fewest = fewest_tokens(chars, messages, self.chars_per_token)
+        if fewest >= self.max_model_len:
+            size = f"{messages} messages and {chars} characters" if messages else f"{chars} characters"
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens, but the {where} "
-                           f"has {chars} characters, at least {fewest_tokens} tokens. Shorten the {where}.",
+                           f"has {size}, at least {fewest} tokens. Shorten the {where}.",
                            where, code="context_length_exceeded")
+        return chars
 
     def _fit_max_tokens(self, n_prompt: int, max_tokens: int | None, param: str, chat: bool, where: str) -> int:
         limit = self.max_model_len
@@ -492,7 +467,7 @@ class Frontend:
     def _error(self, e: ApiError) -> Response:
         if self.metrics is not None:
             self.metrics.on_error(e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers=_retry_after(e.status))
+        return JSONResponse(e.body(), status_code=e.status, headers=retry_after(e.status))
 
 
 class _Ctx:
@@ -536,8 +511,8 @@ class _Ctx:
         return {"max_tokens": self.max_tokens_param, "prompt": schemas.prompt_param(prompt, self.num_prompts)}
 
 
-def _retry_after(status: int) -> dict | None:
-    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    return to_token_ids(prompt, lambda: tokenizer)
 
 
 def _longest_token_chars(tokenizer) -> int:
@@ -623,7 +598,7 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
     strict_requests refuses request fields no schema knows (see request_fields.py)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key: must not be empty (None serves without a key)")
-    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser, strict_requests)
+    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser, strict_requests, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -641,7 +616,8 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
         Route("/v1/responses", fe.responses, methods=["POST"]),
         Route("/v1/models", fe.models, methods=["GET"]),
         Route("/v1/models/{model:path}", fe.model, methods=["GET"]),
-        Route("/health", fe.health, methods=["GET"]),
+        Route("/health", fe.probes.ready, methods=["GET"]),
+        Route("/live", fe.probes.live, methods=["GET"]),
         Route("/metrics", fe.prometheus, methods=["GET"]),
     ]
     middleware = [Middleware(_RequireApiKey, key=api_key)] if api_key else []

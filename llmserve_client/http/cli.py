@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmserve-serve", allow_abbrev=False,   # a core flag must never be taken for a prefix of ours
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
-                    "/v1/models, /health, /metrics) in front of llmserve-core. Flags not listed here are passed to "
+                    "/v1/models, /health, /live, /metrics) in front of llmserve-core. Flags not listed here are passed to "
                     "llmserve-core when --model is given.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -157,6 +157,7 @@ async def _serve(args, endpoints: list[str], cores: list[OwnedCore], stopping: l
                                 timeout_graceful_shutdown=CORE_STOP_TIMEOUT_S,
                                 http=head_timeout_protocol(args.header_timeout))
         server = uvicorn.Server(config)
+        _drain_visibly(server, app.state.frontend)
         failed: list[str] = []
         watcher = asyncio.ensure_future(_watch_cores(cores, client, server, failed))
         await server.serve()
@@ -166,6 +167,17 @@ async def _serve(args, endpoints: list[str], cores: list[OwnedCore], stopping: l
         return 1 if failed else 0
     finally:
         await client.close()
+
+
+def _drain_visibly(server, frontend) -> None:
+    """From the signal that starts uvicorn's graceful shutdown, /health answers 503 (draining) on the
+    connections still served, while the requests in flight finish."""
+    stop = server.handle_exit
+
+    def handle_exit(sig, frame):
+        frontend.probes.draining = True
+        stop(sig, frame)
+    server.handle_exit = handle_exit
 
 
 async def _watch_cores(cores: list[OwnedCore], client, server, failed: list[str]) -> None:

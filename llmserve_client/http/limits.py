@@ -1,10 +1,17 @@
-"""What an HTTP peer may cost the frontend: a bounded body, read within a deadline, and a request head that
-arrives in time.
+"""What an HTTP peer may cost the frontend: a bounded body, read within a deadline, a request head that
+arrives in time, and a prompt refused from its size before any tokenizing.
 
 uvicorn reads a body only as fast as the app asks for it (it pauses the socket past 64 KiB), so a body is
 never buffered beyond what BodyLimit has accepted. uvicorn's own keep-alive timer runs only between
 requests and stops at the first byte of the next one, and a connection that never sends a byte has no
 timer at all: HeadTimeoutH11Protocol closes any connection whose request head is not complete in time.
+
+Prompt size: tokenizing is the one step whose cost grows with the request, and a request past
+max_model_len is refused anyway, so such a request must be refused before it is tokenized, from what
+decoding the body already tells: its characters and its message count. No honest prompt spells a token
+with more than CHARS_PER_TOKEN characters on average, and each chat message costs the template at least
+MESSAGE_TOKENS tokens, so a chat of m messages and c characters holds at least c / CHARS_PER_TOKEN + m *
+MESSAGE_TOKENS tokens; at max_model_len or more it cannot fit.
 """
 from __future__ import annotations
 
@@ -12,11 +19,20 @@ import asyncio
 import json
 
 import h11
+import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0
+
+# Qwen's tokenizer averages about 4 characters a token on English prose and 3 to 4 on code; runs of one
+# character (rules of dashes, indentation) go up to a few dozen. 32 on average over a whole prompt leaves
+# honest text a wide margin, and still refuses an 8 MB message at once for any context under 250k tokens.
+CHARS_PER_TOKEN = 32
+# Qwen3's ChatML spends 5 tokens on a message with empty content (<|im_start|>, role, newline, <|im_end|>,
+# newline); 3 leaves room for any template as terse.
+MESSAGE_TOKENS = 3
 
 
 def _error_body(message: str, code: str) -> bytes:
@@ -127,3 +143,46 @@ class HeadTimeoutH11Protocol(H11Protocol):
 def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
     """The protocol class to hand uvicorn.Config(http=...)."""
     return type("HeadTimeoutH11", (HeadTimeoutH11Protocol,), {"head_timeout": seconds})
+
+
+def chars_per_token(longest_token_chars: int) -> int:
+    """The characters one token stands for at most, on average: CHARS_PER_TOKEN, or less where the
+    vocabulary's longest token is shorter (then that is a proof, not an estimate; 2x allows a normalizer
+    that shrinks text, as composing characters does)."""
+    return max(1, min(CHARS_PER_TOKEN, 2 * longest_token_chars))
+
+
+def chat_size(req) -> tuple[int, int]:
+    """(characters, messages) of a chat request: every message's content (all roles, every text part), name,
+    tool calls (names and arguments), tool_call_id and reasoning, plus the tools and template arguments the
+    template renders. Cheap: it reads the decoded request, building nothing per message."""
+    chars = 0
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, str):
+            chars += len(content)
+        elif content:
+            chars += sum(len(p.text or "") for p in content)
+        for text in (m.name, m.tool_call_id, m.reasoning_content):
+            if text:
+                chars += len(text)
+        for call in m.tool_calls or ():
+            args = call.function.arguments
+            chars += len(call.function.name) + (len(args) if isinstance(args, str) else _json_chars(args))
+    for extra in (req.tools, req.chat_template_kwargs):
+        if extra:
+            chars += _json_chars(extra)
+    return chars, len(req.messages)
+
+
+def fewest_tokens(chars: int, messages: int, per_token: int) -> int:
+    """A lower bound on the tokens of a prompt of `chars` characters in `messages` chat messages (0 for a
+    plain prompt), for honest text (see CHARS_PER_TOKEN)."""
+    return chars // per_token + messages * MESSAGE_TOKENS
+
+
+def _json_chars(value) -> int:
+    try:
+        return len(msgspec.json.encode(value))
+    except (TypeError, msgspec.EncodeError):
+        return len(str(value))

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmserve_client.errors import LLMServeError
 from llmserve_client.http import schemas
+from llmserve_client.http.identity import Requester
 from llmserve_client.http.schemas import TEXT_ONLY, ApiError
 from llmserve_client.http.streams import ClientGone, exhaust, merge, until_disconnect
 
@@ -375,7 +376,8 @@ async def serve(fe, request: Request) -> Response:
         except RecursionError:
             raise ApiError("the request nests JSON too deeply") from None
         try:
-            streams, ctx = await fe._start(chat, True, ignored, endpoint="responses", max_calls=req.max_tool_calls)
+            streams, ctx = await fe._start(chat, True, ignored, endpoint="responses", max_calls=req.max_tool_calls,
+                                           requester=Requester(request.scope, fe.api_key))
         except ApiError as e:
             raise _renamed(e) from None
     except ApiError as e:
