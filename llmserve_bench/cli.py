@@ -4,6 +4,7 @@
     llmserve-bench closed-loop --model DIR --max-concurrency 16 --warmup-seconds 5 --measurement-seconds 30 -- --max-num-seqs 64
     llmserve-bench compare A.json B.json
     llmserve-bench soak        --duration 1800 --result-json soak.json      # a core + HTTP frontend of its own
+    llmserve-bench flood       --model DIR --phase-seconds 40 -- --max-num-seqs 256   # one client's flood beside another's probes
 
 With --model the bench starts its own core (flags after `--` go to it) and stops it afterwards; otherwise
 it drives the core at --endpoint (default: the core's default endpoint). Exit codes: 0 done, 1 the run failed,
@@ -146,8 +147,88 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound on the core's and the frontend's RSS growth after the warm-up (default: 300)")
     s.add_argument("--seed", type=_nonneg_int, default=0)
     s.add_argument("--result-json", help="write the summary here")
-    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp, "soak": s}
+    f = sub.add_parser("flood", help="one client floods, another probes: the prober's TTFT and the flood's "
+                                     "throughput, each against running alone",
+                       description=_flood_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = f.add_mutually_exclusive_group()
+    src.add_argument("--endpoint", help="a running core (default: the core's default endpoint)")
+    src.add_argument("--model", help="start a core on this model directory for the run (its flags after `--`)")
+    f.add_argument("--tokenizer", help="tokenizer directory (default: the one the core announces, if any)")
+    f.add_argument("--connect-timeout", type=_positive_float,
+                   help="seconds to wait for the core (default: 60 with --endpoint; 900 with --model)")
+    f.add_argument("--flood-concurrency", type=_positive_int, default=1024,
+                   help="requests the flooder keeps in flight (default: 1024; past the core's "
+                        "--max-queued-requests-per-client the rest are refused and retried)")
+    f.add_argument("--input-len", type=_positive_int, default=512, help="flood prompt tokens (default: 512)")
+    f.add_argument("--output-len", type=_positive_int, default=400, help="flood output tokens (default: 400)")
+    f.add_argument("--probe-rate", type=_positive_float, default=1.0, help="probes per second (default: 1)")
+    f.add_argument("--probe-input-len", type=_positive_int, default=32, help="probe prompt tokens (default: 32)")
+    f.add_argument("--probe-output-len", type=_positive_int, default=8, help="probe output tokens (default: 8)")
+    f.add_argument("--phase-seconds", type=_positive_float, default=40.0,
+                   help="length of each of the three phases (default: 40)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--result-json", metavar="PATH", help="write config, environment, phases and summary")
+    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp, "soak": s, "flood": f}
     return p
+
+
+def _flood_doc() -> str:
+    from llmserve_bench import flood
+    return flood.__doc__.split("\n\n", 1)[1]
+
+
+def _flood_main(parser, args, core_args: list[str]) -> int:
+    from llmserve_bench import flood
+    from llmserve_bench.core_process import CoreProcess, CoreStartError
+    from llmserve_bench.report import environment
+    from llmserve_client import LLMServeError, run
+    if core_args and not args.model:
+        parser.error("flags after `--` go to a core the bench starts; they need --model")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model: {args.model}: not a model directory (no config.json)")
+    if args.result_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.result_json))):
+        parser.error(f"--result-json: the directory of {args.result_json} does not exist")
+    cfg = flood.FloodConfig(flood_concurrency=args.flood_concurrency, input_len=args.input_len,
+                            output_len=args.output_len, probe_rate=args.probe_rate,
+                            probe_input_len=args.probe_input_len, probe_output_len=args.probe_output_len,
+                            phase_seconds=args.phase_seconds, seed=args.seed)
+    timeout = args.connect_timeout or (900.0 if args.model else 60.0)
+    core = None
+    log = lambda line: print(line, file=sys.stderr, flush=True)    # noqa: E731
+    with bounded_interrupt(lambda: core.stop() if core is not None else None):
+        try:
+            endpoint = args.endpoint
+            if args.model:
+                core = CoreProcess(args.model, core_args).start()
+                log(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}")
+                core.wait_socket(timeout)
+                endpoint = core.endpoint
+            result = run(flood.run_flood(endpoint, cfg, timeout, args.tokenizer, log))
+        except ValueError as e:
+            print(f"llmserve-bench flood: error: {e}", file=sys.stderr)
+            return 2
+        except CoreStartError as e:
+            print(f"llmserve-bench: {e}", file=sys.stderr)
+            return 2 if e.returncode == 2 else 1
+        except LLMServeError as e:
+            tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
+            print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\nllmserve-bench: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        finally:
+            if core is not None:
+                core.stop()
+    print(flood.format_table(result))
+    if args.result_json:
+        import json
+        result["environment"] = environment()
+        result["core_args"] = core_args
+        with open(args.result_json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        log(f"llmserve-bench: results written to {args.result_json}")
+    return 0
 
 
 def _soak_doc() -> str:
@@ -313,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare_main(args)
     if args.cmd == "soak":
         return _soak_main(parser.subcommands["soak"], args, core_args)
+    if args.cmd == "flood":
+        return _flood_main(parser.subcommands["flood"], args, core_args)
     wl, slo = check_args(parser.subcommands[args.cmd], args, core_args)   # errors name the subcommand
     config = run_config(args, wl, slo, core_args)
     from llmserve_client import LLMServeError, run
