@@ -58,6 +58,7 @@ class Cores:
         self._foreign = [0] * len(self.endpoints)        # others' running + waiting, from the core's stats
         self._stats_asked = [0.0] * len(self.endpoints)  # when the last load query went out (0: none pending)
         self._stats_answered = [0.0] * len(self.endpoints)
+        self._draining = [False] * len(self.endpoints)   # the core's last stats said it refuses new requests
 
     @property
     def single(self) -> bool:
@@ -115,6 +116,8 @@ class Cores:
             up = [t.dead is None for t in self.transports]
             if not any(up):
                 raise self.dead or EngineDeadError("no core is up")
+            serving = [u and not d for u, d in zip(up, self._draining)]
+            up = serving if any(serving) else up      # a draining core refuses the request: others first
             loads = [c + f for c, f in zip(self._counts, self._foreign)]
             i = self.router.pick(token_ids, loads, up) if not self.single else 0
             req = WireRequest(self, request_id, wire_request_id(request_id, next(self._serials)), i, sink)
@@ -181,6 +184,7 @@ class Cores:
     def _on_load(self, i: int, stats: dict, own_when_asked: int) -> None:
         queued = int(stats.get("running", 0) or 0) + int(stats.get("waiting", 0) or 0)
         self._foreign[i] = max(0, queued - own_when_asked)
+        self._draining[i] = bool(stats.get("draining"))
         self._stats_asked[i], self._stats_answered[i] = 0.0, time.monotonic()
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import queue
 import time
 
 import pytest
@@ -23,7 +24,7 @@ import httpx  # noqa: E402
 from helpers.daemon import start_core, wait_ready  # noqa: E402
 from helpers.http import CORE_ARGS, children, sdk, start_serve, stop, wait_healthy  # noqa: E402
 from llmserve_client import Client, EngineDeadError, ModelMismatchError  # noqa: E402
-from llmserve_client.cores import aggregate_stats  # noqa: E402
+from llmserve_client.cores import Cores, aggregate_stats  # noqa: E402
 from llmserve_client.http.cli import parse_args  # noqa: E402
 from llmserve_client.http.core_procs import device_groups  # noqa: E402
 from llmserve_client.router import OVERLOAD_SLACK, Router, prefix_key  # noqa: E402
@@ -75,6 +76,23 @@ def test_aggregate_stats_sums_and_recomputes_rates():
     assert s["cores"][1]["running"] == 2 and s["cores"][1]["routed"] == 6
     with pytest.raises(EngineDeadError, match="no core answered"):
         aggregate_stats(["x"], [EngineDeadError("gone")], [0], [0])
+
+
+def test_a_draining_core_gets_no_new_requests_while_another_serves(tmp_path):
+    # No core listens: the transports stay in their handshake, which is enough to route requests to them.
+    cores = Cores([f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"], connect_timeout=60)
+    sink = queue.SimpleQueue()      # where the requests' "dead" notices go when the cores are closed
+    try:
+        cores.router = Router(cores.endpoints, BLOCK)
+        cores._on_load(0, {"running": 0, "waiting": 0, "draining": True}, 0)
+        picked = [cores.open(f"r{i}", [1, 2, i], sink).index for i in range(4)]
+        assert picked == [1, 1, 1, 1]
+        cores._on_load(1, {"running": 0, "waiting": 0, "draining": True}, 0)      # all drain: any may refuse
+        assert cores.open("r4", [1, 2, 4], sink).index == 0                       # the least loaded
+        cores._on_load(0, {"running": 0, "waiting": 0}, 0)                        # a's stop ended (a new core)
+        assert cores.open("r5", [1, 2, 5], sink).index == 0
+    finally:
+        cores.close()
 
 
 def test_device_groups():
