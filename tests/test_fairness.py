@@ -227,3 +227,18 @@ def test_engine_fairness_with_speculative_decoding(tiny_model_dir, tmp_path):
     assert waited is not None and waited <= BOUND + 2, waited
     assert beside == alone and len(probe_tokens) == 2
     assert engine.stats()["num_fairness_preemptions"] >= 1
+
+
+@pytest.mark.parametrize("value", [-1, -2**63, 2**31, 2**63, 2**64])
+def test_a_fairness_bound_out_of_range_is_refused_by_name(tiny_model_dir, value):
+    with pytest.raises(ValueError, match="fairness_preempt_steps"):
+        EngineConfig(model=str(tiny_model_dir), fairness_preempt_steps=value).validate()
+
+
+def test_the_fairness_flag_reaches_the_engine_config(tiny_model_dir, capsys):
+    from llmserve_core.cli import parse_serve_args
+    assert parse_serve_args(["--model", str(tiny_model_dir), "--fairness-preempt-steps", "0"])[0].fairness_preempt_steps == 0
+    assert parse_serve_args(["--model", str(tiny_model_dir)])[0].fairness_preempt_steps == 8
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(["--model", str(tiny_model_dir), "--fairness-preempt-steps", "-3"])
+    assert e.value.code == 2 and "--fairness-preempt-steps" in capsys.readouterr().err

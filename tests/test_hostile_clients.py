@@ -278,6 +278,30 @@ def test_request_fields_and_other_messages_at_extremes(core):
     assert proc.poll() is None
 
 
+def test_the_user_field_at_extremes(core):
+    # Generate.user: a string of at most 256 characters (any characters: it is a key, never shown raw).
+    endpoint, proc, _ = core
+    raw = Raw(endpoint)
+    try:
+        for i, v in enumerate([*EXTREMES, "u" * 257, "", "u" * 256, "\x00\n\u202e\U0001f600", None, [1], {"a": 1}]):
+            rid = f"user-{i}"
+            raw.send(["generate", rid, PROMPT, [2], wire(v) if not isinstance(v, (str, list, dict, type(None))) else v])
+            reply = raw.finals({rid})[rid]
+            if isinstance(v, str) and len(v) <= 256:
+                assert reply == "length", (v, reply)
+            else:
+                assert isinstance(reply, RequestErrorMsg) and reply.field == "user", (v, reply)
+        raw.assert_serving()
+    finally:
+        raw.close()
+    with Client(endpoint, client_name="users") as c:
+        with pytest.raises(RequestError) as e:
+            c.generate(PROMPT, max_tokens=2, user="u" * 257)
+        assert e.value.field == "user"
+        assert c.generate(PROMPT, max_tokens=2, user="alice").finish_reason == "length"
+    assert proc.poll() is None
+
+
 CLIENT_VALUES = [v for v in EXTREMES if not _is_int(v) or -2**63 <= v < 2**64]
 
 
