@@ -7,6 +7,7 @@ everything; preemption for fairness loses no token.
 import random
 
 import pytest
+import torch
 
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
@@ -171,8 +172,9 @@ FLOOD_TOKENS = 48
 
 
 def _flood_engine(tiny_model_dir, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256,
-                               max_num_seqs=4, max_num_batched_tokens=64, fairness_preempt_steps=BOUND, **kw))
+    cfg = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+               fairness_preempt_steps=BOUND)
+    return Engine(EngineConfig(model=str(tiny_model_dir), **{**cfg, **kw}))
 
 
 def _prompt(i: int) -> list[int]:
@@ -216,6 +218,19 @@ def test_engine_probe_beside_a_flood_gets_its_first_token_within_the_bound_and_t
     assert beside == alone and all(len(t) == FLOOD_TOKENS for t in alone.values())    # recomputed exactly
     st = engine.stats()
     assert st["running"] == st["waiting"] == st["used_kv_blocks"] == st["num_scheduled_clients"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_fairness_on_cuda_with_graphs_and_async_scheduling(tiny_model_dir):
+    # Victims preempted while their step is still in flight on the device, recomputed through the graphs.
+    engine = _flood_engine(tiny_model_dir, device="cuda", attention_backend="triton", num_kv_blocks=256)
+    assert engine.async_scheduling and engine.runner.graphs is not None
+    alone, _, _ = _run(engine, probe_after=None)
+    beside, waited, probe_tokens = _run(engine, probe_after=10)
+    assert waited is not None and waited <= BOUND + 3, waited
+    assert beside == alone and len(probe_tokens) == 2
+    assert engine.stats()["num_fairness_preemptions"] >= 1
 
 
 def test_engine_fairness_with_speculative_decoding(tiny_model_dir, tmp_path):
