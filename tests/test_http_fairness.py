@@ -18,7 +18,7 @@ from llmserve_client import Client
 from llmserve_client.http import schemas
 from llmserve_client.http.health import Health
 from llmserve_client.http.identity import Requester
-from llmserve_client.http.limits import MESSAGE_TOKENS, chat_size, fewest_tokens
+from llmserve_client.http.limits import COUNT_FIRST_BYTES, MESSAGE_TOKENS, chat_size, fewest_tokens, message_count
 from test_http import start_core, start_serve, stop, wait_healthy
 
 FAIRNESS_STEPS = 4
@@ -155,14 +155,18 @@ def test_the_length_check_counts_every_role_tool_call_name_and_part():
     assert fewest_tokens(chars, messages, 32) == chars // 32 + 4 * MESSAGE_TOKENS
 
 
-def test_250000_messages_are_sized_in_well_under_a_second():
-    body = json.dumps({"messages": [{"role": "user", "content": ""}] * 250_000, "max_tokens": 2})
+def test_250000_messages_are_counted_in_well_under_a_second():
+    body = json.dumps({"messages": [{"role": "user", "content": ""}] * 250_000, "max_tokens": 2}).encode()
+    assert len(body) > COUNT_FIRST_BYTES        # so the frontend counts before it decodes
     t0 = time.monotonic()
-    req = schemas.decode(body.encode(), schemas.ChatRequest)
-    chars, messages = chat_size(req)
+    n = message_count(body)
     took = time.monotonic() - t0
-    assert (chars, messages) == (0, 250_000) and fewest_tokens(chars, messages, 32) == 750_000
+    assert n == 250_000 and fewest_tokens(0, n, 32) == 750_000
     assert took < 1.0, took
+    assert message_count(b"{\"messages\": 3}") is None and message_count(b"[") is None
+    assert message_count(b"{\"prompt\": \"hi\"}") == 0
+    req = schemas.decode(body, schemas.ChatRequest)      # what a body under the threshold goes through
+    assert chat_size(req) == (0, 250_000)
 
 
 class _FakeClient:

@@ -35,8 +35,8 @@ from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
 from llmserve_client.http import responses, schemas
 from llmserve_client.http.health import STATS_TIMEOUT_S, Health, retry_after
 from llmserve_client.http.identity import Requester
-from llmserve_client.http.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, chars_per_token,
-                                         chat_size, fewest_tokens)
+from llmserve_client.http.limits import (COUNT_FIRST_BYTES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit,
+                                         chars_per_token, chat_size, fewest_tokens, message_count)
 from llmserve_client.http.chat_output import ChoiceShaper, guided_after_reasoning, render_chat
 from llmserve_client.http.guided import error_param, guided_from_request
 from llmserve_client.http.metrics import CONTENT_TYPE, Metrics
@@ -153,8 +153,10 @@ class Frontend:
 
     async def _generate_or_raise(self, request: Request, chat: bool) -> Response:
         try:
-            req, ignored = self.decode(request, await request.body(),
-                                       schemas.ChatRequest if chat else schemas.CompletionRequest,
+            body = await request.body()
+            if chat and len(body) > COUNT_FIRST_BYTES:      # counted before the decode builds every message
+                self._check_length_early(0, message_count(body) or 0, "messages")
+            req, ignored = self.decode(request, body, schemas.ChatRequest if chat else schemas.CompletionRequest,
                                        "chat" if chat else "completions")
             streams, ctx = await self._start(req, chat, ignored, requester=Requester(request.scope, self.api_key))
         except ApiError as e:
