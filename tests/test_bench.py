@@ -725,23 +725,3 @@ def test_the_early_length_check_leaves_yarn_models_to_the_core(tmp_path, rope, w
     # Repeated, the core's parser keeps the last one; so does the check.
     assert model_max_len(str(tmp_path), ["--max-model-len", "100", "--max-model-len=300"]) == 300
 
-
-def test_flood_fairness_smoke_on_the_cpu(tmp_path, capsys):
-    # benchmarks/flood_fairness.py --smoke: `llmserve-bench flood` with a core of its own on the tiny model.
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import flood_fairness
-    finally:
-        sys.path.pop(0)
-    assert flood_fairness.main(["--out", str(tmp_path), "--smoke"]) == 0
-    table = capsys.readouterr().out
-    assert "flood and probe" in table and "flood throughput with the probe / alone" in table
-    with open(tmp_path / "flood_fairness.json") as f:
-        result = json.load(f)
-    phases, summary = result["phases"], result["summary"]
-    assert phases["probe_alone"]["probes"] > 0 and phases["flood_and_probe"]["probes"] > 0
-    assert phases["probe_alone"]["flood_output_tokens"] == 0 and phases["flood_alone"]["probes"] == 0
-    assert phases["flood_alone"]["flood_output_tokens"] > 0 and phases["flood_and_probe"]["flood_output_tokens"] > 0
-    assert summary["probe_p50_ttft_ms_alone"] > 0 and summary["flood_throughput_ratio"] > 0
-    assert result["card"] == "cpu" and result["environment"]["git_commit"]
-    assert "--fairness-preempt-steps" in result["core_args"]

@@ -117,6 +117,20 @@ def test_spec_cpu(tmp_path):
     assert all(r["mean_acceptance_length"] >= 1 for r in rows if r["mode"] != "plain")
 
 
+def test_flood_fairness(tmp_path):
+    # `llmserve-bench flood` with a core of its own on the tiny model: three phases, the table, the JSON.
+    table = run("flood_fairness.py", "--out", str(tmp_path), "--smoke")
+    assert "flood and probe" in table and "flood throughput with the probe / alone" in table
+    result = json.loads((tmp_path / "flood_fairness.json").read_text())
+    phases, summary = result["phases"], result["summary"]
+    assert phases["probe_alone"]["probes"] > 0 and phases["flood_and_probe"]["probes"] > 0
+    assert phases["probe_alone"]["flood_output_tokens"] == 0 and phases["flood_alone"]["probes"] == 0
+    assert phases["flood_alone"]["flood_output_tokens"] > 0 and phases["flood_and_probe"]["flood_output_tokens"] > 0
+    assert summary["probe_p50_ttft_ms_alone"] > 0 and summary["flood_throughput_ratio"] > 0
+    assert result["card"] == "cpu" and result["environment"]["git_commit"]
+    assert "--fairness-preempt-steps" in result["core_args"]
+
+
 def test_table_sweeps_import(tmp_path):
     """The sweeps that write the GEMV tile tables need a GPU for any run; on the CPU their imports and
     parsers must still resolve against the kernels they time."""

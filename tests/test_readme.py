@@ -219,7 +219,8 @@ def test_bench_soak_and_compare_flags_documented():
     subs = bench_parsers()
     check_table([r for t in tables(section(CLI, "### soak")) for r in t], subs["soak"], "llmserve-bench soak")
     assert parser_flags(subs["compare"]) == set(), "compare takes flags now: give them a table in docs/cli.md"
-    assert set(subs) == {"run", "closed-loop", "compare", "soak"}, "a new llmserve-bench subcommand: document it"
+    check_table([r for t in tables(section(CLI, "### flood")) for r in t], subs["flood"], "llmserve-bench flood")
+    assert set(subs) == {"run", "closed-loop", "compare", "soak", "flood"}, "a new llmserve-bench subcommand: document it"
 
 
 def test_serve_flags_documented():
