@@ -257,3 +257,19 @@ def test_the_fairness_flag_reaches_the_engine_config(tiny_model_dir, capsys):
     with pytest.raises(SystemExit) as e:
         parse_serve_args(["--model", str(tiny_model_dir), "--fairness-preempt-steps", "-3"])
     assert e.value.code == 2 and "--fairness-preempt-steps" in capsys.readouterr().err
+
+
+def test_short_of_blocks_the_client_running_the_most_gives_up_its_newest():
+    # P's request is the newest running, but F runs more: F's newest goes when an older F request needs a block.
+    s = Scheduler(BlockManager(9, 4), max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    flood = [req(f"f{i}", "F", n_prompt=4) for i in range(3)]
+    for r in flood:
+        s.add(r)
+    step(s)
+    probe = req("p", "P", n_prompt=4, max_tokens=20)
+    s.add(probe)
+    preempted = []
+    for _ in range(8):
+        preempted += [r.request_id for r in step(s).preempted]
+    assert preempted and "p" not in preempted and probe.num_output_tokens == 8, preempted
+    assert preempted[0] == "f2"              # the newest of the client running the most

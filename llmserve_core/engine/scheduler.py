@@ -10,9 +10,9 @@ Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_n
    fewest first, in arrival order within a client (waiting_queue.py); one whose grammar is still compiling,
    or whose prompt's first block a running request is about to publish to the prefix cache, lets the others
    pass for now.
-When a running request needs a block and none is free, the newest running request is preempted:
-its blocks are released (full ones stay in the prefix cache) and it goes back to the front of its
-client's queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the
+When a running request needs a block and none is free, a newer running request is preempted (the newest
+of the client running the most among them): its blocks are released (full ones stay in the prefix cache)
+and it goes back to the front of its client's queue to be recomputed later. A request is only admitted if it fits in the whole pool, so the
 oldest request can always progress: no deadlock, no lost request.
 Fairness preemption: slots free up only as requests end, so a client whose requests were all admitted
 together can hold every slot for a whole request's length. When the head of a client's queue has waited
@@ -238,12 +238,24 @@ class Scheduler:
         if not req.is_prefilling and req.speculative:
             need += self.lookahead_tokens
         while not self.blocks.can_allocate(req, need):
-            victim = self.running[-1]
+            victim = self._newer_victim(req)
             self._preempt(victim, out)
             if victim is req:
                 return False
         self.blocks.allocate(req, need)
         return True
+
+    def _newer_victim(self, req: Request) -> Request:
+        """Whom req, short of blocks, preempts: a request newer than itself (so the oldest always progresses),
+        the newest of the client among those that runs the most (so a client over its share gives up blocks
+        before one under it, which fairness has just admitted); req itself when it is the newest."""
+        newer = self.running[self.running.index(req) + 1:]
+        if not newer:
+            return req
+        # Ties go to the client of the newest request (the first maximum, newest first): a lone client, or
+        # clients at equal shares, lose the newest request as before.
+        holder = max(dict.fromkeys(r.client for r in reversed(newer)), key=self.waiting.running)
+        return next(r for r in reversed(newer) if r.client == holder)
 
     def _preempt(self, req: Request, out: ScheduledBatch) -> None:
         if req in out.requests:  # already given work this step: undo it
