@@ -179,9 +179,7 @@ def _flood_doc() -> str:
 
 def _flood_main(parser, args, core_args: list[str]) -> int:
     from llmserve_bench import flood
-    from llmserve_bench.core_process import CoreProcess, CoreStartError
     from llmserve_bench.report import environment
-    from llmserve_client import LLMServeError, run
     if core_args and not args.model:
         parser.error("flags after `--` go to a core the bench starts; they need --model")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -193,33 +191,11 @@ def _flood_main(parser, args, core_args: list[str]) -> int:
                             probe_input_len=args.probe_input_len, probe_output_len=args.probe_output_len,
                             phase_seconds=args.phase_seconds, seed=args.seed)
     timeout = args.connect_timeout or (900.0 if args.model else 60.0)
-    core = None
     log = lambda line: print(line, file=sys.stderr, flush=True)    # noqa: E731
-    with bounded_interrupt(lambda: core.stop() if core is not None else None):
-        try:
-            endpoint = args.endpoint
-            if args.model:
-                core = CoreProcess(args.model, core_args).start()
-                log(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}")
-                core.wait_socket(timeout)
-                endpoint = core.endpoint
-            result = run(flood.run_flood(endpoint, cfg, timeout, args.tokenizer, log))
-        except ValueError as e:
-            print(f"llmserve-bench flood: error: {e}", file=sys.stderr)
-            return 2
-        except CoreStartError as e:
-            print(f"llmserve-bench: {e}", file=sys.stderr)
-            return 2 if e.returncode == 2 else 1
-        except LLMServeError as e:
-            tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
-            print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("\nllmserve-bench: interrupted", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        finally:
-            if core is not None:
-                core.stop()
+    code, result = _run_with_core(args, core_args, timeout, (ValueError,),
+                                  lambda endpoint: flood.run_flood(endpoint, cfg, timeout, args.tokenizer, log))
+    if code is not None:
+        return code
     print(flood.format_table(result))
     if args.result_json:
         import json
@@ -382,6 +358,42 @@ def warn_seen_prompts(wl: WorkloadConfig, summary: dict) -> None:
               "running core?). Use another --seed, or restart the core, for cold-cache numbers.", file=sys.stderr)
 
 
+def _run_with_core(args, core_args: list[str], timeout: float, config_errors: tuple, coro_for):
+    """Run coro_for(endpoint) at --endpoint, or at a core started on --model (and stopped afterwards).
+    Returns (exit code, None) when the run could not be done, else (None, its result)."""
+    from llmserve_client import LLMServeError, run
+    from llmserve_bench.core_process import CoreProcess, CoreStartError
+    from llmserve_bench.runner import BenchError
+    core = None
+    # Ctrl-C stops the bench and its core within a bounded time, even if asyncio's unwinding hangs.
+    with bounded_interrupt(lambda: core.stop() if core is not None else None):
+        try:
+            endpoint = args.endpoint
+            if args.model:
+                core = CoreProcess(args.model, core_args).start()
+                print(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}",
+                      file=sys.stderr)
+                core.wait_socket(timeout)
+                endpoint = core.endpoint
+            return None, run(coro_for(endpoint))
+        except config_errors as e:
+            print(f"llmserve-bench {args.cmd}: error: {e}", file=sys.stderr)
+            return 2, None
+        except CoreStartError as e:
+            print(f"llmserve-bench: {e}", file=sys.stderr)
+            return (2 if e.returncode == 2 else 1), None
+        except (BenchError, LLMServeError) as e:
+            tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
+            print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
+            return 1, None
+        except KeyboardInterrupt:
+            print("\nllmserve-bench: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED, None
+        finally:
+            if core is not None:
+                core.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     core_args: list[str] = []
@@ -398,37 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         return _flood_main(parser.subcommands["flood"], args, core_args)
     wl, slo = check_args(parser.subcommands[args.cmd], args, core_args)   # errors name the subcommand
     config = run_config(args, wl, slo, core_args)
-    from llmserve_client import LLMServeError, run
-    from llmserve_bench.core_process import CoreProcess, CoreStartError
-    from llmserve_bench.runner import BenchError
-    core = None
-    # Ctrl-C stops the bench and its core within a bounded time, even if asyncio's unwinding hangs.
-    with bounded_interrupt(lambda: core.stop() if core is not None else None):
-        try:
-            endpoint = args.endpoint
-            if args.model:
-                core = CoreProcess(args.model, core_args).start()
-                print(f"llmserve-bench: started llmserve-core (pid {core.proc.pid}) on {args.model}; log: {core.log_path}",
-                      file=sys.stderr)
-                core.wait_socket(args.connect_timeout)
-                endpoint = core.endpoint
-            result = run(_bench(args, endpoint, wl, slo, config))
-        except ConfigError as e:
-            print(f"llmserve-bench {args.cmd}: error: {e}", file=sys.stderr)
-            return 2
-        except CoreStartError as e:
-            print(f"llmserve-bench: {e}", file=sys.stderr)
-            return 2 if e.returncode == 2 else 1
-        except (BenchError, LLMServeError) as e:
-            tail = f"\ncore log:\n{core.log_tail()}" if core is not None else ""
-            print(f"llmserve-bench: the run failed: {e}{tail}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("\nllmserve-bench: interrupted", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        finally:
-            if core is not None:
-                core.stop()
+    code, result = _run_with_core(args, core_args, args.connect_timeout, (ConfigError,),
+                                  lambda endpoint: _bench(args, endpoint, wl, slo, config))
+    if code is not None:
+        return code
     from llmserve_bench.report import write_json, write_plot
     print(result.table())
     if args.result_json:
