@@ -135,6 +135,10 @@ def test_who_a_request_is_for():
     assert "alice" not in shared.user("alice")
     assert Requester(_scope(None), None).user(None) == "addr:10.1.2.3"
     assert Requester(_scope(b"Basic abc", client=None), None).user("") == "addr:"
+    # OpenAI's `user` field reaches the chat pipeline from every endpoint (the Responses API's too).
+    from llmserve_client.http.responses import ResponsesRequest, to_chat
+    assert to_chat(ResponsesRequest(input="hi", user="carol"))["user"] == "carol"
+    assert schemas.decode(b'{"prompt": "hi", "user": "dave"}', schemas.CompletionRequest).user == "dave"
 
 
 def test_the_length_check_counts_every_role_tool_call_name_and_part():

@@ -26,17 +26,18 @@ HEADER = "llmserve-ignored-fields"
 
 # OpenAI's request fields this server accepts and ignores, per endpoint. What each would do at OpenAI:
 # metadata/store/service_tier/prompt_cache_*: storage, billing and caching (prefix caching here is automatic);
-# user/safety_identifier: abuse tracking; prediction: a latency hint (the output is the same);
+# safety_identifier: abuse tracking (`user` acts: whom the core's fair shares count a request for);
+# prediction: a latency hint (the output is the same);
 # verbosity: a style hint; web_search_options: OpenAI's own search tool (the answer comes without it);
 # include/top_logprobs (responses): extra output data; truncation "auto": drop old input instead of a 400.
 IGNORED = {
-    "chat": frozenset({"metadata", "store", "service_tier", "user", "safety_identifier", "prompt_cache_key",
+    "chat": frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                        "prompt_cache_options", "prompt_cache_retention", "prediction", "verbosity",
                        "web_search_options"}),
-    "completions": frozenset({"user"}),
+    "completions": frozenset(),
     "responses": frozenset({"access_programs", "background_options", "context_management", "image", "include",
                             "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-                            "safety_identifier", "service_tier", "store", "top_logprobs", "truncation", "user"}),
+                            "safety_identifier", "service_tier", "store", "top_logprobs", "truncation"}),
 }
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")

@@ -51,6 +51,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None          # echoed in the response
+    user: str | None = None                         # whom the request is for (the chat request's user)
     background: bool | None = None
     conversation: Any = None
     previous_response_id: str | None = None
@@ -98,7 +99,7 @@ def to_chat(req: ResponsesRequest) -> dict:
     _refuse_state(req)
     chat: dict = {"model": req.model, "messages": _messages(req), "stream": bool(req.stream),
                   "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "parallel_tool_calls": req.parallel_tool_calls}
+                  "parallel_tool_calls": req.parallel_tool_calls, "user": req.user}
     if req.tools:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -41,6 +41,7 @@ class _Request(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints. top_k, min_p, stop_token_ids, ignore_eos and skip_special_tokens
     are vLLM's extensions, with vLLM's meaning."""
     model: str | None = None
+    user: str | None = None        # whom the request is for, where no API key says (identity.py: fair shares)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
