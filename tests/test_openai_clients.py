@@ -134,7 +134,7 @@ def test_fields_openai_defines_are_accepted_and_the_ignored_ones_named(client):
         safety_identifier="u1", prompt_cache_key="p", verbosity="low", user="u", extra_body={"my_extension": 1})
     assert raw.parse().choices[0].message.content is not None
     assert raw.headers["llmserve-ignored-fields"] == \
-        "metadata, my_extension, prompt_cache_key, safety_identifier, service_tier, store, user, verbosity"
+        "metadata, my_extension, prompt_cache_key, safety_identifier, service_tier, store, verbosity"   # user acts
     raw = client.completions.with_raw_response.create(model=NAME, prompt="hi", max_tokens=2)
     assert "llmserve-ignored-fields" not in raw.headers
     raw = client.responses.with_raw_response.create(model=NAME, input="hi", max_output_tokens=3, store=True,
