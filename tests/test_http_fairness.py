@@ -10,16 +10,23 @@ import signal
 import threading
 import time
 
-import httpx
 import msgspec
 import pytest
 
-from llmserve_client import Client
-from llmserve_client.http import schemas
-from llmserve_client.http.health import Health
-from llmserve_client.http.identity import Requester
-from llmserve_client.http.limits import COUNT_FIRST_BYTES, MESSAGE_TOKENS, chat_size, fewest_tokens, message_count
-from test_http import start_core, start_serve, stop, wait_healthy
+pytest.importorskip("httpx")         # the HTTP frontend's; absent on the GPU machine
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import httpx  # noqa: E402
+
+from llmserve_client import Client  # noqa: E402
+from llmserve_client.http import schemas  # noqa: E402
+from llmserve_client.http.health import Health  # noqa: E402
+from llmserve_client.http.identity import Requester  # noqa: E402
+from llmserve_client.http.limits import (COUNT_FIRST_BYTES, MESSAGE_TOKENS, chat_size, fewest_tokens,  # noqa: E402
+                                         message_count)
+from test_http import start_core, start_serve, stop, wait_healthy  # noqa: E402
 
 FAIRNESS_STEPS = 4
 SLOTS = 4
