@@ -14,7 +14,8 @@ from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.scheduler import Scheduler, fair_shares
 from llmserve_proto import SamplingParams
-from test_scheduler import advance
+
+from helpers.scheduler import advance
 
 BOUND = 4          # fairness_preempt_steps in these tests
 
@@ -234,7 +235,7 @@ def test_engine_fairness_on_cuda_with_graphs_and_async_scheduling(tiny_model_dir
 
 
 def test_engine_fairness_with_speculative_decoding(tiny_model_dir, tmp_path):
-    from llmserve_core.models.eagle3 import make_tiny_draft
+    from llmserve_core.models.tiny_draft import make_tiny_draft
     draft = make_tiny_draft(tmp_path / "draft", tiny_model_dir, seed=1)
     engine = _flood_engine(tiny_model_dir, speculative_model=str(draft), speculative_policy="always")
     alone, _, _ = _run(engine, probe_after=None, n_flood=8)

@@ -26,7 +26,7 @@ from llmserve_client.http.health import Health  # noqa: E402
 from llmserve_client.http.identity import Requester  # noqa: E402
 from llmserve_client.http.limits import (COUNT_FIRST_BYTES, MESSAGE_TOKENS, chat_size, fewest_tokens,  # noqa: E402
                                          message_count)
-from test_http import start_core, start_serve, stop, wait_healthy  # noqa: E402
+from helpers.http import start_core, start_serve, stop, wait_healthy  # noqa: E402
 
 FAIRNESS_STEPS = 4
 SLOTS = 4

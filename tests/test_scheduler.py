@@ -7,20 +7,13 @@ from llmserve_core.engine.scheduler import Scheduler
 from llmserve_core.engine.waiting_queue import WaitingQueue
 from llmserve_proto import SamplingParams
 
+from helpers.scheduler import advance
+
 
 def req(rid, n_prompt, max_tokens=100):
     # Distinct token content per request, so the prefix cache never shortcuts a prefill here.
     base = 1000 * (sum(map(ord, rid)) % 1000)
     return Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens), frozenset(), 10_000)
-
-
-def advance(sched, batch, token=7):
-    """Pretend the forward ran: mark tokens computed and append a token where the chunk reached the end."""
-    for r, n in zip(batch.requests, batch.num_new_tokens):
-        r.num_computed_tokens += n
-        sched.blocks.cache_full_blocks(r)
-        if r.num_computed_tokens == r.num_tokens:
-            r.token_ids.append(token)
 
 
 def test_decode_first_then_chunked_prefill():
