@@ -1,7 +1,7 @@
 """`llmserve-core`: serve a model over the llmserve protocol, or make a tiny test model.
 
     llmserve-core --model DIR [--listen ipc://PATH | tcp://127.0.0.1:PORT] [engine flags...]
-    llmserve-core make-tiny-model DIR [--seed N] [--num-hidden-layers N] [--untied] [--draft DRAFT_DIR]
+    llmserve-core make-tiny-model DIR [--seed N] [--num-hidden-layers N] [--untied] [--moe] [--draft DRAFT_DIR]
 
 Engine flags are generated from EngineConfig's fields (name -> --name-with-dashes, booleans get a --no-
 form), with the help text taken from the comment beside each field, so a new knob needs no change here.
@@ -102,6 +102,8 @@ def _tiny_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-hidden-layers", type=int, help="decoder layers (default: the tiny model's 2)")
     p.add_argument("--untied", action="store_true", help="a separate lm_head instead of tied embeddings")
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen3-MoE model (Qwen3MoeForCausalLM: 8 experts, 2 routed per token, every layer sparse)")
     p.add_argument("--draft", metavar="DRAFT_DIR",
                    help="also write a matching random EAGLE-3 draft (speculators format) for --speculative-model")
     return p
@@ -111,7 +113,7 @@ def make_tiny_model_main(argv: list[str]) -> int:
     args = _tiny_parser().parse_args(argv)
     from llmserve_core.models.tiny import make_tiny_model
     overrides = {} if args.num_hidden_layers is None else {"num_hidden_layers": args.num_hidden_layers}
-    print(make_tiny_model(args.dir, seed=args.seed, tie_word_embeddings=not args.untied, **overrides))
+    print(make_tiny_model(args.dir, seed=args.seed, moe=args.moe, tie_word_embeddings=not args.untied, **overrides))
     if args.draft:
         from llmserve_core.models.tiny_draft import make_tiny_draft
         print(make_tiny_draft(args.draft, args.dir, seed=args.seed + 1))

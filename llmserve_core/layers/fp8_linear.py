@@ -39,6 +39,25 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
+@torch.no_grad()
+def quantize_rows_into(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+                       w: torch.Tensor, row_offset: int = 0) -> None:
+    """Quantize a float w [rows, K] into rows [row_offset, row_offset + rows) of an FP8 weight [N, K] and its
+    scales (per channel [N], or per block). For block scales the rows must start and end on block
+    boundaries (or at the last row)."""
+    rows = w.shape[0]
+    if block is None:
+        q, s = quantize_per_channel(w.to(weight.device))
+        weight[row_offset:row_offset + rows].copy_(q)
+        weight_scale[row_offset:row_offset + rows].copy_(s)
+        return
+    bn = block[0]
+    assert row_offset % bn == 0, "block-scaled rows must start on a block boundary"
+    q, s = quantize_per_block(w.to(weight.device), block)
+    weight[row_offset:row_offset + rows].copy_(q)
+    weight_scale[row_offset // bn:row_offset // bn + s.shape[0]].copy_(s)
+
+
 class Fp8Linear(nn.Module):
     fused = False   # set by the model on the fast path: Triton GEMV / FP8 tensor-core GEMMs
     # Set by the model on Hopper: one row of a per-channel layer streams through kernels/stream_gemv.py
@@ -64,20 +83,8 @@ class Fp8Linear(nn.Module):
 
     @torch.no_grad()
     def quantize_rows_(self, w: torch.Tensor, row_offset: int = 0) -> None:
-        """Quantize a float weight into rows [row_offset, row_offset + len(w)) of this layer.
-
-        For block scales the rows must start and end on block boundaries (or at the last row)."""
-        rows = w.shape[0]
-        if self.block is None:
-            q, s = quantize_per_channel(w.to(self.weight.device))
-            self.weight[row_offset:row_offset + rows].copy_(q)
-            self.weight_scale[row_offset:row_offset + rows].copy_(s)
-            return
-        bn = self.block[0]
-        assert row_offset % bn == 0, "block-scaled rows must start on a block boundary"
-        q, s = quantize_per_block(w.to(self.weight.device), self.block)
-        self.weight[row_offset:row_offset + rows].copy_(q)
-        self.weight_scale[row_offset // bn:row_offset // bn + s.shape[0]].copy_(s)
+        """Quantize a float weight into rows [row_offset, row_offset + len(w)) of this layer (quantize_rows_into)."""
+        quantize_rows_into(self.weight, self.weight_scale, self.block, w, row_offset)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale, self.block)

@@ -1,7 +1,8 @@
-"""ModelConfig: the shape of a Qwen3 checkpoint, read from a Hugging Face model directory.
+"""ModelConfig: the shape of a Qwen3 or Qwen3-MoE checkpoint, read from a Hugging Face model directory.
 
 Accepts both config.json dialects transformers has written: the 4.x one (top-level `rope_theta`,
-`rope_scaling`, `torch_dtype`) and the 5.x one (`rope_parameters` holding both, `dtype`).
+`rope_scaling`, `torch_dtype`, `num_experts`) and the 5.x one (`rope_parameters` holding both, `dtype`,
+`num_local_experts`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+MAX_EXPERTS = 1 << 16
+# model_type -> the architectures config.json may name for it (models/loader.py picks the class by model_type).
+ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
+                 "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeModel")}
 
 
 @dataclass
@@ -33,6 +37,21 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: dict | None = None   # config.json's, as written (models/quantization.py reads it)
     path: str | None = None
+    model_type: str = "qwen3"
+    # Qwen3-MoE (model_type qwen3_moe): a sparse layer's MLP routes each token to num_experts_per_tok of
+    # num_experts SiLU-gated experts of moe_intermediate_size; the other layers keep a dense MLP of
+    # intermediate_size. num_experts 0: every layer dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the routed experts, as transformers' Qwen3MoeDecoderLayer decides."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -73,10 +92,10 @@ class ModelConfig:
     def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
         model_type = raw.get("model_type")
         architectures = raw.get("architectures") or []
-        if model_type != "qwen3" or (architectures and not set(architectures) & set(QWEN3_ARCHITECTURES)):
-            raise ValueError(
-                f"model: only Qwen3 checkpoints are supported (model_type 'qwen3', architectures "
-                f"{list(QWEN3_ARCHITECTURES)}), got model_type={model_type!r}, architectures={architectures!r}")
+        if model_type not in ARCHITECTURES or (architectures and not set(architectures) & set(ARCHITECTURES[model_type])):
+            supported = "; ".join(f"model_type {t!r} with architectures {list(a)}" for t, a in ARCHITECTURES.items())
+            raise ValueError(f"model: only Qwen3 and Qwen3-MoE checkpoints are supported ({supported}), "
+                             f"got model_type={model_type!r}, architectures={architectures!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(raw.get(name), int) or raw[name] <= 0:
                 raise ValueError(f"model: config.json field {name} must be a positive integer, got {raw.get(name)!r}")
@@ -120,7 +139,40 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             quantization_config=raw.get("quantization_config"),
+            model_type=model_type,
+            **(_moe_fields(raw) if model_type == "qwen3_moe" else {}),
         )
+
+
+def _moe_fields(raw: dict) -> dict:
+    """The Qwen3-MoE fields of config.json, each checked by name. transformers 5 writes num_experts as
+    num_local_experts; Qwen's releases write num_experts."""
+    def positive(name: str, value) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"model: config.json field {name} must be a positive integer, got {value!r}")
+        return value
+    experts_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    experts = positive(experts_key, raw.get(experts_key))
+    if experts > MAX_EXPERTS:     # routing ids are int32 and the router one row per expert: refuse nonsense early
+        raise ValueError(f"model: config.json field {experts_key} ({experts}) exceeds {MAX_EXPERTS}")
+    top_k = positive("num_experts_per_tok", raw.get("num_experts_per_tok"))
+    if top_k > experts:
+        raise ValueError(f"model: config.json field num_experts_per_tok ({top_k}) exceeds {experts_key} ({experts})")
+    layers = raw["num_hidden_layers"]
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
+                                             for i in only):
+        raise ValueError(f"model: config.json field mlp_only_layers must list layers in [0, {layers}), got {only!r}")
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"model: config.json field norm_topk_prob must be true or false, got {norm!r}")
+    for name in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if raw.get(name):
+            raise ValueError(f"model: config.json field {name} is not supported (Qwen3-MoE has no shared experts)")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=positive("moe_intermediate_size", raw.get("moe_intermediate_size")),
+                norm_topk_prob=norm, decoder_sparse_step=positive("decoder_sparse_step", raw.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(sorted(set(only))))
 
 
 def read_json(file: Path, who: str = "model"):

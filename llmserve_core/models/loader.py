@@ -1,4 +1,6 @@
-"""Load a Qwen3 checkpoint (single or sharded safetensors) or make dummy weights from config.json alone.
+"""Load a Qwen3 or Qwen3-MoE checkpoint (single or sharded safetensors) or make dummy weights from config.json
+alone. The model class follows config.json's model_type (MODELS); a MoE checkpoint's expert tensors stream
+into their stacked weights through models/moe_loading.py.
 
 Each checkpoint tensor is read from the memory-mapped file and copied straight into its slot of the
 (possibly packed) parameter on the target device, converting dtype in the same copy: peak extra memory
@@ -15,12 +17,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from llmserve_core.layers.fp8_linear import Fp8Linear
+from llmserve_core.layers.moe import SparseMoeBlock
 from llmserve_core.models.config import ModelConfig, read_json
+from llmserve_core.models.moe_loading import ExpertLoader
 from llmserve_core.models.quantization import Fp8Scheme, check_fp8_device, checkpoint_param_name, kv_scale_target, \
     load_fp8_tensor, load_kv_scale, resolve_quantization, skips_tensor
 from llmserve_core.models.qwen3 import Qwen3ForCausalLM
+from llmserve_core.models.qwen3_moe import Qwen3MoeForCausalLM
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# config.json's model_type -> the model class that serves it (models/config.py's ARCHITECTURES lists the names).
+MODELS = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 # Checkpoint tensors that carry no weights of ours (old exports saved the rotary table).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # How a Git LFS pointer file begins: what a clone without git-lfs leaves in place of the weights.
@@ -47,7 +54,8 @@ def load_model(cfg: ModelConfig, path, load_format: str = "auto", dtype: torch.d
     fp8 = resolve_quantization(cfg.quantization_config, quantization)
     check_fp8_device(fp8, device)
     local_cfg = cfg if tp is None else tp.shard.local_config(cfg)
-    model = Qwen3ForCausalLM(local_cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8, tp=tp)
+    model = MODELS[cfg.model_type](local_cfg, attn_backend, dtype, device, max_positions=max_positions, fp8=fp8,
+                                   tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -59,11 +67,20 @@ def init_dummy_weights(model: Qwen3ForCausalLM, seed: int) -> None:
     """vLLM's convention: small uniform values so activations stay finite at any depth; norms at one."""
     generator = torch.Generator(device=model.lm_head_weight.device).manual_seed(seed)
     fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    fp8_experts = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.fp8]
     fp8_params = {id(p) for m in fp8_layers for p in m.parameters()}
+    fp8_params |= {id(getattr(m, n)) for m in fp8_experts for n in ("w13", "w13_scale", "w2", "w2_scale")}
     for layer in fp8_layers:     # dummy values in the model dtype, quantized as a real checkpoint would be
         w = torch.empty(layer.out_features, layer.in_features, device=layer.weight.device)
         layer.quantize_rows_(w.uniform_(-1e-3, 1e-3, generator=generator))
         del w
+    for block in fp8_experts:    # one expert at a time: never a float copy of a layer's experts
+        for name in ("w13", "w2"):
+            experts, rows, cols = getattr(block, name).shape
+            w = torch.empty(rows, cols, device=block.w13.device)
+            for e in range(experts):
+                block.quantize_expert_(name, e, w.uniform_(-1e-3, 1e-3, generator=generator))
+            del w
     for name, param in model.named_parameters():
         if id(param) in fp8_params:
             continue
@@ -138,14 +155,21 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     owner = {name: modules[name.rpartition(".")[0]] for name in params}
-    # Every checkpoint tensor that must be present; packed parameters need all their shards.
-    expected = {hf for name in params if (ck := checkpoint_param_name(name, owner[name], fp8)) is not None
+    experts = ExpertLoader({i: m for i, layer in enumerate(model.model.layers)
+                            if isinstance(m := layer.mlp, SparseMoeBlock)}, fp8, shard, full_cfg)
+    # Every checkpoint tensor that must be present; packed parameters need all their shards (the experts
+    # keep their own account: they come in either of two layouts).
+    expected = {hf for name in params if not isinstance(owner[name], SparseMoeBlock)
+                and (ck := checkpoint_param_name(name, owner[name], fp8)) is not None
                 for hf in _checkpoint_names(ck)}
     done: set[str] = set()
     for file in checkpoint_files(path):
         with open_checkpoint(file) as f:
             for hf_name in f.keys():
                 if _IGNORED.match(hf_name) or skips_tensor(hf_name, fp8):
+                    continue
+                if experts.owns(hf_name):
+                    experts.load(hf_name, f)
                     continue
                 if hf_name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: the embedding is the head
@@ -166,7 +190,7 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                     done.add(hf_name)
                     continue
                 if name not in params:
-                    raise ValueError(f"model: checkpoint tensor {hf_name!r} in {file.name} has no place in Qwen3 "
+                    raise ValueError(f"model: checkpoint tensor {hf_name!r} in {file.name} has no place in the model "
                                      f"with this config.json")
                 param = params[name]
                 dest = param if offset is None else param[offset:offset + rows]
@@ -180,7 +204,7 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                                      f"quantization_config does not cover it")
                 dest.copy_(tensor)
                 done.add(hf_name)
-    missing = expected - done
+    missing = sorted(expected - done) + experts.missing()
     if missing:
-        raise ValueError(f"model: checkpoint at {str(path)!r} lacks tensors: {', '.join(sorted(missing)[:8])}"
+        raise ValueError(f"model: checkpoint at {str(path)!r} lacks tensors: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

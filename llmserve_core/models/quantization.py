@@ -10,9 +10,10 @@ Three ways in, one layer (layers.fp8_linear.Fp8Linear):
   as accurate and need no calibration. The `ignore` list names modules that stay in bf16.
 - `--quantization fp8` on a bf16/fp16 checkpoint (or dummy weights): each weight is quantized as it is
   loaded, with one scale per output channel.
-Embeddings, norms and lm_head always stay in the model dtype. Scales travel with the q/k/v and gate/up
-packing: per-channel scales stack like rows, block scales by whole tiles (so every packed shard must be a
-whole number of tiles).
+Embeddings, norms and lm_head always stay in the model dtype, and so does a MoE layer's router. Scales travel
+with the q/k/v and gate/up packing: per-channel scales stack like rows, block scales by whole tiles (so every
+packed shard must be a whole number of tiles). A MoE layer's experts (layers/moe.py) are covered all or none,
+and stack their scales per expert the same way.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from llmserve_core.kernels.fp8_format import FP8
 from llmserve_core.layers.fp8_linear import Fp8Linear
+from llmserve_core.layers.moe import SparseMoeBlock
 from llmserve_core.models.config import ModelConfig
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -35,6 +37,8 @@ QUANTIZABLE = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+# The checkpoint modules of each expert of a MoE layer (layers/moe.py packs gate and up as w13, down is w2).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Per-tensor KV cache scales (compressed-tensors' kv_cache_scheme, vLLM's exports): k_scale / v_scale on the
 # attention module, or the older output_scale on k_proj / v_proj.
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
@@ -171,9 +175,15 @@ def _names(value, where: str) -> tuple[str, ...]:
 # ---- building the model --------------------------------------------------------------------------
 
 def apply_fp8(model: nn.Module, cfg: ModelConfig, scheme: Fp8Scheme) -> None:
-    """Swap every covered linear of the (still meta) Qwen3 model for an Fp8Linear of the same shape."""
+    """Swap every covered linear of the (still meta) Qwen3 model for an Fp8Linear of the same shape, and
+    hold every covered MoE layer's experts in FP8."""
     for i, layer in enumerate(model.model.layers):
+        sparse = isinstance(layer.mlp, SparseMoeBlock)
+        if sparse:
+            _apply_fp8_experts(i, layer.mlp, scheme)
         for ours, pieces in QUANTIZABLE.items():
+            if sparse and ours.startswith("mlp."):
+                continue
             names = [f"model.layers.{i}.{p}" for p in pieces]
             skipped = [scheme.ignores(n) for n in names]
             if any(skipped) and not all(skipped):
@@ -189,6 +199,23 @@ def apply_fp8(model: nn.Module, cfg: ModelConfig, scheme: Fp8Scheme) -> None:
                 _check_block_packing(cfg, ours, names, scheme.block)
             new = Fp8Linear(old.in_features, old.out_features, scheme.block).to(old.weight.device)
             setattr(parent, attr, new)
+
+
+def _apply_fp8_experts(layer: int, block: SparseMoeBlock, scheme: Fp8Scheme) -> None:
+    names = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for e in range(block.num_experts) for p in EXPERT_PROJECTIONS]
+    skipped = [scheme.ignores(n) for n in names]
+    if all(skipped):
+        return
+    if any(skipped):
+        raise ValueError(f"model: quantization_config ignore list leaves {names[skipped.index(True)]} in bf16 but "
+                         f"quantizes {names[skipped.index(False)]}; a layer's experts are stacked into one tensor "
+                         f"and must share a format")
+    if scheme.block is not None and block.intermediate_size % scheme.block[0]:
+        raise ValueError(f"model: the experts' moe_intermediate_size ({block.intermediate_size} on this rank) is "
+                         f"not a multiple of the {scheme.block[0]}-row scale blocks, so gate_proj's and up_proj's "
+                         f"block scales cannot be packed (with tensor parallelism, --enable-expert-parallel keeps "
+                         f"every expert whole)")
+    block.make_fp8(scheme.block)
 
 
 def _check_block_packing(cfg: ModelConfig, ours: str, names: list[str], block: tuple[int, int]) -> None:

@@ -108,10 +108,11 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp=None):
+    def __init__(self, cfg: ModelConfig, tp=None, mlp: nn.Module | None = None):
+        """mlp: the layer's MLP, a dense Qwen3MLP unless given (a Qwen3-MoE sparse layer's experts)."""
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, tp)
-        self.mlp = Qwen3MLP(cfg, tp)
+        self.mlp = Qwen3MLP(cfg, tp) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -125,7 +126,9 @@ class Qwen3DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual, quant=quant)
         h = self.self_attn(h, cos, sin, kv_cache, batch, attn_backend)
-        h, residual = self.post_attention_layernorm(h, residual, quant=_input_quant(self.mlp.gate_up_proj, rows, h.dtype))
+        # Another MLP (layers/moe.py's) takes its rows as they are.
+        mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, Qwen3MLP) else None
+        h, residual = self.post_attention_layernorm(h, residual, quant=_input_quant(mlp_in, rows, h.dtype))
         return self.mlp(h), residual
 
 
@@ -134,11 +137,13 @@ def _input_quant(proj, rows: int, dtype: torch.dtype) -> RowQuant | None:
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp=None):
+    def __init__(self, cfg: ModelConfig, tp=None, make_mlp=None):
+        """make_mlp(layer) -> that decoder layer's MLP; None: every layer's a dense Qwen3MLP."""
         super().__init__()
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else
                              VocabParallelEmbedding(tp.shard.vocab[1], cfg.hidden_size, tp.shard.vocab[0], tp))
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp, None if make_mlp is None else make_mlp(i))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -153,7 +158,7 @@ class Qwen3ForCausalLM(nn.Module):
         # Build on the meta device and allocate uninitialized storage once: no throwaway random init,
         # which for an 8B model would cost more than loading the checkpoint.
         with torch.device("meta"):
-            self.model = Qwen3Model(cfg, tp)
+            self.model = Qwen3Model(cfg, tp, self.make_mlp)
             vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab[1]
             self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_rows)
         self.to(dtype)
@@ -168,6 +173,10 @@ class Qwen3ForCausalLM(nn.Module):
         # The torch backend keeps the whole model eager, as the reference.
         chain = use_pdl(device, attn_backend)
         self.set_fused(fast_path(device, attn_backend), chain=chain, pdl=chain)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s MLP (models/qwen3_moe.py gives the sparse layers their experts)."""
+        return Qwen3MLP(self.cfg, self.tp)
 
     def set_fused(self, fused: bool, chain: bool = False, pdl: bool = False) -> None:
         """Switch every module between its Triton kernels and its eager torch ops (tests run the fused

@@ -1,7 +1,8 @@
-"""Write a small but real Hugging Face Qwen3 directory: what tests, examples and CPU runs load.
+"""Write a small but real Hugging Face Qwen3 (or Qwen3-MoE) directory: what tests, examples and CPU runs load.
 
-The weights come from transformers' own Qwen3ForCausalLM under a fixed seed and are written by its
-save_pretrained, so the directory is exactly what transformers produces for a Qwen3 checkpoint. The
+The weights come from transformers' own Qwen3ForCausalLM (Qwen3MoeForCausalLM with moe=True) under a fixed
+seed and are written by its save_pretrained, so the directory is exactly what transformers produces for
+such a checkpoint. The
 tokenizer is a byte-level BPE trained on the shipped corpus with Qwen's special tokens and ChatML
 chat template. Same seed and overrides -> byte-identical files. From the shell:
 `llmserve-core make-tiny-model DIR` (llmserve_core/cli.py).
@@ -35,31 +36,42 @@ TINY_CONFIG = dict(
     tie_word_embeddings=True,
     initializer_range=0.02,
 )
+# What moe=True adds: 8 experts of 32 features, 2 routed per token, every layer sparse.
+TINY_MOE_CONFIG = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 
 
-def make_tiny_model(out_dir, seed: int = 0, **overrides) -> str:
+def make_tiny_model(out_dir, seed: int = 0, moe: bool = False, **overrides) -> str:
     """Write config.json, generation_config.json, model.safetensors and the tokenizer into out_dir.
 
     overrides are Qwen3Config fields (e.g. num_hidden_layers=4, tie_word_embeddings=False,
-    rope_scaling={"rope_type": "yarn", "factor": 4.0}). vocab_size may exceed the tokenizer's
-    1024 (padded rows, as real checkpoints have) but not fall below it.
+    rope_scaling={"rope_type": "yarn", "factor": 4.0}), or with moe=True Qwen3MoeConfig fields (num_experts,
+    num_experts_per_tok, mlp_only_layers, ...). vocab_size may exceed the tokenizer's 1024 (padded rows, as
+    real checkpoints have) but not fall below it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    config = {**TINY_CONFIG, **overrides}
+    config = {**TINY_CONFIG, **(TINY_MOE_CONFIG if moe else {}), **overrides}
     if config["vocab_size"] < tokenizer.get_vocab_size():
         raise ValueError(f"vocab_size: {config['vocab_size']} is smaller than the tokenizer's "
                          f"{tokenizer.get_vocab_size()} tokens")
-    write_random_qwen3(out, seed, **config)
+    write_random_qwen3(out, seed, moe=moe, **config)
     write_tokenizer(tokenizer, out)
     return str(out)
 
 
-def write_random_qwen3(out_dir, seed: int = 0, **config) -> str:
-    """A Qwen3 checkpoint with transformers' own seeded init (normal, std initializer_range; norms at 1)."""
+def write_random_qwen3(out_dir, seed: int = 0, moe: bool = False, **config) -> str:
+    """A Qwen3 (or Qwen3-MoE) checkpoint with transformers' own seeded init (normal, std initializer_range;
+    norms at 1), in the layout its save_pretrained writes (for MoE each expert apart)."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = dict(config)
     rope = config.pop("rope_scaling", None)
@@ -68,10 +80,11 @@ def write_random_qwen3(out_dir, seed: int = 0, **config) -> str:
     config.setdefault("bos_token_id", 0)
     config.setdefault("eos_token_id", 2)
     config.setdefault("pad_token_id", 0)
-    hf_config = Qwen3Config(**config)
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    hf_config = config_class(**config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(hf_config)
+        model = model_class(hf_config)
     model.save_pretrained(out_dir, safe_serialization=True)
     # Qwen3's chat models stop on <|im_end|> and on <|endoftext|>.
     eos = hf_config.eos_token_id
