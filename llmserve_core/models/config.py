@@ -152,6 +152,9 @@ def _moe_fields(raw: dict) -> dict:
             raise ValueError(f"model: config.json field {name} must be a positive integer, got {value!r}")
         return value
     experts_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    if raw.get("num_local_experts", raw.get("num_experts")) != raw.get("num_experts", raw.get("num_local_experts")):
+        raise ValueError(f"model: config.json fields num_experts ({raw['num_experts']!r}) and num_local_experts "
+                         f"({raw['num_local_experts']!r}) disagree")
     experts = positive(experts_key, raw.get(experts_key))
     if experts > MAX_EXPERTS:     # routing ids are int32 and the router one row per expert: refuse nonsense early
         raise ValueError(f"model: config.json field {experts_key} ({experts}) exceeds {MAX_EXPERTS}")
