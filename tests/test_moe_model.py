@@ -255,3 +255,18 @@ def test_config_reads_both_spellings_of_the_expert_count():
 def test_config_errors_name_the_field(raw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("shape,total,active", [("30b-a3b", 30.53e9, 3.35e9), ("235b-a22b", 235.09e9, 22.19e9)])
+def test_benchmark_shapes_have_the_published_parameter_counts(shape, total, active, tmp_path):
+    """benchmarks/qwen3_moe.py's config.json builds the published sizes (on the meta device: no memory)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from qwen3_moe import write_qwen3_moe_dir
+    cfg = ModelConfig.from_hf_dir(write_qwen3_moe_dir(str(tmp_path), shape))
+    model = Qwen3MoeForCausalLM(cfg, None, torch.bfloat16, "meta", max_positions=4096)
+    params = sum(p.numel() for p in model.parameters())
+    idle = cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size \
+        * cfg.moe_intermediate_size
+    assert abs(params - total) < 0.01e9 and abs(params - idle - active) < 0.01e9
