@@ -52,6 +52,7 @@ class EngineConfig:
     warmup: bool | None = None            # run every kind of step once before serving, so no kernel compiles inside a request (default: on for cuda)
     # Tensor parallelism (torch.distributed: NCCL on GPUs, gloo on CPUs).
     tensor_parallel_size: int = 1         # ranks each layer is split over; rank 0 is this process
+    enable_expert_parallel: bool = False  # MoE models: each rank holds whole experts (num_experts / tensor_parallel_size of them) instead of a slice of every expert
     nnodes: int = 1                       # hosts the ranks span (tensor_parallel_size / nnodes ranks on each)
     node_rank: int = 0                    # this host's index; 0 runs the core, the others only workers
     dist_init_addr: str | None = None     # HOST:PORT of the TCP rendezvous (needed with nnodes > 1)

@@ -243,7 +243,7 @@ def test_malformed_fp8_experts_are_named(block_ckpt, tmp_path, edit, match):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda q: q.update(modules_to_not_convert=["model.layers.2.mlp.experts.4.gate_proj"]), "must share a format"),
-    (lambda q: q.update(weight_block_size=[64, 32]), "moe_intermediate_size.*64-row scale blocks"),
+    (lambda q: q.update(weight_block_size=[64, 32]), r"moe_intermediate_size \(32 on this rank\) is not whole 64 x 32"),
 ])
 def test_malformed_fp8_configs_are_named(block_ckpt, tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):

@@ -45,7 +45,7 @@ START_TIMEOUT = datetime.timedelta(minutes=10)
 def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
     """One-line ValueErrors for a tensor-parallel size this model or machine cannot take."""
     size = config.tensor_parallel_size
-    check_divisible(model_config, size)
+    check_divisible(model_config, size, config.enable_expert_parallel)
     per_node = size // config.nnodes
     if config.resolved_device().type == "cuda" and per_node > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size: {size} ranks over {config.nnodes} node(s) need {per_node} GPUs "
@@ -120,7 +120,7 @@ def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, addre
     # as the core is idle.
     step_group = dist.new_group(backend="gloo", timeout=timeout)
     _set_pg_timeout(IDLE_TIMEOUT, step_group)
-    return TPGroup(ShardSpec.of(model_config, rank, size), dist.group.WORLD, cpu_group, step_group, device, store)
+    return TPGroup(ShardSpec.of(model_config, rank, size, config.enable_expert_parallel), dist.group.WORLD, cpu_group, step_group, device, store)
 
 
 class Workers:

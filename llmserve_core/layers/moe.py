@@ -22,15 +22,17 @@ class SparseMoeBlock(nn.Module):
     fused = False   # set by the model on the fast path: kernels/fused_moe.py
 
     def __init__(self, cfg, tp=None):
-        """cfg: a models.config.ModelConfig (under tensor parallelism this rank's: its moe_intermediate_size
-        is the rank's slice of every expert's, and its product a partial sum, all-reduced here as the
-        dense MLP's is)."""
+        """cfg: a models.config.ModelConfig, under tensor parallelism this rank's (ShardSpec.local_config):
+        its moe_intermediate_size is the rank's slice of every expert's, or with expert parallelism every
+        expert's whole, the rank holding only tp.shard.experts. Either way the product is a partial sum,
+        all-reduced here as the dense MLP's is."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.hidden_size, self.intermediate_size = hidden, inter
         # (first, count) of the experts this block holds: all of them, but for expert parallelism's share.
-        self.expert_range = (0, cfg.num_experts)
+        self.expert_range = (0, cfg.num_experts) if tp is None else tp.shard.experts
+        self.expert_parallel = self.expert_range[1] != cfg.num_experts
         self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(self.expert_range[1], 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(self.expert_range[1], hidden, inter))
@@ -71,9 +73,13 @@ class SparseMoeBlock(nn.Module):
         else:
             route, fused_moe = route_reference, fused_moe_reference
         weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.expert_parallel:    # another rank's experts: id -1, which adds nothing here
+            first, count = self.expert_range
+            local = ids - first
+            ids = torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, self.block)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+        return (f"experts={self.num_experts}, held={self.expert_range}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, fp8={self.fp8}, block={self.block}")

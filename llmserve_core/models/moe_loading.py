@@ -106,7 +106,9 @@ class ExpertLoader:
 
     def _load_piece(self, block: SparseMoeBlock, layer: int, expert: int, local: int, proj: str, suffix: str,
                     hf_name: str, source) -> None:
-        """One expert's gate, up or down weight (or scale) into its slot; `source` is read only where indexed."""
+        """One expert's gate, up or down weight (or scale) into its slot; `source` is read only where indexed.
+        Under tensor parallelism the rank's part is cut by the name of the piece (stacked tensors' too)."""
+        piece = f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.{suffix}"
         name = "w2" if proj == "down" else "w13"
         offset = block.intermediate_size if proj == "up" else 0
         rows = block.hidden_size if proj == "down" else block.intermediate_size
@@ -114,16 +116,16 @@ class ExpertLoader:
         if block.fp8:
             slot = _ExpertSlot(block, name, local)
             if suffix == "weight":
-                tensor = source[:] if self.shard is None else self.shard.slice_checkpoint(hf_name, source, self.full_cfg)
+                tensor = source[:] if self.shard is None else self.shard.slice_checkpoint(piece, source, self.full_cfg)
             else:
                 tensor = source[:] if self.shard is None else \
-                    self.shard.slice_weight_scale(hf_name, source[:], self.full_cfg, block.block)
+                    self.shard.slice_weight_scale(piece, source[:], self.full_cfg, block.block)
             load_fp8_tensor(slot, suffix, hf_name, tensor, offset, rows, self.fp8)
         else:
             if suffix != "weight":
                 raise ValueError(f"model: checkpoint tensor {hf_name!r} has no place in this model: its experts "
                                  f"read 'weight' only (they are not FP8 under config.json's quantization_config)")
-            tensor = source[:] if self.shard is None else self.shard.slice_checkpoint(hf_name, source, self.full_cfg)
+            tensor = source[:] if self.shard is None else self.shard.slice_checkpoint(piece, source, self.full_cfg)
             dest = getattr(block, name)[local, offset:offset + rows]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"model: checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "

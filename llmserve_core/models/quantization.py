@@ -210,11 +210,16 @@ def _apply_fp8_experts(layer: int, block: SparseMoeBlock, scheme: Fp8Scheme) -> 
         raise ValueError(f"model: quantization_config ignore list leaves {names[skipped.index(True)]} in bf16 but "
                          f"quantizes {names[skipped.index(False)]}; a layer's experts are stacked into one tensor "
                          f"and must share a format")
-    if scheme.block is not None and block.intermediate_size % scheme.block[0]:
-        raise ValueError(f"model: the experts' moe_intermediate_size ({block.intermediate_size} on this rank) is "
-                         f"not a multiple of the {scheme.block[0]}-row scale blocks, so gate_proj's and up_proj's "
-                         f"block scales cannot be packed (with tensor parallelism, --enable-expert-parallel keeps "
-                         f"every expert whole)")
+    if scheme.block is not None:
+        # gate and up pack by whole row blocks; a rank's slice of every expert (tensor parallelism) must also
+        # be whole column blocks of down_proj.
+        bn, bk = scheme.block
+        split = block.tp is not None and not block.expert_parallel
+        if block.intermediate_size % bn or (split and block.intermediate_size % bk):
+            raise ValueError(f"model: the experts' moe_intermediate_size ({block.intermediate_size} on this rank) is "
+                             f"not whole {bn} x {bk} scale blocks, so their block scales cannot be packed"
+                             + (" or split over the ranks (--enable-expert-parallel keeps every expert whole)"
+                                if split else ""))
     block.make_fp8(scheme.block)
 
 
