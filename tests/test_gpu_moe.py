@@ -13,6 +13,7 @@ import torch
 
 from llmserve_core import Engine, EngineConfig
 from llmserve_proto import SamplingParams
+from test_gpu_engine import hf_greedy, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,22 +29,9 @@ def mid_model(make_random_qwen3_dir):
     return make_random_qwen3_dir(seed=11, moe=True, initializer_range=0.05, **MID)
 
 
-def prompts(vocab, n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = [3, 17, 64, 130, 9, 257][:n]
-    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lens]
-
-
 def hf_model(path, dtype):
     from transformers import Qwen3MoeForCausalLM
     return Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-
-
-def hf_greedy(hf, prompt, max_new):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new, do_sample=False,
-                          min_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def generate(path, n_new, **kw):

@@ -46,6 +46,17 @@ def random_prompts(vocab, lens, seed):
     return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
 
 
+def prefill_then_decodes(cfg, lens, decodes: int = 2):
+    """(KV blocks they need, [(ids, batch)]): a packed prefill of random prompts of `lens`, then `decodes`
+    one-token steps of each, over interleaved block tables."""
+    prompts = random_prompts(cfg.vocab_size, lens, seed=5)
+    tables, num_blocks = allocate_tables([n + decodes for n in lens], BLOCK_SIZE)
+    steps = [(torch.cat(prompts), make_batch([(0, n) for n in lens], tables, BLOCK_SIZE))]
+    steps += [(torch.tensor([5 + i + 13 * j for j in range(len(lens))]),
+               make_batch([(n + i, 1) for n in lens], tables, BLOCK_SIZE)) for i in range(decodes)]
+    return num_blocks, steps
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def case(request, make_random_qwen3_dir):
     path = make_random_qwen3_dir(seed=3, initializer_range=0.1, **CONFIGS[request.param])
@@ -91,13 +102,9 @@ def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3
     fused = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"))
     fused.set_fused(True, chain=chain, pdl=False)
     assert (fused.model.layers[0].mlp.down_proj.fast_kernel == "stream") == chain
-    prompts = random_prompts(cfg.vocab_size, lens, seed=5)
-    tables, num_blocks = allocate_tables([n + 2 for n in lens], BLOCK_SIZE)
+    num_blocks, steps = prefill_then_decodes(cfg, lens)
     caches = [make_kv_caches(cfg, num_blocks, BLOCK_SIZE) for _ in range(2)]
-    steps = [([(0, n) for n in lens], torch.cat(prompts))]
-    steps += [([(n + i, 1) for n in lens], torch.tensor([5 + i + 13 * j for j in range(len(lens))])) for i in range(2)]
-    for seqs, ids in steps:
-        batch = make_batch(seqs, tables, BLOCK_SIZE)
+    for ids, batch in steps:
         want = eager.compute_logits(eager(ids, batch, caches[0]))
         hidden = fused(ids, batch, caches[1])
         got = fused.compute_logits(hidden)

@@ -19,6 +19,7 @@ from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
 from llmserve_core.models.qwen3 import Qwen3MLP
 from llmserve_core.models.qwen3_moe import Qwen3MoeForCausalLM
+from test_model import prefill_then_decodes
 
 MOE_CONFIGS = {
     # Top-1 over 8 experts, renormalised (a lone weight of one), every layer sparse, tied embeddings.
@@ -203,14 +204,9 @@ def test_fused_path_matches_the_eager_model(make_random_qwen3_dir):
     fused = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"))
     fused.set_fused(True)
     assert all(block.fused for _, block in fused.moe_blocks())
-    lens = [7, 3, 12]
-    prompts = random_prompts(cfg.vocab_size, lens, seed=5)
-    tables, num_blocks = allocate_tables([n + 2 for n in lens], BLOCK_SIZE)
+    num_blocks, steps = prefill_then_decodes(cfg, [7, 3, 12])
     caches = [make_kv_caches(cfg, num_blocks, BLOCK_SIZE) for _ in range(2)]
-    steps = [([(0, n) for n in lens], torch.cat(prompts))]
-    steps += [([(n + i, 1) for n in lens], torch.tensor([5 + i + 13 * j for j in range(len(lens))])) for i in range(2)]
-    for seqs, ids in steps:
-        batch = make_batch(seqs, tables, BLOCK_SIZE)
+    for ids, batch in steps:
         want = eager.compute_logits(eager(ids, batch, caches[0]))
         got = fused.compute_logits(fused(ids, batch, caches[1]))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

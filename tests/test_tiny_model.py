@@ -100,3 +100,19 @@ def test_corpus_regenerates_identically():
         import pytest
         pytest.skip(f"corpus was built from another Python version than {version}")
     assert build_corpus.build(400_000) == raw
+
+
+def test_make_tiny_model_moe_writes_a_qwen3_moe_checkpoint(tmp_path):
+    """`make-tiny-model --moe`: transformers' own Qwen3MoeForCausalLM, seeded and byte-identical per seed, each
+    expert apart as Qwen's releases store them."""
+    from llmserve_core.cli import main
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--moe", "--seed", "2", "--untied"]) == 0
+    hf = AutoConfig.from_pretrained(tmp_path / "m")
+    assert hf.model_type == "qwen3_moe" and hf.architectures == ["Qwen3MoeForCausalLM"]
+    cfg = ModelConfig.from_hf_dir(tmp_path / "m")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 32, True)
+    assert not cfg.tie_word_embeddings and all(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    with safe_open(f"{tmp_path}/m/model.safetensors", framework="pt") as f:
+        assert tuple(f.get_slice("model.layers.1.mlp.experts.7.down_proj.weight").get_shape()) == (64, 32)
+    again = make_tiny_model(tmp_path / "again", seed=2, moe=True, tie_word_embeddings=False)
+    assert filecmp.cmp(f"{tmp_path}/m/model.safetensors", f"{again}/model.safetensors", shallow=False)
