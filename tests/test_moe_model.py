@@ -124,11 +124,11 @@ def test_route_reference_is_transformers_router(experts, top_k, norm):
         torch.testing.assert_close(weights.sum(-1), torch.ones(37), atol=1e-6, rtol=0)
 
 
-def test_route_reference_breaks_ties_as_torch_topk():
-    """Equal logits: the lower expert id wins, as torch.topk (so transformers) picks it."""
-    logits = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
-    _, ids = route_reference(logits, 2, True)
-    assert torch.equal(ids.long(), torch.topk(torch.softmax(logits, -1), 2).indices)
+def test_route_reference_takes_equal_probabilities_lowest_expert_first():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 1.0, 3.0, 1.0]])
+    weights, ids = route_reference(logits, 2, True)
+    assert ids.tolist() == [[1, 2], [0, 1], [1, 3]]
+    assert weights[1].tolist() == [0.5, 0.5]
 
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (12, 4), (16, 1)])
