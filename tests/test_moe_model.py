@@ -266,3 +266,42 @@ def test_benchmark_shapes_have_the_published_parameter_counts(shape, total, acti
     idle = cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size \
         * cfg.moe_intermediate_size
     assert abs(params - total) < 0.01e9 and abs(params - idle - active) < 0.01e9
+
+
+class _OneRankOf:
+    """A stand-in tensor-parallel group for one of `size` expert-parallel ranks: its shard's experts, and an
+    all-reduce that leaves the partial sum for the test to add up."""
+
+    def __init__(self, experts: tuple[int, int]):
+        self.shard = type("Shard", (), {"experts": experts})()
+
+    def all_reduce(self, x):
+        return x
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fused", [False, True])
+def test_expert_parallel_ranks_sum_to_the_whole_layer(fused):
+    """Each rank holds a quarter of the experts and masks the router's other picks; the four partial sums
+    add up to the layer that holds them all (on the fast path too, whose kernels skip id -1)."""
+    if fused:
+        pytest.importorskip("llmserve_core.kernels.fused_moe", reason="kernels/fused_moe.py is not in this tree")
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, model_type="qwen3_moe", num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False)
+    torch.manual_seed(0)
+    whole = SparseMoeBlock(cfg)
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(11, 32)
+    total = torch.zeros(11, 32)
+    for rank in range(4):
+        part = SparseMoeBlock(cfg, _OneRankOf((2 * rank, 2)))
+        assert part.w13.shape == (2, 32, 32) and part.expert_parallel
+        part.gate.weight.copy_(whole.gate.weight)
+        part.w13.copy_(whole.w13[2 * rank:2 * rank + 2])
+        part.w2.copy_(whole.w2[2 * rank:2 * rank + 2])
+        part.fused = fused
+        total += part(x)
+    whole.fused = fused
+    torch.testing.assert_close(total, whole(x), atol=1e-5, rtol=1e-5)
