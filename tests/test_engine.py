@@ -6,6 +6,7 @@ with tiny budgets, a KV pool small enough to force preemption, each request alon
 import pytest
 import torch
 
+from helpers.engine import SCHEDULES, assert_all_blocks_free, hf_greedy
 from helpers.models import make_prompts
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.models.config import ModelConfig
@@ -17,34 +18,6 @@ CONFIGS = {
     "gqa2-untied": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
     "gqa4-odd-headdim": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
 }
-
-SCHEDULES = {
-    "plain": dict(),
-    "no-prefix-cache": dict(enable_prefix_caching=False),
-    "chunked-tiny-budget": dict(max_num_batched_tokens=7, max_num_seqs=3),
-    "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128),
-    "preempting-pool": dict(num_kv_blocks=14, block_size=4),
-    # Async scheduling runs the same logic on CPU (launch N+1, then read N back), placeholders included.
-    "async": dict(async_scheduling=True),
-    "async-chunked-preempting": dict(async_scheduling=True, num_kv_blocks=14, block_size=4,
-                                     max_num_batched_tokens=7),
-    # The decode graph's bookkeeping (StepGraphs, capture off): decode steps load straight into its inputs,
-    # the last step's tokens filling the placeholders there, batches padded up to their bucket.
-    "async-graphs": dict(async_scheduling=True, step_graphs=True),
-    "async-graphs-chunked-preempting": dict(async_scheduling=True, num_kv_blocks=14, block_size=4,
-                                            max_num_batched_tokens=7, step_graphs=True),
-}
-
-
-def hf_greedy(hf_model, prompt, max_new):
-    """Greedy continuation by full recomputation: the plainest possible reference."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new):
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
-
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model_case(request, make_random_qwen3_dir):
@@ -76,7 +49,7 @@ def test_greedy_matches_transformers(model_case, schedule, monkeypatch):
         assert engine.runner.graphs.replays > 0 and engine.runner.graphs._loads == engine.runner.graphs.replays
     if schedule == "plain":
         assert engine.stats()["prefix_hit_rate"] > 0
-    _assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine)
 
 
 def test_alone_equals_batched(model_case):
@@ -85,14 +58,6 @@ def test_alone_equals_batched(model_case):
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     assert alone == expected
-
-
-def _assert_all_blocks_free(engine):
-    st = engine.stats()
-    assert st["running"] == 0 and st["waiting"] == 0
-    assert st["used_kv_blocks"] == 0
-    assert st["free_kv_blocks"] + st["cached_kv_blocks"] == st["total_kv_blocks"]
-    engine.block_manager.check_invariants()
 
 
 # ---- stopping --------------------------------------------------------------------------------------
@@ -190,7 +155,7 @@ def test_duplicate_id_and_unknown_abort(engine):
     engine.abort("dup")
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("dup", "abort")]
-    _assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine)
 
 
 def test_generate_keeps_the_outputs_of_requests_it_did_not_add(engine):
@@ -207,7 +172,7 @@ def test_generate_keeps_the_outputs_of_requests_it_did_not_add(engine):
             tokens += out.new_token_ids
             finish = out.finish_reason
     assert tokens == alone and finish == "length"
-    _assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine)
 
 
 def test_abort_mid_generation_frees_blocks(engine):
@@ -219,7 +184,7 @@ def test_abort_mid_generation_frees_blocks(engine):
     engine.abort("a")
     engine.abort("b")
     engine.step()
-    _assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine)
 
 
 def test_stats_fields(engine):

@@ -3,17 +3,14 @@ per-channel format (single file and sharded) against its dequantized float32 twi
 load; the errors a malformed FP8 checkpoint gets; the FP8 KV cache against the float one."""
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from helpers.batch import make_batch, make_kv_caches
-from helpers.fp8 import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
+from helpers.fp8 import broken_copy, compressed_tensors_config, logits_of, qwen_fp8_config, rel, write_fp8_checkpoint
 from helpers.models import TRAINED_PAIR, held_out_prompts, make_prompts, write_sharded_copy
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.kernels.fp8_format import FP8
@@ -29,20 +26,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 def load(path, **kw):
     return load_model(ModelConfig.from_hf_dir(path), path, "auto", torch.float32, "cpu", BACKEND, **kw)
-
-
-def logits_of(model, prompts):
-    """Last-position logits of each prompt, one prefill each."""
-    rows = []
-    for p in prompts:
-        kv = make_kv_caches(model.cfg, num_blocks=8, block_size=16)
-        batch = make_batch([(0, len(p))], [list(range(1, 1 + -(-len(p) // 16)))], 16)
-        rows.append(model.compute_logits(model(torch.tensor(p), batch, kv)[-1:]))
-    return torch.cat(rows)
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -176,20 +159,6 @@ def test_engine_flags_validate():
 @pytest.fixture(scope="module")
 def block_ckpt(source, tmp_path_factory):
     return write_fp8_checkpoint(source, tmp_path_factory.mktemp("bad") / "ckpt", qwen_fp8_config((32, 32)))[0]
-
-
-def broken_copy(src, dst, edit_tensors=None, edit_config=None):
-    shutil.copytree(src, dst)
-    if edit_tensors:
-        with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        edit_tensors(tensors)
-        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
 
 
 SCALE = "model.layers.1.self_attn.k_proj.weight_scale_inv"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmserve_core import Engine, EngineConfig
-from helpers.models import MID
+from helpers.models import MID, hf_greedy_generate as hf_greedy
 from helpers.models import varied_prompts as prompts
 from llmserve_proto import SamplingParams
 
@@ -20,13 +20,6 @@ def mid_model(make_random_qwen3_dir):
 def hf_model(path, dtype):
     from transformers import Qwen3ForCausalLM
     return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-
-
-def hf_greedy(hf, prompt, max_new):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new, do_sample=False,
-                          min_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_bf16_torch_backend_agrees_with_transformers(mid_model):

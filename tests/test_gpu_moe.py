@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.models import hf_greedy_generate as hf_greedy
+from helpers.models import varied_prompts as prompts
 from llmserve_core import Engine, EngineConfig
 from llmserve_proto import SamplingParams
-from test_gpu_engine import hf_greedy, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -114,7 +115,7 @@ def test_moe_layer_fast_path_matches_its_reference(rows, fp8):
 
 def _fp8_block_checkpoint(src, out: Path) -> str:
     """src's experts and projections in Qwen's 128 x 128 block FP8 format (the MID widths are whole blocks)."""
-    from test_fp8_loading import qwen_fp8_config, write_fp8_checkpoint
+    from helpers.fp8 import qwen_fp8_config, write_fp8_checkpoint
     return write_fp8_checkpoint(src, out, qwen_fp8_config((128, 128)))[0]
 
 
@@ -132,7 +133,7 @@ def test_fp8_fast_path_agrees_with_the_reference(mid_model, tmp_path, fmt):
 
 def test_eagle3_over_a_moe_target_on_cuda(mid_model, tmp_path):
     """float32, graphs on: drafting never changes the target's greedy tokens."""
-    from llmserve_core.models.eagle3 import make_tiny_draft
+    from llmserve_core.models.tiny_draft import make_tiny_draft
     draft = make_tiny_draft(tmp_path / "draft", mid_model, seed=1)
     _, _, plain = generate(mid_model, 16, dtype="float32", attention_backend="triton")
     engine, _, spec = generate(mid_model, 16, dtype="float32", attention_backend="triton", speculative_model=draft,

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from helpers.batch import make_batch, make_kv_caches
-from helpers.models import write_sharded_copy
+from helpers.models import rewrite_weights, write_sharded_copy
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
@@ -25,15 +24,6 @@ def load(path, load_format="auto", seed=0, dtype=torch.float32):
 def copy_dir(src, dst):
     shutil.copytree(src, dst)
     return dst
-
-
-def rewrite_weights(path, edit):
-    """Apply edit(dict of tensors) to model.safetensors in place."""
-    file = path / "model.safetensors"
-    with safe_open(str(file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    edit(tensors)
-    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def test_sharded_equals_single_file(make_random_qwen3_dir, tmp_path):

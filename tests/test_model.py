@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from helpers.batch import allocate_tables, make_batch, make_kv_caches
+from helpers.batch import allocate_tables, make_batch, make_kv_caches, prefill_then_decodes
 from llmserve_core.kernels.fp8_format import RowQuant
 from llmserve_core.layers.activation import silu_and_mul
 from llmserve_core.layers.attention import get_backend
@@ -44,17 +44,6 @@ def load_pair(path):
 def random_prompts(vocab, lens, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
-
-
-def prefill_then_decodes(cfg, lens, decodes: int = 2):
-    """(KV blocks they need, [(ids, batch)]): a packed prefill of random prompts of `lens`, then `decodes`
-    one-token steps of each, over interleaved block tables."""
-    prompts = random_prompts(cfg.vocab_size, lens, seed=5)
-    tables, num_blocks = allocate_tables([n + decodes for n in lens], BLOCK_SIZE)
-    steps = [(torch.cat(prompts), make_batch([(0, n) for n in lens], tables, BLOCK_SIZE))]
-    steps += [(torch.tensor([5 + i + 13 * j for j in range(len(lens))]),
-               make_batch([(n + i, 1) for n in lens], tables, BLOCK_SIZE)) for i in range(decodes)]
-    return num_blocks, steps
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -102,7 +91,7 @@ def test_fused_path_matches_the_eager_model(name, lens, chain, make_random_qwen3
     fused = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"))
     fused.set_fused(True, chain=chain, pdl=False)
     assert (fused.model.layers[0].mlp.down_proj.fast_kernel == "stream") == chain
-    num_blocks, steps = prefill_then_decodes(cfg, lens)
+    num_blocks, steps = prefill_then_decodes(cfg, lens, BLOCK_SIZE)
     caches = [make_kv_caches(cfg, num_blocks, BLOCK_SIZE) for _ in range(2)]
     for ids, batch in steps:
         want = eager.compute_logits(eager(ids, batch, caches[0]))

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.engine import SCHEDULES, assert_all_blocks_free, hf_greedy
+from helpers.models import make_prompts
 from llmserve_core import Engine, EngineConfig
-from llmserve_core.models.eagle3 import make_tiny_draft
+from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
-from test_engine import SCHEDULES, _assert_all_blocks_free, hf_greedy, make_prompts
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -56,7 +57,7 @@ def test_greedy_matches_transformers(moe_case, name, schedule, monkeypatch):
         assert engine.runner.graphs.replays > 0
     if schedule == "plain":
         assert engine.stats()["prefix_hit_rate"] > 0
-    _assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine)
 
 
 SPEC_MODES = {
@@ -83,10 +84,10 @@ def test_eagle3_over_a_moe_target_keeps_greedy_output(moe_case, tmp_path_factory
         monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
     engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32", speculative_model=draft,
                                  speculative_policy="always", **SPEC_MODES[mode], **cfg))
-    assert engine.spec.aux_layer_ids == (0, 1, 2)
+    assert engine.spec.proposer.aux_layer_ids == (0, 1, 2)
     for _ in range(2):
         assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
     assert engine.stats()["spec_num_drafted_steps"] > 0
     if "preempting" in schedule:
         assert engine.stats()["num_preemptions"] > 0
-    _assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine)

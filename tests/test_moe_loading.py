@@ -12,16 +12,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from helpers.fp8 import broken_copy, compressed_tensors_config, logits_of, qwen_fp8_config, rel, write_fp8_checkpoint
+from helpers.models import make_prompts, rewrite_weights, write_sharded_copy
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.kernels.fp8_format import FP8, dequantize_weight
 from llmserve_core.layers.attention import get_backend
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
 from llmserve_proto import SamplingParams
-from test_engine import make_prompts
-from test_fp8_loading import broken_copy, compressed_tensors_config, logits_of, qwen_fp8_config, rel, \
-    write_fp8_checkpoint
-from test_loader import rewrite_weights, write_sharded_copy
 
 BACKEND = get_backend("torch", "cpu")
 # 10 experts, top-3, layer 1 dense: every kind of tensor a Qwen3-MoE checkpoint holds.
@@ -132,8 +130,10 @@ def _set(name, make):
      "experts.10.up_proj.weight' names expert 10, config.json's num_experts is 10"),
     (_set(EXPERT, lambda t: t[EXPERT].to(FP8)), None, f"{EXPERT}.*does not cover"),
     (_set(EXPERT + "_scale", lambda t: torch.ones(32)), None, f"{EXPERT}_scale.*no place"),
-    (None, {"mlp_only_layers": [0, 1]}, "'model.layers.0.mlp.experts.*holds experts, but config.json makes layer 0 dense"),
-    (None, {"num_local_experts": 12}, r"lacks tensors: model.layers.0.mlp.experts.10.*and \d+ more|mlp.gate.weight' has shape"),
+    (None, {"mlp_only_layers": [0, 1]},
+     "'model.layers.0.mlp.experts.*holds experts, but config.json makes layer 0 dense"),
+    (None, {"num_local_experts": 12},
+     r"lacks tensors: model.layers.0.mlp.experts.10.*and \d+ more|mlp.gate.weight' has shape"),
     (None, {"num_experts_per_tok": 11}, r"num_experts_per_tok \(11\) exceeds num_local_experts \(10\)"),
     (None, {"num_experts": 12}, r"num_experts \(12\) and num_local_experts \(10\) disagree"),
 ])
@@ -143,7 +143,8 @@ def test_malformed_checkpoints_are_named(source, tmp_path, edit, config, match):
 
 
 @pytest.mark.parametrize("name,cut,match", [
-    ("model.layers.0.mlp.experts.gate_up_proj", lambda t: t[:9], r"gate_up_proj' has shape \(9, 64, 64\).*\(10, 64, 64\)"),
+    ("model.layers.0.mlp.experts.gate_up_proj", lambda t: t[:9],
+     r"gate_up_proj' has shape \(9, 64, 64\).*\(10, 64, 64\)"),
     ("model.layers.2.mlp.experts.down_proj", lambda t: t[:, :, :31], r"down_proj' has shape \(10, 64, 31\)"),
     ("model.layers.2.mlp.experts.down_proj", None, "lacks tensors: model.layers.2.mlp.experts.0.down_proj.weight"),
 ])
@@ -198,7 +199,8 @@ def test_each_experts_scales_land_in_its_slot(fp8_pair):
     suffix = "weight_scale_inv" if "block" in name else "weight_scale"
     with safe_open(str(Path(out) / "model.safetensors"), framework="pt") as f:
         for e in (0, 7):
-            gate, up, down = (f.get_tensor(f"model.layers.0.mlp.experts.{e}.{p}_proj.{suffix}") for p in ("gate", "up", "down"))
+            gate, up, down = (f.get_tensor(f"model.layers.0.mlp.experts.{e}.{p}_proj.{suffix}")
+                              for p in ("gate", "up", "down"))
             if "block" not in name:           # compressed-tensors stores a channel's scale as [N, 1]
                 gate, up, down = gate[:, 0], up[:, 0], down[:, 0]
             assert torch.equal(block.w13_scale[e], torch.cat([gate, up]))
@@ -232,7 +234,8 @@ def block_ckpt(source, tmp_path_factory):
     (_set(EXPERT_SCALE, lambda t: t[EXPERT_SCALE] * float("nan")), f"{EXPERT_SCALE}.*finite and positive"),
     (_set(EXPERT_SCALE, lambda t: torch.full(t[EXPERT_SCALE].shape, 1e-300, dtype=torch.float64)),
      f"{EXPERT_SCALE}.*finite and positive"),
-    (_set(EXPERT_SCALE, lambda t: torch.full(t[EXPERT_SCALE].shape, float("inf"))), f"{EXPERT_SCALE}.*finite and positive"),
+    (_set(EXPERT_SCALE, lambda t: torch.full(t[EXPERT_SCALE].shape, float("inf"))),
+     f"{EXPERT_SCALE}.*finite and positive"),
     (_set(EXPERT, lambda t: t[EXPERT].float()), f"{EXPERT}.*float8_e4m3fn"),
     (_set(ROUTER, lambda t: t[ROUTER].to(FP8)), f"{ROUTER}.*does not cover"),
 ])

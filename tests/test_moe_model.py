@@ -10,7 +10,7 @@ from transformers import Qwen3MoeConfig
 from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
 
-from batch_helpers import allocate_tables, make_batch, make_kv_caches
+from helpers.batch import allocate_tables, make_batch, make_kv_caches, prefill_then_decodes
 from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel
 from llmserve_core.kernels.moe_reference import fused_moe_reference, route_reference
 from llmserve_core.layers.attention import get_backend
@@ -19,7 +19,6 @@ from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.loader import load_model
 from llmserve_core.models.qwen3 import Qwen3MLP
 from llmserve_core.models.qwen3_moe import Qwen3MoeForCausalLM
-from test_model import prefill_then_decodes
 
 MOE_CONFIGS = {
     # Top-1 over 8 experts, renormalised (a lone weight of one), every layer sparse, tied embeddings.
@@ -204,7 +203,7 @@ def test_fused_path_matches_the_eager_model(make_random_qwen3_dir):
     fused = load_model(cfg, path, "auto", torch.float32, "cpu", get_backend("triton", "cpu"))
     fused.set_fused(True)
     assert all(block.fused for _, block in fused.moe_blocks())
-    num_blocks, steps = prefill_then_decodes(cfg, [7, 3, 12])
+    num_blocks, steps = prefill_then_decodes(cfg, [7, 3, 12], BLOCK_SIZE)
     caches = [make_kv_caches(cfg, num_blocks, BLOCK_SIZE) for _ in range(2)]
     for ids, batch in steps:
         want = eager.compute_logits(eager(ids, batch, caches[0]))
@@ -247,6 +246,7 @@ def test_config_reads_both_spellings_of_the_expert_count():
     (_moe_raw(norm_topk_prob="yes"), "norm_topk_prob must be true or false"),
     (_moe_raw(shared_expert_intermediate_size=64), "shared_expert_intermediate_size is not supported"),
     (_moe_raw(architectures=["Qwen3ForCausalLM"]), "Qwen3-MoE"),
+    (_moe_raw(model_type=["qwen3_moe"]), r"got model_type=\['qwen3_moe'\]"),
 ])
 def test_config_errors_name_the_field(raw, match):
     with pytest.raises(ValueError, match=match):

@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
+from helpers.distributed import graph_path, run  # noqa: F401  (graph_path: a fixture)
+from helpers.fp8 import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
 from llmserve_core.distributed.sharding import ShardSpec
 from llmserve_core.models.config import ModelConfig
-from llmserve_core.models.eagle3 import make_tiny_draft
-from test_fp8_loading import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
-from test_tensor_parallel import graph_path, run  # noqa: F401  (graph_path: a fixture)
+from llmserve_core.models.tiny_draft import make_tiny_draft
 
 # 8 experts of 32 columns, top-2, layer 1 dense; 4 query heads over 2 KV heads.
 SHAPE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1],
@@ -38,7 +38,8 @@ def test_shard_spec_splits_experts_or_their_columns():
                       num_key_value_heads=2, head_dim=16, model_type="qwen3_moe", num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,))
     tp = [ShardSpec.of(cfg, r, 4) for r in range(4)]
-    assert [s.experts for s in tp] == [(0, 8)] * 4 and [s.moe_intermediate for s in tp] == [(r * 8, 8) for r in range(4)]
+    assert [s.experts for s in tp] == [(0, 8)] * 4
+    assert [s.moe_intermediate for s in tp] == [(r * 8, 8) for r in range(4)]
     assert tp[1].local_config(cfg).moe_intermediate_size == 8 and tp[1].local_config(cfg).num_experts == 8
     ep = [ShardSpec.of(cfg, r, 4, expert_parallel=True) for r in range(4)]
     assert [s.experts for s in ep] == [(r * 2, 2) for r in range(4)] and ep[3].moe_intermediate == (0, 32)
@@ -47,7 +48,8 @@ def test_shard_spec_splits_experts_or_their_columns():
     gate, down = "model.layers.0.mlp.experts.5.gate_proj.weight", "model.layers.0.mlp.experts.5.down_proj.weight"
     assert torch.equal(tp[2].slice_checkpoint(gate, w, cfg), w[16:24])
     assert torch.equal(tp[2].slice_checkpoint(down, w.t(), cfg), w.t()[:, 16:24])
-    assert torch.equal(ep[2].slice_checkpoint(gate, w, cfg), w) and torch.equal(ep[2].slice_checkpoint(down, w.t(), cfg), w.t())
+    assert torch.equal(ep[2].slice_checkpoint(gate, w, cfg), w)
+    assert torch.equal(ep[2].slice_checkpoint(down, w.t(), cfg), w.t())
     # Block scales follow whole blocks: 8 columns per rank split 16-wide blocks.
     blocks = torch.ones(2, 4)
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks split .*experts.5.gate_proj.*16-wide"):

@@ -24,37 +24,13 @@ from llmserve_core.distributed.sharding import ShardSpec
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
+from helpers.distributed import GREEDY, PROMPTS, graph_path, run, run_with  # noqa: F401  (graph_path: a fixture)
 from helpers.fp8 import compressed_tensors_config, qwen_fp8_config, write_fp8_checkpoint
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-SHARED = list(range(40, 75))
-PROMPTS = [SHARED + [5, 6], [7, 8, 9], SHARED + [11], list(range(100, 123))]
-
 
 @pytest.fixture(scope="module")
 def gqa_dir(make_random_qwen3_dir):
     """4 query heads over 2 KV heads: with 4 ranks each KV head is replicated on two."""
     return make_random_qwen3_dir(seed=3, initializer_range=0.3, vocab_size=1030, tie_word_embeddings=False)
-
-
-def run(model, tp, **kwargs):
-    def generate(engine):
-        outs = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-        again = engine.generate([PROMPTS[0]], GREEDY)[0]          # the second pass hits the prefix cache
-        return outs + [again.token_ids], engine.stats()
-    return run_with(model, tp, generate, **kwargs)
-
-
-def run_with(model, tp, body, **kwargs):
-    """body(engine) on a fresh engine of `tp` ranks."""
-    # 24 blocks of 4 tokens and a 9-token budget: chunked prefill, preemption and prefix hits in one run.
-    cfg = dict(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=4, num_kv_blocks=24,
-               max_num_batched_tokens=9, max_num_seqs=4, distributed_timeout=120.0)
-    engine = start_engine(EngineConfig(**{**cfg, **kwargs}))
-    try:
-        return body(engine)
-    finally:
-        engine.close()
 
 
 def test_shard_spec_covers_every_head_and_vocab_row():
@@ -207,23 +183,6 @@ def test_tp2_eagle3_trees_move_every_ranks_kv(tree, graphs, request):
     assert got == want
     assert stats["spec_mean_acceptance_length"] > 1.5, stats
     assert any(name == "verify" for name, _, _ in replays) == graphs
-
-
-@pytest.fixture
-def graph_path(monkeypatch):
-    """The step graphs' bookkeeping on (capture off: the CPU's stand-in for CUDA graphs), on rank 0 and,
-    through the environment, on the spawned workers; returns the (graph, live sequences, bucket) of each
-    replay rank 0 makes (the workers are fresh processes: the spy is rank 0's alone)."""
-    from llmserve_core.engine.step_graphs import StepGraphs
-    monkeypatch.setenv("LLMSERVE_CPU_STEP_GRAPHS", "1")
-    replays = []
-    real = StepGraphs.replay
-
-    def replay(self, n):
-        replays.append((self.name, n, self.bucket_for(n)))
-        return real(self, n)
-    monkeypatch.setattr(StepGraphs, "replay", replay)
-    return replays
 
 
 @pytest.mark.slow

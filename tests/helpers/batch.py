@@ -50,3 +50,15 @@ def allocate_tables(total_lens: list[int], block_size: int) -> tuple[list[list[i
                 tables[i].append(next_block)
                 next_block += 1
     return tables, next_block
+
+
+def prefill_then_decodes(cfg, lens: list[int], block_size: int, decodes: int = 2, seed: int = 5):
+    """(KV blocks they need, [(ids, batch)]): a packed prefill of random prompts of `lens`, then `decodes`
+    one-token steps of each, over interleaved block tables."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens]
+    tables, num_blocks = allocate_tables([n + decodes for n in lens], block_size)
+    steps = [(torch.cat(prompts), make_batch([(0, n) for n in lens], tables, block_size))]
+    steps += [(torch.tensor([5 + i + 13 * j for j in range(len(lens))]),
+               make_batch([(n + i, 1) for n in lens], tables, block_size)) for i in range(decodes)]
+    return num_blocks, steps

@@ -6,9 +6,11 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from helpers.batch import make_batch, make_kv_caches
 from llmserve_core.kernels.fp8_format import FP8, dequantize_weight, quantize_per_block, quantize_per_channel
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,3 +66,31 @@ def write_fp8_checkpoint(src, out, quant_config, keep_bf16=()) -> tuple[str, str
             cfg["quantization_config"] = qc
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
     return str(out), str(twin)
+
+
+def logits_of(model, prompts):
+    """Last-position logits of each prompt, one prefill each."""
+    rows = []
+    for p in prompts:
+        kv = make_kv_caches(model.cfg, num_blocks=8, block_size=16)
+        batch = make_batch([(0, len(p))], [list(range(1, 1 + -(-len(p) // 16)))], 16)
+        rows.append(model.compute_logits(model(torch.tensor(p), batch, kv)[-1:]))
+    return torch.cat(rows)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def broken_copy(src, dst, edit_tensors=None, edit_config=None):
+    shutil.copytree(src, dst)
+    if edit_tensors:
+        with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        edit_tensors(tensors)
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)

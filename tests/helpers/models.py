@@ -42,6 +42,15 @@ def write_sharded_copy(src_dir, out_dir, num_shards: int = 2) -> str:
     return str(out)
 
 
+def rewrite_weights(path, edit):
+    """Apply edit(dict of tensors) to model.safetensors in place."""
+    file = path / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 def make_prompts(vocab, seed):
     rnd = random.Random(seed)
     shared = [rnd.randrange(vocab) for _ in range(13)]
@@ -63,3 +72,11 @@ def held_out_prompts(n: int, length: int = 24) -> list[list[int]]:
     tok = Tokenizer.from_file(str(TRAINED_PAIR / "target/tokenizer.json"))
     held = [p for i, p in enumerate(corpus_paragraphs()) if i % 20 == 19]      # as the training script splits
     return [ids[:length] for ids in (tok.encode(t).ids for t in held) if len(ids) >= length][:n]
+
+
+def hf_greedy_generate(hf, prompt, max_new):
+    """transformers' greedy continuation of `prompt` on the model's device (generate, no stop tokens)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=max_new, do_sample=False,
+                          min_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
