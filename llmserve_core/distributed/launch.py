@@ -120,7 +120,8 @@ def join_group(config: EngineConfig, model_config: ModelConfig, rank: int, addre
     # as the core is idle.
     step_group = dist.new_group(backend="gloo", timeout=timeout)
     _set_pg_timeout(IDLE_TIMEOUT, step_group)
-    return TPGroup(ShardSpec.of(model_config, rank, size, config.enable_expert_parallel), dist.group.WORLD, cpu_group, step_group, device, store)
+    shard = ShardSpec.of(model_config, rank, size, config.enable_expert_parallel)
+    return TPGroup(shard, dist.group.WORLD, cpu_group, step_group, device, store)
 
 
 class Workers:

@@ -92,7 +92,8 @@ class ModelConfig:
     def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
         model_type = raw.get("model_type")
         architectures = raw.get("architectures") or []
-        if model_type not in ARCHITECTURES or (architectures and not set(architectures) & set(ARCHITECTURES[model_type])):
+        known = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+        if known is None or (architectures and not set(architectures) & set(known)):
             supported = "; ".join(f"model_type {t!r} with architectures {list(a)}" for t, a in ARCHITECTURES.items())
             raise ValueError(f"model: only Qwen3 and Qwen3-MoE checkpoints are supported ({supported}), "
                              f"got model_type={model_type!r}, architectures={architectures!r}")
@@ -174,7 +175,8 @@ def _moe_fields(raw: dict) -> dict:
             raise ValueError(f"model: config.json field {name} is not supported (Qwen3-MoE has no shared experts)")
     return dict(num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=positive("moe_intermediate_size", raw.get("moe_intermediate_size")),
-                norm_topk_prob=norm, decoder_sparse_step=positive("decoder_sparse_step", raw.get("decoder_sparse_step", 1)),
+                norm_topk_prob=norm,
+                decoder_sparse_step=positive("decoder_sparse_step", raw.get("decoder_sparse_step", 1)),
                 mlp_only_layers=tuple(sorted(set(only))))
 
 
