@@ -125,9 +125,9 @@ def parse_serve_args(argv: list[str]):
     from llmserve_core.server import DaemonConfig
     parser = build_parser()
     args = vars(parser.parse_args(argv))
-    engine_cfg = EngineConfig(**{n: args[n] for n in EngineConfig.field_names()})
     daemon_cfg = DaemonConfig(**{n: args[n] for n in DAEMON_FLAGS})
     try:
+        engine_cfg = EngineConfig(**{n: args[n] for n in EngineConfig.field_names()})   # reads --speculative-config
         engine_cfg.validate()
     except ValueError as e:
         parser.error(_as_flag_error(str(e)))

@@ -57,9 +57,10 @@ class EngineConfig:
     node_rank: int = 0                    # this host's index; 0 runs the core, the others only workers
     dist_init_addr: str | None = None     # HOST:PORT of the TCP rendezvous (needed with nnodes > 1)
     distributed_timeout: float = 60.0     # seconds a collective may wait for another rank before failing
-    # EAGLE-3 speculative decoding.
-    speculative_model: str | None = None
-    speculative_gamma: int | None = None      # draft depth (chain: drafts per step); default 3
+    # Speculative decoding: EAGLE-3 (a draft model) or prompt lookup (ngram: no model).
+    speculative_method: str | None = None     # eagle3 (the default when --speculative-model is given) | ngram: propose what followed the latest earlier occurrence of the request's last tokens
+    speculative_model: str | None = None      # an EAGLE-3 draft directory (speculators format)
+    speculative_gamma: int | None = None      # draft depth (chain: drafts per step; vLLM's num_speculative_tokens); default 3
     speculative_num_steps: int | None = None  # the same, under SGLang's name (set one of the two)
     speculative_eagle_topk: int = 1           # children per expanded draft node; > 1 grows a dynamic tree
     speculative_num_draft_tokens: int | None = None  # tree nodes verified per request, root included (dynamic default: topk * steps + 1)
@@ -67,12 +68,30 @@ class EngineConfig:
     speculative_tree: str | None = None       # a static tree's name (chain, eagle-small, binary), or dynamic
     speculative_policy: str = "adaptive"      # adaptive: draft only as deep as pays, from measured acceptance and step costs | always
     speculative_trace: bool = False
+    prompt_lookup_min: int | None = None      # ngram: shortest suffix n-gram looked up (default: prompt_lookup_max, or 5 as vLLM)
+    prompt_lookup_max: int | None = None      # ngram: longest suffix n-gram looked up, tried first (default: prompt_lookup_min, or 5)
+    speculative_config: str | dict | None = None  # vLLM's JSON: {"method": "ngram" | "eagle3", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}, setting the fields above
+
+    def __post_init__(self):
+        if self.speculative_config is not None:
+            from llmserve_core.speculative.method import merge_vllm_config
+            merge_vllm_config(self)
 
     def draft_shape(self):
         """What each speculative step drafts (chain, static or dynamic tree), checked."""
         from llmserve_core.speculative.shape import draft_shape
         return draft_shape(self.speculative_gamma, self.speculative_num_steps, self.speculative_eagle_topk,
                            self.speculative_num_draft_tokens, self.speculative_tree)
+
+    def resolved_speculative_method(self) -> str | None:
+        """eagle3, ngram, or None (no speculation)."""
+        from llmserve_core.speculative.method import resolved_method
+        return resolved_method(self.speculative_method, self.speculative_model)
+
+    def lookup_bounds(self) -> tuple[int, int]:
+        """ngram: (prompt_lookup_min, prompt_lookup_max), defaults applied, checked."""
+        from llmserve_core.speculative.method import lookup_bounds
+        return lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -126,7 +145,23 @@ class EngineConfig:
                 need(False, "dist_init_addr", "must be HOST:PORT ([HOST]:PORT for IPv6)")
         need(0.0 < self.distributed_timeout <= 86400.0, "distributed_timeout", "must be in (0, 86400]")
         self.draft_shape()                # raises naming the speculative_* field at fault
+        self._validate_method()
         self.resolved_dtype()
+
+    def _validate_method(self) -> None:
+        method = self.resolved_speculative_method()
+        if method == "eagle3" and self.speculative_model is None:
+            raise ValueError("speculative_model: the eagle3 method needs a draft model directory")
+        if method == "ngram":
+            if self.speculative_model is not None:
+                raise ValueError("speculative_model: the ngram method uses no draft model")
+            if self.draft_shape().kind != "chain":
+                name = "speculative_tree" if self.speculative_tree is not None else "speculative_eagle_topk"
+                raise ValueError(f"{name}: the ngram method proposes a chain, not a tree")
+            self.lookup_bounds()
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            name = "prompt_lookup_min" if self.prompt_lookup_min is not None else "prompt_lookup_max"
+            raise ValueError(f"{name}: only the ngram method looks up n-grams (set speculative_method ngram)")
 
     @classmethod
     def field_names(cls) -> list[str]:

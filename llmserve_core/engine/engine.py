@@ -106,7 +106,8 @@ class Engine:
             self.spec.reset_metrics()
         # What the policy learned (acceptance, step costs with compiles in them) came from the warm-up's
         # random prompts and pinned depths: serving starts from its priors.
-        self.policy = SpecPolicy(self.spec.policy_widths(), self.config.speculative_policy) if self.spec else None
+        self.policy = (SpecPolicy(self.spec.policy_widths(), self.config.speculative_policy,
+                                  prior_cost_per_draft=self.spec.proposer.prior_cost_per_draft) if self.spec else None)
         self.step_costs = MeasuredCosts()
         self._last_step: tuple[int, int, bool] | None = None   # (draft depth, batch bucket, pure decode) of the last step
         self.grammars.reset_counters()

@@ -13,6 +13,7 @@ from llmserve_core.config import EngineConfig
 from llmserve_core.engine.model_runner import ModelRunner
 from llmserve_core.engine.spec.eagle import EagleProposer, load_draft
 from llmserve_core.engine.spec.executor import SpecExecutor
+from llmserve_core.engine.spec.ngram import NgramProposer
 from llmserve_core.engine.spec.proposer import Proposer
 from llmserve_core.models.config import ModelConfig
 
@@ -43,16 +44,19 @@ def max_model_len_of(config: EngineConfig, model_config: ModelConfig) -> int:
 
 def lookahead_tokens(config: EngineConfig) -> int:
     """KV slots a drafting request needs beyond its next token: its drafts (chain) or tree nodes."""
-    if config.speculative_model is None:
+    if config.resolved_speculative_method() is None:
         return 0
     return config.draft_shape().lookahead
 
 
 def load_proposer(config: EngineConfig, runner: ModelRunner, max_positions: int) -> Proposer | None:
     """The speculation method the config asks for, its weights loaded (None: no speculation)."""
-    if config.speculative_model is None:
-        return None
-    return EagleProposer(config, runner, load_draft(config, runner, max_positions))
+    method = config.resolved_speculative_method()
+    if method == "ngram":
+        return NgramProposer(config)
+    if method == "eagle3":
+        return EagleProposer(config, runner, load_draft(config, runner, max_positions))
+    return None
 
 
 def build_runtime(config: EngineConfig, model_config: ModelConfig, tp=None) -> Runtime:

@@ -9,6 +9,10 @@ given, are packed the same way without the extra row: [sum(n_b), V].
 
 Every request emits num_accepted + 1 tokens: the accepted drafts, then the target's correction at
 the first rejection or, when all drafts pass, the bonus token from the last row.
+
+With row_stride = K + 1 the rows are not packed but K + 1 apart (request b's at b * (K + 1)), also where
+num_draft[b] < K: the rows past its drafts are padding, read by nothing (a verify forward that gave
+every request the same row count, so it could be one graph). Draft distributions then sit K apart.
 """
 from __future__ import annotations
 
@@ -67,35 +71,49 @@ def _offsets(num_draft: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cumsum(sizes, 0) - sizes
 
 
-def _padded_rows(num_draft: torch.Tensor, width: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed row index of (b, j) for j < width, and whether that (b, j) exists."""
-    starts = _offsets(num_draft, extra)
+def _starts(num_draft: torch.Tensor, extra: int, stride: int | None) -> torch.Tensor:
+    """First row of each request: packed (stride None), or `stride` apart."""
+    if stride is None:
+        return _offsets(num_draft, extra)
+    return torch.arange(num_draft.shape[0], device=num_draft.device) * stride
+
+
+def _padded_rows(num_draft: torch.Tensor, width: int, extra: int,
+                 stride: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row index of (b, j) for j < width, and whether that (b, j) exists."""
+    starts = _starts(num_draft, extra, stride)
     j = torch.arange(width, device=num_draft.device)
     valid = j[None, :] < (num_draft + extra)[:, None]
     rows = torch.where(valid, starts[:, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
     return rows, valid
 
 
-def _check(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_rows: int) -> None:
+def _check(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_rows: int, stride: int | None) -> None:
     if draft_token_ids.dim() != 2 or num_draft.dim() != 1 or draft_token_ids.shape[0] != num_draft.shape[0]:
         raise ValueError("draft_token_ids: expected [B, K] with num_draft [B]")
+    if stride is not None:
+        batch, k = draft_token_ids.shape
+        if stride != k + 1 or target_rows != batch * stride:
+            raise ValueError(f"row_stride: expected K + 1 = {k + 1} with {batch * (k + 1)} target rows, got "
+                             f"{stride} and {target_rows}")
     if num_draft.device.type != "cpu":
         # Reading the counts back would stall the host mid-step (the executor builds them in range);
         # host-side counts are checked in full.
         return
     if bool((num_draft < 0).any()) or bool((num_draft > draft_token_ids.shape[1]).any()):
         raise ValueError("num_draft: each entry must be in [0, K]")
-    if int((num_draft + 1).sum()) != target_rows:
+    if stride is None and int((num_draft + 1).sum()) != target_rows:
         raise ValueError(f"target rows: expected sum(num_draft + 1) = {int((num_draft + 1).sum())}, got {target_rows}")
 
 
-def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: torch.Tensor) -> VerifyOutput:
+def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: torch.Tensor,
+                  row_stride: int | None = None) -> VerifyOutput:
     """Accept the longest prefix of drafts equal to the target's argmax, then emit the argmax after it."""
-    _check(draft_token_ids, num_draft, target_logits.shape[0])
+    _check(draft_token_ids, num_draft, target_logits.shape[0], row_stride)
     num_draft = num_draft.to(device=target_logits.device, dtype=torch.long)
     draft_token_ids = draft_token_ids.to(target_logits.device)
     k = draft_token_ids.shape[1]
-    rows, valid = _padded_rows(num_draft, k + 1, extra=1)
+    rows, valid = _padded_rows(num_draft, k + 1, extra=1, stride=row_stride)
     target_ids = target_logits.argmax(dim=-1)[rows]                        # [B, K + 1]
     matches = (draft_token_ids == target_ids[:, :k]) & valid[:, 1:]        # draft j exists iff row j + 1 does
     num_accepted = matches.long().cumprod(dim=1).sum(dim=1)
@@ -109,6 +127,7 @@ def rejection_sample_verify(
     draft_token_ids: torch.Tensor,       # [B, K]
     num_draft: torch.Tensor,             # [B]
     draft_probs: torch.Tensor | None,    # [sum(n_b), V] the distribution each draft was drawn from; None: argmax drafts
+    row_stride: int | None = None,       # K + 1: rows (and draft rows, K) at a fixed stride, see the module notes
 ) -> VerifyOutput:
     """The standard speculative sampling rule (Leviathan et al., Chen et al.): accept draft x with
     probability min(1, p(x) / q(x)); at the first rejection emit a sample from norm(max(0, p - q));
@@ -117,20 +136,23 @@ def rejection_sample_verify(
     chosen deterministically (q is one-hot at the draft), which the same rule covers. (Seeded rows come
     one-hot from verify_probs, so their outcome depends on no draw made here.)"""
     device = target_probs.device
-    _check(draft_token_ids, num_draft, target_probs.shape[0])
+    _check(draft_token_ids, num_draft, target_probs.shape[0], row_stride)
     num_draft = num_draft.to(device=device, dtype=torch.long)
     draft_token_ids = draft_token_ids.to(device)
-    if draft_probs is not None and draft_probs.shape[0] != int(num_draft.sum()):
-        raise ValueError(f"draft_probs: expected sum(num_draft) = {int(num_draft.sum())} rows, got {draft_probs.shape[0]}")
     batch, k = draft_token_ids.shape
-    t_rows, t_valid = _padded_rows(num_draft, k + 1, extra=1)
+    q_stride = None if row_stride is None else k
+    if draft_probs is not None:
+        q_rows = int(num_draft.sum()) if row_stride is None else batch * k
+        if draft_probs.shape[0] != q_rows:
+            raise ValueError(f"draft_probs: expected {q_rows} rows, got {draft_probs.shape[0]}")
+    t_rows, t_valid = _padded_rows(num_draft, k + 1, extra=1, stride=row_stride)
     valid = t_valid[:, 1:]                                                 # [B, K] draft j exists
     safe_ids = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
     p_x = target_probs[t_rows[:, :k], safe_ids].float()                    # [B, K]
     if draft_probs is None:
         q_x = torch.ones_like(p_x)
     else:
-        d_rows, _ = _padded_rows(num_draft, k, extra=0)
+        d_rows, _ = _padded_rows(num_draft, k, extra=0, stride=q_stride)
         q_x = draft_probs[d_rows, safe_ids].float()
 
     uniform = torch.rand(batch, k, device=device)
@@ -149,7 +171,7 @@ def rejection_sample_verify(
             q = torch.zeros_like(dist[rb])
             q.scatter_(1, draft_token_ids[rb, pos][:, None], 1.0)
         else:
-            q = draft_probs[_offsets(num_draft, 0)[rb] + pos].float()
+            q = draft_probs[_starts(num_draft, 0, q_stride)[rb] + pos].float()
         residual = (dist[rb] - q).clamp_min(0.0)
         mass = residual.sum(dim=-1, keepdim=True)
         # Rounding can leave no residual mass only where p <= q everywhere, i.e. p == q: then p itself is right.

@@ -96,8 +96,8 @@ class SpecExecutor:
             handle = StepHandle(sched)
         else:
             proposal, verified, handle = self._step_by_step(sched, drafting)
-        results = [SpecStepResult(tokens, self.step_gamma, len(tokens) - 1, path)
-                   for tokens, path in zip(verified.tokens, verified.paths)]
+        results = [SpecStepResult(tokens, drafted, len(tokens) - 1, path) for tokens, drafted, path
+                   in zip(verified.tokens, proposal.num_drafts(self.step_gamma), verified.paths)]
         if results:
             self.metrics.record(results)
         if self.trace and log.isEnabledFor(logging.DEBUG):

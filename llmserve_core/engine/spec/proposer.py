@@ -7,8 +7,9 @@ verification or lossless rejection sampling (verifier.py; drafts chosen determin
 one-hot), a tree's KV compaction, the step's results and metrics, the verify forward's CUDA graphs, the
 adaptive policy's depths and each request's `speculative: false`.
 
-EAGLE-3 (eagle.py) is one method. Another (prompt lookup, say) subclasses Proposer and overrides what it
-needs, often `propose` alone: the defaults fit a method with no model, no KV and no per-request state.
+EAGLE-3 (eagle.py) and prompt lookup (ngram.py) are the methods. A method subclasses Proposer and overrides
+what it needs, often `propose` alone: the defaults fit a method with no model, no KV and no per-request
+state. A chain proposal may give requests fewer drafts than the step's depth (Proposal.lengths).
 """
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ class Proposal:
     trees: TreeBatch | None = None      # trees: each request's parents
     depths: np.ndarray | torch.Tensor | None = None   # trees: [B, nodes] node depths (host for a static tree)
     masks: torch.Tensor | None = None   # trees: [B, nodes, nodes] ancestor masks
+    # chain: drafts each request proposed, where some propose fewer than `depth` (the rest of its row is
+    # padding, which verification never accepts); None: every request proposed `depth`
+    lengths: list[int] | None = None
+
+    def num_drafts(self, depth: int) -> list[int]:
+        """Drafts proposed per request along its verified chain (a tree: its depth)."""
+        return self.lengths if self.lengths is not None else [depth] * self.tokens.shape[0]
 
     @property
     def width(self) -> int:
@@ -120,6 +128,9 @@ class Proposer:
 
     # Target layers whose hidden states the method reads: the verify forward returns them (as `aux`).
     aux_layer_ids: tuple[int, ...] = ()
+    # The adaptive policy's guess, until it has measured, of what a drafting step costs beyond a plain one
+    # per draft (as a share of the plain step): a draft model's forwards and the verify rows.
+    prior_cost_per_draft: float = 0.25
 
     def __init__(self):
         self.graphs: dict[str, StepGraphs] = {}      # the method's fixed-shape forwards, by name

@@ -142,9 +142,11 @@ class Verifier:
             out = (tree_greedy_verify(proposal.trees, logits, proposal.tokens) if greedy else
                    tree_rejection_verify(proposal.trees, probs, proposal.tokens, None))
             return Verified(*out.lists())
-        num_draft = torch.full((len(drafting),), depth, dtype=torch.long, device=self.ctx.device)
-        out = (greedy_verify(logits, proposal.tokens, num_draft) if greedy else
-               rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q))
+        # Every request's rows are `width` apart, also where it proposed fewer drafts (padding rows).
+        num_draft = (torch.full((len(drafting),), depth, dtype=torch.long, device=self.ctx.device)
+                     if proposal.lengths is None else self.ctx.staging.ints(proposal.lengths))
+        out = (greedy_verify(logits, proposal.tokens, num_draft, row_stride=width) if greedy else
+               rejection_sample_verify(probs, proposal.tokens, num_draft, proposal.q, row_stride=width))
         tokens = out.token_lists()
         return Verified(tokens, [None] * len(tokens))
 
