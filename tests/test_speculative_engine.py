@@ -9,7 +9,6 @@ Qwen3 for the argmax. Prompts start with a fixed token, the one token no draft r
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -18,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.distribution import assert_matches_distribution, exact_distribution
 from helpers.models import TRAINED_PAIR, held_out_prompts
+from helpers.policies import ScriptedPolicy
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine import model_runner, runtime
 from llmserve_core.models.eagle3_config import Eagle3Config
 from llmserve_core.models.tiny_draft import make_tiny_draft
-from llmserve_core.speculative.policy import Decision, SpecPolicy
 from llmserve_proto import GuidedDecoding, SamplingParams
 
 FIRST = 7                                   # every prompt's first token (see the oracle)
@@ -281,25 +281,6 @@ def test_a_grammar_after_reasoning_drafts_until_it_starts(monkeypatch, mode, sch
 
 # ---- sampling is lossless -------------------------------------------------------------------------------
 
-def chi2_critical(df: int, z: float = 3.5) -> float:
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def exact_distribution(hf, prompt, top_k, length):
-    """P(first `length` generated tokens) under temperature 1 and top-k, straight from transformers."""
-    out = {(): 1.0}
-    for _ in range(length):
-        grown = {}
-        for seq, p in out.items():
-            with torch.no_grad():
-                logits = hf(input_ids=torch.tensor([prompt + list(seq)])).logits[0, -1]
-            top = logits.topk(top_k)
-            for t, q in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()):
-                grown[seq + (t,)] = p * q
-        out = grown
-    return out
-
-
 @pytest.mark.parametrize("mode,accept", [("chain", "greedy"), ("chain", "sample"), ("tree-binary", "greedy"),
                                          ("tree-dynamic", "sample")])
 def test_sampling_matches_the_target_distribution(mode, accept):
@@ -317,19 +298,7 @@ def test_sampling_matches_the_target_distribution(mode, accept):
     engine = spec_engine(target, draft, speculative_accept_mode=accept, max_num_seqs=256, **MODES[mode])
     torch.manual_seed(0)
     got = engine.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True))
-    counts: dict = {}
-    for c in got:
-        key = tuple(c.token_ids)
-        assert key in expected, f"sampled {key}, which has probability zero"
-        counts[key] = counts.get(key, 0) + 1
-    cells = [k for k, p in expected.items() if p * n >= 5]
-    rest = 1 - sum(expected[k] for k in cells)
-    stat = sum((counts.get(k, 0) - expected[k] * n) ** 2 / (expected[k] * n) for k in cells)
-    if rest * n >= 5:
-        other = n - sum(counts.get(k, 0) for k in cells)
-        stat += (other - rest * n) ** 2 / (rest * n)
-    df = len(cells) - (0 if rest * n >= 5 else 1)
-    assert stat < chi2_critical(df), f"chi2 {stat:.1f} over {df} dof"
+    assert_matches_distribution([c.token_ids for c in got], expected)
     st = engine.stats()
     assert st["spec_num_accepted_tokens"] > 0 and st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"]
     assert_all_blocks_free(engine)
@@ -659,21 +628,6 @@ def test_cuda_seeded_request_gives_its_plain_tokens(mode, accept):
 
 
 # ---- the adaptive policy: plain and drafting steps mixed ----------------------------------------------------
-
-class ScriptedPolicy(SpecPolicy):
-    """Decides from a fixed random script instead of measurements, so every switch is exercised."""
-
-    def __init__(self, widths, seed, plain_share=0.5):
-        super().__init__(widths)
-        rnd = random.Random(seed)
-        depths = list(widths)
-        self.script = [0 if rnd.random() < plain_share else rnd.choice(depths) for _ in range(4096)]
-        self.calls = 0
-
-    def _decide(self, batch, num_spec, costs):
-        self.calls += 1
-        return Decision(self.script[self.calls % len(self.script)])
-
 
 SWITCH_SCHEDULES = {
     "plain": dict(block_size=8),

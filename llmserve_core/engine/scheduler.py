@@ -137,14 +137,14 @@ class Scheduler:
             if full:
                 self._preempt_for(req, out, skipped)
             num_new = self._num_new_tokens(req, self.max_num_batched_tokens - out.total_tokens)
-            while num_new and not self.blocks.can_allocate(req, req.num_computed_tokens + num_new):
+            while num_new and not self.blocks.can_allocate(req, self._need(req, num_new)):
                 num_new = 0
                 if self._preempt_for(req, out, skipped):
                     num_new = self._num_new_tokens(req, self.max_num_batched_tokens - out.total_tokens)
             if num_new == 0:
                 self._unadmit(req)       # keep its cached-prefix references only while it is admitted
                 break
-            self.blocks.allocate(req, req.num_computed_tokens + num_new)
+            self.blocks.allocate(req, self._need(req, num_new))
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.blocks.count_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
@@ -234,9 +234,7 @@ class Scheduler:
 
     def _reserve(self, req: Request, num_new: int, out: ScheduledBatch) -> bool:
         """Make room for num_new tokens (plus lookahead when decoding), preempting newer requests."""
-        need = req.num_computed_tokens + num_new
-        if not req.is_prefilling and req.speculative:
-            need += self.lookahead_tokens
+        need = self._need(req, num_new)
         while not self.blocks.can_allocate(req, need):
             victim = self._newer_victim(req)
             self._preempt(victim, out)
@@ -256,6 +254,13 @@ class Scheduler:
         # clients at equal shares, lose the newest request as before.
         holder = max(dict.fromkeys(r.client for r in reversed(newer)), key=self.waiting.running)
         return next(r for r in reversed(newer) if r.client == holder)
+
+    def _need(self, req: Request, num_new: int) -> int:
+        """KV slots req needs for num_new more tokens, and its drafts' when it decodes: it may draft this step
+        (a running request, or one admitted with one token left: a one-token prompt, or all but the last
+        cached)."""
+        drafts = req.speculative and not req.is_prefilling
+        return req.num_computed_tokens + num_new + (self.lookahead_tokens if drafts else 0)
 
     def _preempt(self, req: Request, out: ScheduledBatch) -> None:
         if req in out.requests:  # already given work this step: undo it
