@@ -15,6 +15,9 @@
 #            step included), then benchmarks/spec_timing.py for the chain (batch 1, 4, 16, 64), a dynamic
 #            tree (6 steps x top-4, 32 nodes) and the static eagle-small tree (batch 1, 16)
 #            -> $OUT/spec_tests.log, $OUT/spec_timing{,_dynamic,_static}/
+#   ngram    pytest -m gpu over prompt lookup (verify graphs == eager == plain), then benchmarks/ngram_timing.py:
+#            the ngram step against a decode at batch 1, 16, 64 for 3, 5, 8 drafts, and the host's proposal
+#            cost at batch 64 x 32k tokens (about 3 minutes)  -> $OUT/ngram_tests.log, $OUT/ngram_timing/
 #   serving  benchmarks/spec_serving.py --quick: closed loops over IPC with speculation on and off (8B shape
 #            + dummy draft at concurrency 1, 16, 64, 256; the trained tiny pair at 1 and 8)  -> $OUT/serving/
 #   grammar  benchmarks/grammar_mask_cost.py: a JSON-schema mask's cost per decode step at batch 1 and 64
@@ -140,6 +143,12 @@ for stage in $stages; do
              --batch-sizes 1,16 --tree eagle-small > "$out/spec_timing_static.log" 2>&1
       [ $? = 0 ] || status[$stage]=1
       grep -h "^| " "$out"/spec_timing*/spec_timing.md ;;
+    ngram)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ngram_engine.py > "$out/ngram_tests.log" 2>&1
+      status[$stage]=$?; tail -3 "$out/ngram_tests.log"
+      python3 benchmarks/ngram_timing.py --out "$out/ngram_timing" --commit "$commit" > "$out/ngram_timing.log" 2>&1
+      [ $? = 0 ] || status[$stage]=1
+      grep -h "^| \|^- host" "$out/ngram_timing/ngram_timing.md" ;;
     serving)
       python3 benchmarks/spec_serving.py --out "$out/serving" --quick --commit "$commit" > "$out/serving.log" 2>&1
       status[$stage]=$?; grep "^| " "$out/serving/spec_serving.md" ;;

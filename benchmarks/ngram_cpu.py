@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -108,6 +109,67 @@ def measure(prompts, params, batch_all: bool, settings: list[str]) -> list[dict]
     return rows
 
 
+def host_cost(batch: int, context: int, k: int, lo: int, hi: int, steps: int) -> dict:
+    """The proposer's host work per drafting step at `batch` requests of `context` tokens (copy-like
+    sequences: runs of a shared text), each step growing every request by 1 .. k + 1 tokens (what a step
+    emits; mostly copied on from the shared text, so most requests find a match): its index update (on_scheduled) and its drafts (propose, with the copy to the device; here the
+    CPU). The indexes are built first, untimed per step (their cost per request is reported apart)."""
+    from types import SimpleNamespace
+
+    from llmserve_core.engine.batch_builder import HostToDevice
+    from llmserve_core.engine.request import Request
+    from llmserve_core.engine.scheduler import ScheduledBatch
+    from llmserve_core.engine.spec.ngram import NgramProposer
+    from llmserve_core.speculative.ngram import NgramIndex
+
+    rnd = random.Random(0)
+    vocab = 151936
+    shared = [rnd.randrange(vocab) for _ in range(4096)]
+    cfg = EngineConfig(model=str(TARGET), speculative_method="ngram", speculative_gamma=k, prompt_lookup_min=lo,
+                       prompt_lookup_max=hi)
+    proposer = NgramProposer(cfg)
+    proposer.ctx = SimpleNamespace(device=torch.device("cpu"), staging=HostToDevice(torch.device("cpu"), pin=False))
+    reqs, build = [], []
+    for i in range(batch):
+        tokens = []
+        while len(tokens) < context:
+            j = rnd.randrange(len(shared) - 200)
+            tokens += shared[j:j + rnd.randrange(8, 200)] + [rnd.randrange(vocab)]
+        req = Request(f"r{i}", tokens[:context], SamplingParams(), frozenset(), 10 ** 9)
+        req.speculative, req.num_computed_tokens = True, context - 1
+        t0 = time.perf_counter()
+        req.spec_state = NgramIndex(lo, hi)
+        req.spec_state.extend(req.token_ids, context)
+        build.append(time.perf_counter() - t0)
+        reqs.append(req)
+    sched = ScheduledBatch(reqs, [1] * batch)
+    index_ms, propose_ms, matched = [], [], 0
+    cursors = [rnd.randrange(len(shared) - 200) for _ in reqs]
+    for _ in range(steps):
+        for i, req in enumerate(reqs):          # mostly copying on through the shared text, now and then a jump
+            n = rnd.randint(1, k + 1)
+            if rnd.random() < 0.1 or cursors[i] + n >= len(shared):
+                cursors[i] = rnd.randrange(len(shared) - 200)
+                req.token_ids.append(rnd.randrange(vocab))
+            else:
+                req.token_ids += shared[cursors[i]:cursors[i] + n]
+                cursors[i] += n
+            req.num_computed_tokens = req.num_tokens - 1
+        t0 = time.perf_counter()
+        proposer.on_scheduled(sched, None)
+        t1 = time.perf_counter()
+        proposal = proposer.propose(sched, reqs, k)
+        t2 = time.perf_counter()
+        index_ms.append(1000 * (t1 - t0))
+        propose_ms.append(1000 * (t2 - t1))
+        matched += sum(n > 0 for n in proposal.lengths)
+    total = sorted(a + b for a, b in zip(index_ms, propose_ms))
+    return {"batch": batch, "context": context, "k": k, "lookup": [lo, hi], "steps": steps,
+            "build_ms_per_request": 1000 * statistics.median(build), "index_ms": statistics.median(index_ms),
+            "propose_ms": statistics.median(propose_ms), "step_ms": statistics.median(total),
+            "step_ms_p90": total[int(0.9 * (len(total) - 1))], "matched_share": matched / (steps * batch)}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Prompt-lookup (ngram) speculation on the trained tiny model, cpu, commit {result['commit']}", "",
              f"{result['num_prompts']} copy-heavy prompts (a held-out prompt and the model's own {result['text_len']}-token "
@@ -125,6 +187,15 @@ def markdown(result: dict) -> str:
                      f"| {r['ms_per_token']:.2f} | {r['identical_to_plain']} |")
     lines += ["", "Settings: kN = drafts per step, a..b = prompt_lookup_min..max; `always` drafts every step, "
               "`adaptive` is the default policy."]
+    if result.get("host_cost"):
+        lines += ["", f"The proposer's host work per drafting step ({result['host_cost'][0]['steps']} steps, each request "
+                  "growing by 1 to k + 1 tokens a step; medians, p90 of the whole; index: building one request's "
+                  "index once):", "", "| batch | context | k | n-grams | index update ms | propose ms | step ms | "
+                  "step p90 ms | matched | index build ms / request |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for h in result["host_cost"]:
+            lines.append(f"| {h['batch']} | {h['context']} | {h['k']} | {h['lookup'][0]}..{h['lookup'][1]} "
+                         f"| {h['index_ms']:.3f} | {h['propose_ms']:.3f} | {h['step_ms']:.3f} | {h['step_ms_p90']:.3f} "
+                         f"| {h['matched_share']:.2f} | {h['build_ms_per_request']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -136,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--edits", type=int, default=3, help="tokens of that text replaced at random")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of: " + ", ".join(SETTINGS))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--host-batch", type=int, default=64, help="the host-cost run's batch (0: skip it)")
+    ap.add_argument("--host-context", type=int, default=32768, help="the host-cost run's tokens per request")
+    ap.add_argument("--host-steps", type=int, default=200)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
@@ -146,9 +220,14 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = copy_heavy_prompts(make_engine(None), args.num_prompts, text_len=args.text_len, edits=args.edits)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows = measure(prompts, params, True, settings) + measure(prompts, params, False, settings)
+    costs = [host_cost(args.host_batch, args.host_context, k, lo, hi, args.host_steps)
+             for k, lo, hi in ((5, 2, 4), (5, 5, 5), (8, 1, 8))] if args.host_batch else []
+    for c in costs:
+        print(json.dumps(c), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"commit": commit, "device": "cpu", "threads": args.threads, "num_prompts": len(prompts),
-              "text_len": args.text_len, "edits": args.edits, "max_tokens": args.max_tokens, "rows": rows}
+              "text_len": args.text_len, "edits": args.edits, "max_tokens": args.max_tokens, "rows": rows,
+              "host_cost": costs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ngram_trained_pair_cpu.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -146,3 +146,30 @@ def test_gpu_checks_stages(tmp_path):
     proc = subprocess.run(["bash", str(BENCH / "gpu_checks.sh"), "no-such-stage"], cwd=ROOT, capture_output=True,
                           text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
     assert proc.returncode == 1 and "unknown stage" in proc.stdout
+
+
+def test_ngram_timing(tmp_path):
+    """Tiny shapes on the CPU with the step graphs' bookkeeping: an executor per depth, each request
+    proposing every draft, and the host-cost section."""
+    out = tmp_path / "ngram"
+    env_run = dict(os.environ, LLMSERVE_CPU_STEP_GRAPHS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(BENCH / "ngram_timing.py"), "--smoke", "--batch-sizes", "1,4",
+                           "--depths", "2,3", "--host-context", "300", "--out", str(out)], cwd=ROOT, env=env_run,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "ngram_timing.json").read_text())
+    assert [(r["batch"], r["k"]) for r in res["rows"]] == [(1, 2), (1, 3), (4, 2), (4, 3)]
+    for r in res["rows"]:
+        assert r["full_length_share"] == 1.0 and r["verify_graph"] and r["t_step"] > 0 and r["t_decode"] > 0
+    assert [h["lookup"] for h in res["host_cost"]] == [[2, 4], [5, 5]] and res["host_cost"][0]["matched_share"] > 0
+    assert "| 4 | 3 |" in (out / "ngram_timing.md").read_text()
+
+
+def test_ngram_cpu(tmp_path):
+    run("ngram_cpu.py", "--num-prompts", "2", "--max-tokens", "8", "--text-len", "16", "--settings", "k3-2..4",
+        "--host-batch", "4", "--host-context", "400", "--host-steps", "5", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "ngram_trained_pair_cpu.json").read_text())
+    assert [(r["setting"], r["batch"]) for r in res["rows"]] == [("plain", 2), ("k3-2..4", 2), ("plain", 1), ("k3-2..4", 1)]
+    assert all(r["identical_to_plain"] for r in res["rows"]) and res["device"] == "cpu"
+    assert len(res["host_cost"]) == 3 and "acceptance length" in (tmp_path / "ngram_trained_pair_cpu.md").read_text()

@@ -33,11 +33,9 @@ SCHEDULES = {
 
 
 def ngram_engine(model, **kw) -> Engine:
-    kw.setdefault("speculative_policy", "always")
-    kw.setdefault("speculative_gamma", DEPTH)
-    kw.setdefault("prompt_lookup_min", 1)
-    kw.setdefault("prompt_lookup_max", 3)
-    return Engine(EngineConfig(model=model, device="cpu", dtype="float32", speculative_method="ngram", **kw))
+    kw = dict(dict(device="cpu", dtype="float32", speculative_policy="always", speculative_gamma=DEPTH,
+                   prompt_lookup_min=1, prompt_lookup_max=3), **kw)
+    return Engine(EngineConfig(model=model, speculative_method="ngram", **kw))
 
 
 def copying_prompts(vocab: int, seed: int) -> list[list[int]]:
@@ -193,3 +191,27 @@ def test_a_copy_heavy_workload_accepts_long_runs():
           f"acceptance rate {st['spec_acceptance_rate']:.2f}")
     assert st["spec_mean_acceptance_length"] > 1.8, st
     assert_all_blocks_free(engine)
+
+
+# ---- the GPU ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_verify_graphs_and_async_steps_give_plain_tokens(tiny_model_dir, plain):
+    """On the GPU (Triton attention, float32): the verify graph's padded rows (requests with and without a
+    match in one graph), async plain steps between drafting ones, and eager steps all give the plain
+    engine's greedy tokens."""
+    prompts, _ = plain
+    cuda = dict(device="cuda", dtype="float32", attention_backend="triton")
+    reference = Engine(EngineConfig(model=tiny_model_dir, enforce_eager=True, **cuda))
+    want = [c.token_ids for c in reference.generate(prompts, greedy(len(prompts)))]
+    for eager in (True, False):
+        engine = ngram_engine(tiny_model_dir, **cuda, enforce_eager=eager,
+                              max_num_seqs=8, speculative_policy="adaptive")
+        engine.policy = ScriptedPolicy(engine.spec.policy_widths(), seed=2, plain_share=0.3)
+        assert [c.token_ids for c in engine.generate(prompts, greedy(len(prompts)))] == want
+        st = engine.stats()
+        assert 0 < st["spec_num_draft_tokens"] < DEPTH * st["spec_num_steps"] and st["spec_num_plain_steps"] > 0
+        if not eager:
+            assert engine.spec.graphs["verify"].capture and engine.spec.graphs["verify"].replays > 0
+        assert_all_blocks_free(engine)

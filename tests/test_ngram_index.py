@@ -25,7 +25,7 @@ def indexed(tokens: list[int], lo: int, hi: int) -> NgramIndex:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_index_finds_what_a_full_scan_finds_as_tokens_arrive(seed):
-    """Batches of sequences over small vocabularies (many matches), grown by runs of 0 to 80 tokens (the
+    """Batches of sequences over small vocabularies (many matches), grown by runs of 0 to 300 tokens (the
     first n-grams running off the start, single tokens, bulk runs), each checked after every update."""
     rnd = random.Random(seed)
     for _ in range(25):
@@ -36,7 +36,7 @@ def test_the_index_finds_what_a_full_scan_finds_as_tokens_arrive(seed):
         indexes = [NgramIndex(lo, hi) for _ in seqs]
         for _ in range(6):
             for s in seqs:
-                s += [rnd.randrange(vocab) for _ in range(rnd.choice([0, 1, 2, 3, 9, 80]))]
+                s += [rnd.randrange(vocab) for _ in range(rnd.choice([0, 1, 2, 3, 9, 80, 300]))]
             extend_all(indexes, seqs, [len(s) for s in seqs])
             for s, index in zip(seqs, indexes):
                 assert index.length == len(s) and index.match == reference_match(s, lo, hi), (lo, hi, s)

@@ -220,6 +220,19 @@ def test_tp2_eagle3_verify_graphs_greedy_equal_plain(tiny_model_dir, tmp_path, g
     assert {"verify", "catch-up", "draft step"} <= names and "fused step" not in names, names
 
 
+@pytest.mark.slow
+def test_tp2_ngram_greedy_equals_one_rank(tiny_model_dir, graph_path):
+    """Prompt lookup under TP 2: rank 0 proposes from its requests' own tokens (no model, no KV), the drafts
+    reach the workers in the step broadcast, and every rank verifies through its verify graph; chunked
+    prefill, preemption and prefix hits as in every TP run here."""
+    want, _ = run(tiny_model_dir, 1)
+    got, stats = run(tiny_model_dir, 2, speculative_method="ngram", speculative_gamma=3, prompt_lookup_min=1,
+                     prompt_lookup_max=3, speculative_policy="always", num_kv_blocks=40)
+    assert got == want
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_steps"] > 0
+    assert "verify" in {name for name, _, _ in graph_path}
+
+
 def test_the_rendezvous_address_takes_ipv6_hosts_in_brackets(tiny_model_dir, monkeypatch):
     from llmserve_core.config import host_and_port
     from llmserve_core.distributed import launch

@@ -22,6 +22,9 @@ import numpy as np
 
 BASE = 0x9E3779B97F4A7C15                   # odd: its powers never vanish mod 2**64
 POW = tuple(np.uint64(pow(BASE, i, 1 << 64)) for i in range(64))
+# New tokens of one request past which its n-grams are stored one n at a time, sharing their end ints
+# (a prompt: memory), rather than in one interleaved update (a step's few tokens: fewer calls).
+LONG_RUN = 256
 
 
 class NgramIndex:
@@ -72,33 +75,36 @@ def extend_all(indexes: list[NgramIndex], sequences: list[list[int]], ends: list
     starts = np.repeat(np.cumsum(count) - count, count)
     ends_at = np.arange(starts.size) - starts + np.repeat(first, count)     # every new end, job by job
     newest = ends_at + np.repeat(shift, count)                             # where token end - 1 sits in flat
-    tok = np.asarray(flat, dtype=np.int64).astype(np.uint64) + np.uint64(1)
+    tok = np.asarray(flat, dtype=np.int64).view(np.uint64) + np.uint64(1)        # -1 wraps to 0
     h = np.zeros(ends_at.size, dtype=np.uint64)
     keys = np.empty((ends_at.size, width), dtype=np.uint64)
     for i in range(hi):                                    # uint64 arithmetic wraps: mod 2**64
         h += tok[newest - i] * POW[i]
         if i + 1 >= lo:
             keys[:, i + 1 - lo] = h
+    long_runs = count.max() > LONG_RUN
+    columns = keys.T.tolist() if long_runs else None
+    ends_list = ends_at.tolist() if long_runs else None
     keys, values = keys.ravel().tolist(), np.repeat(ends_at, width).tolist()
     row = 0
     for (index, tokens, end), c in zip(jobs, count.tolist()):
         last = index.last
         a, b = row * width, (row + c - 1) * width          # the n-grams before the end; the suffix's from b
-        row += c
-        if b > a:
+        if c > LONG_RUN:            # a prompt: one update per n, the n-grams ending together sharing one int
+            for column in columns:
+                last.update(zip(column[row:row + c - 1], ends_list[row:row + c - 1]))
+        elif b > a:
             last.update(zip(keys[a:b], values[a:b]))
-        index.match, index.length = _lookup(last, keys[b:b + width], tokens, end, lo), end
+        row += c
+        match = -1
+        for j in range(width - 1, -1, -1):           # the suffix, longest first, checked token for token
+            m = last.get(keys[b + j], -1)
+            n = lo + j
+            if n <= m and tokens[m - n:m] == tokens[end - n:end]:
+                match = m
+                break
+        index.match, index.length = match, end
         last.update(zip(keys[b:b + width], repeat(end)))
-
-
-def _lookup(last: dict[int, int], suffix_keys: list[int], tokens: list[int], end: int, lo: int) -> int:
-    """The latest earlier end of the longest suffix n-gram (keys by n from lo up), checked token for token."""
-    for j in range(len(suffix_keys) - 1, -1, -1):
-        m = last.get(suffix_keys[j], -1)
-        n = lo + j
-        if n <= m and tokens[m - n:m] == tokens[end - n:end]:
-            return m
-    return -1
 
 
 def reference_match(tokens: list[int], lo: int, hi: int) -> int:

@@ -9,6 +9,8 @@
   eagle_tree.py          what static and dynamic trees share (level batches, the fused tree step)
   eagle_static_tree.py   EAGLE-3 static (named) trees
   eagle_dynamic_tree.py  EAGLE-3 dynamic trees
+  ngram.py               prompt lookup: drafts copied from each request's own tokens (no model)
   state.py               SpecState: a request's draft rows, and which are valid
-The algorithms themselves (proposal, verification, trees, the policy) live in llmserve_core/speculative/.
+The algorithms themselves (proposal, verification, trees, the n-gram index, the policy) live in
+llmserve_core/speculative/.
 """
