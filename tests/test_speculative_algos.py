@@ -7,15 +7,11 @@ import math
 import pytest
 import torch
 
+from helpers.distribution import chi2_critical
 from llmserve_core.layers.sampler import SamplingTensors, sampling_probs
 from llmserve_proto import SamplingParams
 from llmserve_core.speculative.types import SpecMetrics, SpecStepResult
 from llmserve_core.speculative.verify import greedy_verify, rejection_sample_verify, verify_probs
-
-
-def chi2_critical(df: int, z: float = 3.5) -> float:
-    """Upper critical value of chi-square (Wilson-Hilferty); z = 3.5 gives a false alarm rate near 2e-4."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def assert_distribution(samples: torch.Tensor, probs: torch.Tensor) -> None:
