@@ -16,13 +16,13 @@ import numpy as np
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
-from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.request import Request
+from llmserve_core.engine.scheduler import ScheduledBatch
 from llmserve_core.engine.spec.proposer import Proposal, Proposer
 from llmserve_core.speculative.ngram import NgramIndex, extend_all
 
 # N-grams a step indexes over the batch for requests catching up on a long run (a prompt, or many tokens
-# after a long stretch of plain steps: about 10 ms of host work on a slow core); a request that lags by
+# after a long stretch of plain steps: 10-15 ms of host work on a slow core); a request that lags by
 # at most STEADY tokens always catches up.
 INDEX_BUDGET = 1 << 15
 STEADY = 64
