@@ -87,7 +87,8 @@ def time_batch(engine: Engine, execs: dict[int, SpecExecutor], batch: int, args,
         t_decode = measure(lambda: engine.runner.launch(sched).results())
         rows = []
         for k, ex in execs.items():
-            ex.on_scheduled(sched, engine.block_manager)          # index every request's tokens (untimed)
+            while any(r.spec_state is None or r.spec_state.length < r.num_tokens for r in reqs):
+                ex.on_scheduled(sched, engine.block_manager)      # index every request's tokens (untimed)
             proposal = ex.proposer.propose(sched, ex.proposer.drafting(sched), k)
             matched = sum(n == k for n in proposal.lengths) / batch
             host = []
