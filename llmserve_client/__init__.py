@@ -14,7 +14,7 @@ from llmserve_client.client import Client, Stream
 from llmserve_client.detokenizer import IncrementalDetokenizer
 from llmserve_client.errors import (EngineDeadError, HandshakeTimeoutError, LLMServeError, ModelChangedError,
                                     ModelMismatchError, ProtocolError, RequestError)
-from llmserve_client.types import Completion, Logprobs, ModelInfo, StreamChunk, Timings, Usage
+from llmserve_client.types import Completion, Embeddings, Logprobs, ModelInfo, Scores, StreamChunk, Timings, Usage
 
 
 def run(main):
@@ -29,6 +29,7 @@ def run(main):
 
 __all__ = [
     "Client", "Stream", "AsyncClient", "AsyncStream", "Completion", "StreamChunk", "Usage", "Timings",
+    "Embeddings", "Scores",
     "Logprobs", "ModelInfo", "IncrementalDetokenizer", "LLMServeError", "EngineDeadError",
     "HandshakeTimeoutError", "ModelChangedError", "ModelMismatchError", "ProtocolError", "RequestError", "run",
 ]

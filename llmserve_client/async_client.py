@@ -9,13 +9,14 @@ import threading
 import weakref
 from collections.abc import AsyncIterator
 
-from llmserve_proto import ModelInfo
+from llmserve_proto import ModelInfo, PoolingOutput, PoolingParams
+from llmserve_client import pooling
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list
 from llmserve_client.errors import LLMServeError
-from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
+from llmserve_client.inputs import build_params, check_token_ids, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_stream import RequestStream
 from llmserve_client.transport import Transport
-from llmserve_client.types import Completion, StreamChunk
+from llmserve_client.types import Completion, Embeddings, Scores, StreamChunk
 
 
 class _LoopBridge:
@@ -139,6 +140,38 @@ class AsyncClient:
             async for _ in s:
                 pass
         return s.completion
+
+    async def embed(self, texts, *, instruction: str | None = None, dimensions: int | None = None,
+                    normalize: bool = True, user: str = "") -> Embeddings:
+        """As Client.embed."""
+        inputs, are_ids = pooling.embedding_inputs(texts)
+        params = pooling.embed_params(dimensions, normalize)
+        tok = None if are_ids else await self.get_tokenizer()
+        prompts = inputs if are_ids else [pooling.embedding_prompt(tok, t, instruction) for t in inputs]
+        return pooling.embeddings_of(await self.pool(prompts, params, user=user))
+
+    async def score(self, query: str, documents: list[str], *, instruction: str | None = None,
+                    user: str = "") -> Scores:
+        """As Client.score."""
+        docs = pooling.check_texts("documents", documents)
+        tok = await self.get_tokenizer()
+        prompts = pooling.rerank_prompts(tok, query, docs, instruction)
+        return pooling.scores_of(await self.pool(prompts, pooling.score_params(pooling.yes_no_ids(tok)), user=user))
+
+    async def pool(self, prompts: list[list[int]], params: PoolingParams, *, request_id: str | None = None,
+                   user: str = "") -> list[PoolingOutput]:
+        """As Client.pool. Cancelling the caller aborts the requests still running."""
+        await self.connect()
+        pooling.check_task(self.model_info, params.task)
+        prompts = [check_token_ids(list(p)) for p in prompts]
+        sink = self._sink()
+        batch = pooling.PoolBatch(self._cores, prompts, params, sink, request_id or new_request_id(), user)
+        try:
+            while not batch.done:
+                batch.handle(await sink.queue.get())
+        finally:
+            batch.close()
+        return batch.outputs
 
     async def abort(self, request_id: str) -> None:
         req = self._cores.find(request_id)

@@ -6,13 +6,14 @@ import threading
 import time
 from collections.abc import Iterator
 
-from llmserve_proto import ModelInfo
+from llmserve_proto import ModelInfo, PoolingOutput, PoolingParams
+from llmserve_client import pooling
 from llmserve_client.cores import Cores, aggregate_stats, endpoint_list
 from llmserve_client.errors import LLMServeError
-from llmserve_client.inputs import build_params, load_tokenizer, new_request_id, to_token_ids
+from llmserve_client.inputs import build_params, check_token_ids, load_tokenizer, new_request_id, to_token_ids
 from llmserve_client.request_stream import RequestStream
 from llmserve_client.transport import Transport
-from llmserve_client.types import Completion, StreamChunk
+from llmserve_client.types import Completion, Embeddings, Scores, StreamChunk
 
 
 class Client:
@@ -73,6 +74,39 @@ class Client:
             for _ in s:
                 pass
             return s.completion
+
+    def embed(self, texts, *, instruction: str | None = None, dimensions: int | None = None,
+              normalize: bool = True, user: str = "") -> Embeddings:
+        """Embeddings of a text or a list of texts (or token-id lists, sent as they are), in order. Qwen3-
+        Embedding's prompts: with an `instruction` each text is a query (`Instruct: ...\nQuery:...`); every
+        text ends with `<|endoftext|>`. dimensions: keep the first n values; normalize: L2, after that."""
+        inputs, are_ids = pooling.embedding_inputs(texts)
+        params = pooling.embed_params(dimensions, normalize)
+        prompts = inputs if are_ids else [pooling.embedding_prompt(self.tokenizer, t, instruction) for t in inputs]
+        return pooling.embeddings_of(self.pool(prompts, params, user=user))
+
+    def score(self, query: str, documents: list[str], *, instruction: str | None = None, user: str = "") -> Scores:
+        """A reranker's relevance of each document to the query (Qwen3-Reranker's prompt; the default
+        instruction is the model card's): p(yes) and the log-odds logit("yes") - logit("no"), in order."""
+        docs = pooling.check_texts("documents", documents)
+        tok = self.tokenizer
+        prompts = pooling.rerank_prompts(tok, query, docs, instruction)
+        return pooling.scores_of(self.pool(prompts, pooling.score_params(pooling.yes_no_ids(tok)), user=user))
+
+    def pool(self, prompts: list[list[int]], params: PoolingParams, *, request_id: str | None = None,
+             user: str = "") -> list[PoolingOutput]:
+        """One pooling request per token-id prompt, run to the end: their PoolingOutputs, in order. Raises
+        RequestError (with `index`, the failed prompt's) if one is rejected; the others are aborted."""
+        pooling.check_task(self.model_info, params.task)
+        prompts = [check_token_ids(list(p)) for p in prompts]
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        batch = pooling.PoolBatch(self._cores, prompts, params, q, request_id or new_request_id(), user)
+        try:
+            while not batch.done:
+                batch.handle(_get(q, None, batch.requests[0].transport))
+        finally:
+            batch.close()
+        return batch.outputs
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored, as are those

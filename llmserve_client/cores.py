@@ -211,10 +211,11 @@ def wire_request_id(request_id: str, serial: int) -> str:
     return request_id[:MAX_REQUEST_ID_LEN - len(tag)] + tag
 
 
-def open_request(cores: Cores, request_id: str, ids: list[int], params, sink, user: str = "") -> "WireRequest":
-    """Route a request to a core and send it (shared by both clients). A core found dead on the way is left
-    out and the next choice tried: nothing was sent to it. `user`: whom it is for within this connection
-    (the core's fair shares go by connection and user)."""
+def open_request(cores: Cores, request_id: str, ids: list[int], params, sink, user: str = "",
+                 message=Generate) -> "WireRequest":
+    """Route a request to a core and send it as `message` (Generate, or Pool with PoolingParams; shared by
+    both clients). A core found dead on the way is left out and the next choice tried: nothing was sent to it.
+    `user`: whom it is for within this connection (the core's fair shares go by connection and user)."""
     try:
         for name, value in (("request_id", request_id), ("user", user)):
             CLIENT_BOUNDS[Generate][name].check(name, value)
@@ -227,7 +228,7 @@ def open_request(cores: Cores, request_id: str, ids: list[int], params, sink, us
         except ValueError as e:
             raise RequestError("request_id", str(e).split(": ", 1)[-1], request_id) from None
         try:
-            req.transport.send(Generate(request_id=req.wire_id, prompt_token_ids=ids, params=params, user=user))
+            req.transport.send(message(request_id=req.wire_id, prompt_token_ids=ids, params=params, user=user))
         except BaseException as e:
             cores.close_request(req)
             tries -= 1

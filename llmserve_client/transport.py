@@ -26,14 +26,15 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from llmserve_proto import (PROTOCOL_VERSION, EngineError, Goodbye, Heartbeat, Hello, ModelInfo, OutputBatch, Ping,
-                            RequestError, Shutdown, StatsReply, StatsRequest, Welcome, decode_core, encode)
+                            PooledBatch, RequestError, Shutdown, StatsReply, StatsRequest, Welcome, decode_core,
+                            encode)
 from llmserve_client.errors import (EngineDeadError, HandshakeTimeoutError, LLMServeError, ModelChangedError,
                                     ProtocolError)
 
 log = logging.getLogger("llmserve_client")
 
-# Items put into sinks: ("output", RequestOutput, batch_time, recv_time) | ("error", RequestError) |
-# ("dead", exception).
+# Items put into sinks: ("output", RequestOutput, batch_time, recv_time) | ("pooled", PoolingOutput,
+# batch_time, recv_time) (a pooling request's one answer) | ("error", RequestError) | ("dead", exception).
 
 # What a client relies on about the model: a restarted core must announce the same values.
 MODEL_IDENTITY = ("model", "tokenizer", "vocab_size", "max_model_len", "eos_token_ids")
@@ -300,6 +301,12 @@ class Transport:
                             else self._routes.get(out.request_id))
                 if sink is not None:
                     sink.put(("output", out, msg.time, now))
+        elif isinstance(msg, PooledBatch):
+            for out in msg.outputs:
+                with self._lock:
+                    sink = self._routes.pop(out.request_id, None)
+                if sink is not None:
+                    sink.put(("pooled", out, msg.time, now))
         elif isinstance(msg, Heartbeat):
             pass
         elif isinstance(msg, RequestError):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from llmserve_proto import Logprobs, ModelInfo
 
-__all__ = ["Completion", "StreamChunk", "Usage", "Timings", "Logprobs", "ModelInfo"]
+__all__ = ["Completion", "StreamChunk", "Usage", "Timings", "Logprobs", "ModelInfo", "Embeddings", "Scores"]
 
 
 @dataclass
@@ -76,3 +76,20 @@ class Completion:
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None     # one per prompt token: None for the first
+
+
+@dataclass
+class Embeddings:
+    """Client.embed's answer: one vector per input, in input order."""
+    embeddings: list[list[float]]
+    raw: list[bytes]                 # the same vectors as float32 little-endian bytes (what base64 encodes)
+    usage: Usage
+
+
+@dataclass
+class Scores:
+    """Client.score's answer, one entry per document in order: p(yes) = sigmoid(logit("yes") - logit("no"))
+    (the reranker's relevance score) and the log-odds themselves."""
+    scores: list[float]
+    logits: list[float]
+    usage: Usage

@@ -104,6 +104,8 @@ def _tiny_parser() -> argparse.ArgumentParser:
     p.add_argument("--untied", action="store_true", help="a separate lm_head instead of tied embeddings")
     p.add_argument("--moe", action="store_true",
                    help="a Qwen3-MoE model (Qwen3MoeForCausalLM: 8 experts, 2 routed per token, every layer sparse)")
+    p.add_argument("--embedding", action="store_true",
+                   help="a Qwen3Model checkpoint (no lm_head: an embedding model, served by the pooling runner)")
     p.add_argument("--draft", metavar="DRAFT_DIR",
                    help="also write a matching random EAGLE-3 draft (speculators format) for --speculative-model")
     return p
@@ -113,7 +115,8 @@ def make_tiny_model_main(argv: list[str]) -> int:
     args = _tiny_parser().parse_args(argv)
     from llmserve_core.models.tiny import make_tiny_model
     overrides = {} if args.num_hidden_layers is None else {"num_hidden_layers": args.num_hidden_layers}
-    print(make_tiny_model(args.dir, seed=args.seed, moe=args.moe, tie_word_embeddings=not args.untied, **overrides))
+    print(make_tiny_model(args.dir, seed=args.seed, moe=args.moe, embedding=args.embedding,
+                          tie_word_embeddings=not args.untied, **overrides))
     if args.draft:
         from llmserve_core.models.tiny_draft import make_tiny_draft
         print(make_tiny_draft(args.draft, args.dir, seed=args.seed + 1))

@@ -7,6 +7,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def host_and_port(address: str) -> tuple[str, int]:
@@ -29,6 +30,7 @@ class EngineConfig:
     load_format: str = "auto"             # auto | safetensors | dummy (random weights from config.json)
     quantization: str | None = None       # fp8: quantize float weights at load (FP8 checkpoints need no flag)
     seed: int = 0
+    runner: str = "auto"                  # generate | pooling (prompts only: embed and score requests, KV for prompts alone) | auto: pooling for a Qwen3Model checkpoint, else generate
     # Paged KV cache.
     block_size: int = 16
     kv_cache_dtype: str = "auto"          # auto (the model dtype) | fp8_e4m3 (half the KV bytes per token)
@@ -127,6 +129,9 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "must be auto, safetensors or dummy")
+        need(self.runner in RUNNERS, "runner", f"must be one of {', '.join(RUNNERS)}")
+        need(self.runner != "pooling" or self.speculative_model is None, "runner",
+             "pooling runs prompts only: it has nothing to draft for (drop --speculative-model)")
         need(self.quantization in (None, "fp8"), "quantization", "must be fp8 or unset")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         need(not (self.kv_cache_dtype == "fp8_e4m3" and self.attention_backend == "flash-attn"), "kv_cache_dtype",

@@ -95,7 +95,7 @@ def decode_client_checked(frame: bytes | memoryview):
         raw = _salvage(frame)
         # Any JSON-like value may sit where the tag goes (a list is unhashable): only a string is a tag.
         tag = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
-        rid = raw[1] if tag == "generate" and len(raw) > 1 and isinstance(raw[1], str) else None
+        rid = raw[1] if tag in ("generate", "pool") and len(raw) > 1 and isinstance(raw[1], str) else None
         field = ""
         if tag in _TAGS:
             # A request_error with no field says the request was fine (retry it): name one whenever msgspec
@@ -108,7 +108,7 @@ def decode_client_checked(frame: bytes | memoryview):
             if short:
                 indices.append(int(short.group(1)))
             if indices:
-                # Sampling fields are named bare ("temperature"), as SamplingParams.validate() names them.
+                # Sampling (and pooling) fields are named bare ("temperature"), as validate() names them.
                 field = _field_path(_TAGS[tag], indices).removeprefix("params.")
         raise BadMessage(f"invalid message: {e}", rid, field) from None
     except msgspec.DecodeError as e:

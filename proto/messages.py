@@ -11,6 +11,7 @@ import sys
 import msgspec
 
 from llmserve_proto.bounds import INT32_MAX, INT64_MAX, INT64_MIN, Float, Int, IntList, Str, StrList, check_fields
+from llmserve_proto.pooling import PoolingParams
 from llmserve_proto.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -41,6 +42,15 @@ class Generate(msgspec.Struct, **_msg("generate")):
     user: str = ""
 
 
+class Pool(msgspec.Struct, **_msg("pool")):
+    """Start one pooling request: run the prompt only and answer with one PoolingOutput (an embedding or
+    the named tokens' logits), in a PooledBatch. Request ids share one namespace with Generate's."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams = msgspec.field(default_factory=PoolingParams)
+    user: str = ""                   # as Generate's: whom the request is for, for the core's fair shares
+
+
 class Abort(msgspec.Struct, **_msg("abort")):
     """Stop requests early; each live one gets a final output with finish_reason "abort"."""
     request_ids: list[str]
@@ -60,7 +70,7 @@ class Goodbye(msgspec.Struct, **_msg("goodbye")):
     """Client is closing: abort its live requests and forget it."""
 
 
-ClientMessage = Hello | Generate | Abort | StatsRequest | Ping | Goodbye
+ClientMessage = Hello | Generate | Pool | Abort | StatsRequest | Ping | Goodbye
 
 MAX_REQUEST_ID_LEN = 256
 MAX_USER_LEN = 256
@@ -73,6 +83,9 @@ CLIENT_BOUNDS = {
     Generate: {"request_id": Str(MAX_REQUEST_ID_LEN, min_chars=1),
                "prompt_token_ids": IntList(0, INT64_MAX, max_len=INT32_MAX, min_len=1),
                "user": Str(MAX_USER_LEN)},
+    Pool: {"request_id": Str(MAX_REQUEST_ID_LEN, min_chars=1),
+           "prompt_token_ids": IntList(0, INT64_MAX, max_len=INT32_MAX, min_len=1),
+           "user": Str(MAX_USER_LEN)},
     Abort: {"request_ids": StrList(max_len=65536, max_chars=MAX_REQUEST_ID_LEN)},
     StatsRequest: {"nonce": Int(INT64_MIN, INT64_MAX)},
     Ping: {"time": Float(-sys.float_info.max, sys.float_info.max)},
@@ -82,9 +95,10 @@ CLIENT_BOUNDS = {
 
 def validate_client_message(msg) -> None:
     """Raise ValidationError naming the first out-of-bounds field of a decoded client message (sampling
-    fields are named bare, e.g. "temperature", as SamplingParams.validate() names them)."""
+    fields are named bare, e.g. "temperature", as SamplingParams.validate() names them; pooling fields
+    likewise, e.g. "dimensions")."""
     check_fields(msg, CLIENT_BOUNDS[type(msg)])
-    if isinstance(msg, Generate):
+    if isinstance(msg, (Generate, Pool)):
         msg.params.validate()
 
 
@@ -100,6 +114,12 @@ class ModelInfo(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=Tru
     speculative: bool = False        # EAGLE-3 speculative decoding is on
     speculative_model: str | None = None
     tokenizer: str | None = None     # tokenizer directory when it differs from `model`
+    # What the core serves: runner "generate" or "pooling" (prompts only: embed and score), the request
+    # kinds it takes ("generate", "embed", "score"; empty from a core older than pooling requests: only
+    # "generate"), and the width of an embedding.
+    runner: str = "generate"
+    tasks: list[str] = []
+    hidden_size: int = 0
 
 
 class Welcome(msgspec.Struct, **_msg("welcome")):
@@ -150,6 +170,22 @@ class OutputBatch(msgspec.Struct, **_msg("outputs")):
     time: float = 0.0                # core monotonic time the step finished
 
 
+class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    """The one and final answer to a Pool request."""
+    request_id: str
+    embedding: bytes = b""            # embed: float32 little-endian, `dimensions` (else hidden_size) values
+    logits: list[float] = []          # score: the last position's logit of each params.token_ids, in order
+    finish_reason: str = "stop"       # "stop": computed; "abort": aborted before it was (nothing above)
+    metrics: RequestMetrics | None = None
+
+
+class PooledBatch(msgspec.Struct, **_msg("pooled")):
+    """The pooling requests one engine step finished for one client."""
+    outputs: list[PoolingOutput]
+    step: int = 0
+    time: float = 0.0
+
+
 class RequestError(msgspec.Struct, **_msg("request_error")):
     """A request was rejected (or failed). It is finished: no further output for this id."""
     request_id: str
@@ -179,4 +215,4 @@ class Shutdown(msgspec.Struct, **_msg("shutdown")):
     reason: str = ""
 
 
-CoreMessage = Welcome | OutputBatch | RequestError | EngineError | StatsReply | Heartbeat | Shutdown
+CoreMessage = Welcome | OutputBatch | PooledBatch | RequestError | EngineError | StatsReply | Heartbeat | Shutdown

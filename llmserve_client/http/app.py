@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from llmserve_client.async_client import AsyncClient, AsyncStream
 from llmserve_client.errors import EngineDeadError, LLMServeError, RequestError
-from llmserve_client.http import responses, schemas
+from llmserve_client.http import pooling, responses, schemas
 from llmserve_client.http.health import STATS_TIMEOUT_S, Health, retry_after
 from llmserve_client.http.identity import Requester
 from llmserve_client.http.limits import (COUNT_FIRST_BYTES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit,
@@ -49,6 +49,7 @@ from llmserve_client.http.request_fields import HEADER as IGNORED_HEADER, Ignore
 from llmserve_client.http.tool_parsers import detect_parser
 from llmserve_client.http.tools import tool_setup
 from llmserve_client.inputs import to_token_ids
+from llmserve_client.pooling import DEFAULT_MAX_POOLING_INPUTS
 from llmserve_client.types import Completion, StreamChunk, Usage
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
@@ -59,9 +60,11 @@ log = logging.getLogger("llmserve_client.http")
 class Frontend:
     def __init__(self, client: AsyncClient, served_model_names: list[str] | None = None,
                  reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-                 strict_requests: bool = False, api_key: str | None = None):
+                 strict_requests: bool = False, api_key: str | None = None,
+                 max_pooling_inputs: int = DEFAULT_MAX_POOLING_INPUTS):
         self.client = client
         self.api_key = api_key                       # the server's own key names no user (identity.py)
+        self.max_pooling_inputs = max_pooling_inputs     # texts one embeddings, score or rerank request may carry
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser     # None: chosen from the chat template at start()
         self.strict_requests = strict_requests       # unknown request fields are a 400, not ignored
@@ -134,6 +137,15 @@ class Frontend:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    async def embeddings(self, request: Request) -> Response:
+        return await pooling.embeddings(self, request)
+
+    async def score(self, request: Request) -> Response:
+        return await pooling.score(self, request)
+
+    async def rerank(self, request: Request) -> Response:
+        return await pooling.rerank(self, request)
+
     async def responses(self, request: Request) -> Response:
         try:
             return await responses.serve(self, request)
@@ -201,6 +213,10 @@ class Frontend:
         fair shares count it for)."""
         if req.model is not None and req.model not in self.names:
             raise _model_not_found(req.model)
+        if "generate" not in (self.client.model_info.tasks or ["generate"]):
+            raise ApiError("this model serves embeddings and scores only (the core runs the pooling runner: an "
+                           "embedding model, or --runner pooling); use /v1/embeddings, /v1/score or /v1/rerank",
+                           "model")
         guided, source = guided_from_request(req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ctx = _Ctx(rid, self.names[0] if req.model is None else req.model, chat,
@@ -592,15 +608,18 @@ class _RequireApiKey:
 def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, strict_requests: bool = False) -> Starlette:
+              tool_call_parser: str | None = None, strict_requests: bool = False,
+              max_pooling_inputs: int = DEFAULT_MAX_POOLING_INPUTS) -> Starlette:
     """The ASGI app. Its startup waits for the core's handshake (a no-op when the client is connected).
     With api_key, /v1/* requires it as a bearer token. Bodies over max_body_bytes get 413, bodies not in
     within body_timeout_s of their head get 408. reasoning_parser ("qwen3") and tool_call_parser ("hermes",
     "qwen3_coder"; None: the chat template's) shape chat outputs (see reasoning.py, tool_parsers.py);
-    strict_requests refuses request fields no schema knows (see request_fields.py)."""
+    strict_requests refuses request fields no schema knows (see request_fields.py); max_pooling_inputs bounds
+    the texts of one embeddings, score or rerank request (pooling.py)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key: must not be empty (None serves without a key)")
-    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser, strict_requests, api_key)
+    fe = Frontend(client, served_model_names, reasoning_parser, tool_call_parser, strict_requests, api_key,
+                  max_pooling_inputs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -616,6 +635,9 @@ def build_app(client: AsyncClient, served_model_names: list[str] | None = None,
         Route("/v1/completions", fe.completions, methods=["POST"]),
         Route("/v1/chat/completions", fe.chat_completions, methods=["POST"]),
         Route("/v1/responses", fe.responses, methods=["POST"]),
+        Route("/v1/embeddings", fe.embeddings, methods=["POST"]),
+        Route("/v1/score", fe.score, methods=["POST"]),
+        Route("/v1/rerank", fe.rerank, methods=["POST"]),
         Route("/v1/models", fe.models, methods=["GET"]),
         Route("/v1/models/{model:path}", fe.model, methods=["GET"]),
         Route("/health", fe.probes.ready, methods=["GET"]),

@@ -33,6 +33,7 @@ import sys
 from llmserve_client.core_flags import flag_value
 from llmserve_client.http.core_procs import CORE_STOP_TIMEOUT_S, OwnedCore, start_cores, stop_cores
 from llmserve_client.http.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from llmserve_client.pooling import DEFAULT_MAX_POOLING_INPUTS
 from llmserve_client.http.reasoning import PARSERS as REASONING_PARSERS
 from llmserve_client.http.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmserve-serve", allow_abbrev=False,   # a core flag must never be taken for a prefix of ours
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
-                    "/v1/models, /health, /live, /metrics) in front of llmserve-core. Flags not listed here are passed to "
+                    "/v1/embeddings, /v1/score, /v1/rerank, /v1/models, /health, /live, /metrics) in front of "
+                    "llmserve-core. Flags not listed here are passed to "
                     "llmserve-core when --model is given.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (400) request fields that no OpenAI or vLLM schema defines, instead of ignoring "
                         "them (fields OpenAI defines but this server does not implement are ignored either way, "
                         "and named in the llmserve-ignored-fields response header)")
+    p.add_argument("--max-pooling-inputs", type=int, default=DEFAULT_MAX_POOLING_INPUTS, metavar="N",
+                   help=f"texts one /v1/embeddings input, /v1/score or /v1/rerank request may carry; more are a 400 "
+                        f"(default: {DEFAULT_MAX_POOLING_INPUTS}, OpenAI's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -112,6 +117,8 @@ def parse_args(argv: list[str]):
         parser.error("--connect-timeout: must be > 0")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key: must not be empty (leave the flag and $LLMSERVE_API_KEY unset to serve without a key)")
+    if not 1 <= args.max_pooling_inputs <= 1 << 20:
+        parser.error(f"--max-pooling-inputs: must be in [1, {1 << 20}], got {args.max_pooling_inputs}")
     if not 0 < args.max_body_bytes < 2**40:
         parser.error(f"--max-body-bytes: must be a positive number of bytes, got {args.max_body_bytes}")
     for flag in ("body_timeout", "header_timeout"):
@@ -135,7 +142,8 @@ async def _serve(args, endpoints: list[str], cores: list[OwnedCore], stopping: l
     try:
         app = build_app(client, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout_s=args.body_timeout, reasoning_parser=args.reasoning_parser,
-                        tool_call_parser=args.tool_call_parser, strict_requests=args.strict_requests)
+                        tool_call_parser=args.tool_call_parser, strict_requests=args.strict_requests,
+                        max_pooling_inputs=args.max_pooling_inputs)
         starting = asyncio.ensure_future(app.state.frontend.start())
         while not starting.done():
             await asyncio.wait({starting}, timeout=0.2)

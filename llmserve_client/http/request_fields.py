@@ -35,6 +35,9 @@ IGNORED = {
                        "prompt_cache_options", "prompt_cache_retention", "prediction", "verbosity",
                        "web_search_options"}),
     "completions": frozenset(),
+    "embeddings": frozenset(),
+    "score": frozenset(),       # vLLM's endpoints: no OpenAI fields to ignore
+    "rerank": frozenset(),
     "responses": frozenset({"access_programs", "background_options", "context_management", "image", "include",
                             "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
                             "safety_identifier", "service_tier", "store", "top_logprobs", "truncation"}),

@@ -12,7 +12,8 @@ import time
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.block_manager import BlockManager
 from llmserve_core.engine.grammar import GrammarService, grammars_available
-from llmserve_core.engine.outputs import EngineModelInfo, GenerationResult, StepOutput
+from llmserve_core.engine import pooling
+from llmserve_core.engine.outputs import EngineModelInfo, GenerationResult, PooledOutput, PoolingResult, StepOutput
 from llmserve_core.engine.request import Request
 from llmserve_core.engine.runtime import build_runtime
 from llmserve_core.engine.scheduler import Scheduler
@@ -21,7 +22,7 @@ from llmserve_core.engine.warmup import warm_up
 from llmserve_core.kernels.jit_count import jit_compilations
 from llmserve_core.models.config import ModelConfig
 from llmserve_core.speculative.policy import Decision, MeasuredCosts, SpecPolicy, batch_bucket
-from llmserve_proto import SamplingParams, ValidationError
+from llmserve_proto import PoolingParams, SamplingParams, ValidationError
 
 log = logging.getLogger("llmserve.engine")
 
@@ -60,6 +61,7 @@ class Engine:
         runtime = build_runtime(config, self.model_config, self.tp)
         self.runner, self.spec = runtime.runner, runtime.spec
         self.max_model_len, self.lookahead = runtime.max_model_len, runtime.lookahead
+        self.runner_kind = runtime.kind
         if self.tp is not None and self.tp.driver is not None:
             self.tp.driver.live = True        # start-up ran in lockstep on every rank; from here rank 0 leads
         # A proposer reading the target's hidden states needs them at the tokens before new ones.
@@ -68,8 +70,10 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, lookahead_tokens=self.lookahead,
                                    fairness_preempt_steps=config.fairness_preempt_steps)
+        tasks = pooling.served_tasks(self.runner_kind, self.model_config, config.tensor_parallel_size > 1)
         self.model_info = EngineModelInfo(config.model, self.model_config.vocab_size, self.max_model_len,
-                                          tuple(self.model_config.eos_token_ids), self.spec is not None)
+                                          tuple(self.model_config.eos_token_ids), self.spec is not None,
+                                          self.runner_kind, tasks, self.model_config.hidden_size)
         self.requests: dict[str, Request] = {}
         self.runner.index_limits.requests = self.requests     # an index check names the request at fault
         for graphs in (self.spec.graphs.values() if self.spec is not None else ()):
@@ -120,6 +124,7 @@ class Engine:
         fairness key: running slots and each step's prefill budget are shared max-min fairly across clients
         (scheduler.py)."""
         params = SamplingParams() if params is None else params
+        pooling.refuse_generation(self.runner_kind)
         self._validate(request_id, prompt_token_ids, params)
         if client is not None:
             self._check_queue_caps(client, len(prompt_token_ids))
@@ -128,6 +133,24 @@ class Engine:
         if params.guided is not None:
             req.grammar = self.grammars.submit(params.guided)    # raises ValidationError
         req.speculative = self._drafts(params)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams | None = None,
+                            client=None) -> None:
+        """Queue a pooling request (engine/pooling.py), answered by one StepOutput whose `pooled` holds the
+        embedding or the named logits. Raises ValidationError as add_request does."""
+        params = PoolingParams() if params is None else params
+        self._check_id(request_id)
+        if not isinstance(params, PoolingParams):
+            raise ValidationError("params", f"must be PoolingParams, got {type(params).__name__}")
+        params.validate()
+        self._check_prompt(prompt_token_ids)
+        pooling.check_request(self.model_info, params, len(prompt_token_ids), self.block_manager)
+        if client is not None:
+            self._check_queue_caps(client, len(prompt_token_ids))
+        req = Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1), frozenset(),
+                      self.max_model_len, client=client, pooling=params)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -163,20 +186,26 @@ class Engine:
             raise QueueFull(f"{queued} prompt tokens of all clients are waiting (max_queued_tokens {token_cap}) "
                             f"and this client has {waiting.num_tokens(client)}")
 
-    def _validate(self, request_id, prompt, params) -> None:
+    def _check_id(self, request_id) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValidationError("request_id", "must be a non-empty string")
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValidationError("params", f"must be SamplingParams, got {type(params).__name__}")
-        params.validate()
+
+    def _check_prompt(self, prompt) -> None:
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise ValidationError("prompt_token_ids", "must be a non-empty list of token ids")
         vocab = self.model_info.vocab_size
         for i, t in enumerate(prompt):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValidationError("prompt_token_ids", f"token {t!r} at index {i} is outside the vocabulary [0, {vocab})")
+
+    def _validate(self, request_id, prompt, params) -> None:
+        self._check_id(request_id)
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("params", f"must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        self._check_prompt(prompt)
         if len(prompt) >= self.max_model_len:
             raise ValidationError("prompt_token_ids",
                                   f"prompt of {len(prompt)} tokens leaves no room under max_model_len {self.max_model_len}")
@@ -202,7 +231,8 @@ class Engine:
             return
         self.scheduler.finish(req)
         req.finish_reason = "abort"
-        self._pending.append(StepOutput(request_id, [], "abort", None, req.num_prompt_tokens, req.num_cached_tokens))
+        self._pending.append(StepOutput(request_id, [], "abort", None, req.num_prompt_tokens, req.num_cached_tokens,
+                                        pooled=PooledOutput() if req.pooling is not None else None))
 
     def fail_step(self) -> list[str]:
         """After step() raised: drop the requests that step held (and the one still in flight), whose state
@@ -255,7 +285,10 @@ class Engine:
         self._drop_failed_grammars()
         started = time.perf_counter()
         has_work = self.scheduler.running or self.scheduler.waiting
-        decision = self._decide() if self.spec is not None and has_work else None
+        # Pooling rows are the plain step's (the verify forward samples every prompt it completes): while any
+        # pooling request is live, steps do not draft.
+        plain = self.spec is None or not has_work or any(r.pooling is not None for r in self.requests.values())
+        decision = None if plain else self._decide()
         drafting = decision is not None and decision.gamma > 0
         if drafting:         # the executor reads the previous step's tokens on the host
             self._complete_in_flight()
@@ -358,6 +391,12 @@ class Engine:
             if finish is not None:
                 req.finish_reason = finish
                 finished.append(req)
+        for req, out in handle.pooled_results():
+            if not req.is_finished:      # else aborted while its step ran
+                self._pending.append(StepOutput(req.request_id, [], "stop", None, req.num_prompt_tokens,
+                                                req.num_cached_tokens, pooled=out))
+                req.finish_reason = "stop"
+                finished.append(req)
         self._retire(handle.sched.requests, finished)
 
     def _retire(self, scheduled: list[Request], finished: list[Request]) -> None:
@@ -414,6 +453,32 @@ class Engine:
             if compiled.set in self.grammars.listeners:
                 self.grammars.listeners.remove(compiled.set)
             for rid in added:
+                self.abort(rid)   # no-op for the finished ones; frees the rest if we were interrupted
+            self._pending = others + [o for o in self._pending if o.request_id not in results]
+        return [results[rid] for rid in ids]
+
+    def pool(self, prompts: list[list[int]], params: PoolingParams | list[PoolingParams] | None = None,
+             ) -> list[PoolingResult]:
+        """Run pooling requests to completion; results in input order (others step along, as in generate())."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValidationError("params", f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")
+        ids = [f"pool-{self.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
+        results = {rid: PoolingResult(rid, list(p)) for rid, p in zip(ids, prompts)}
+        others: list[StepOutput] = []
+        try:
+            for rid, p, pp in zip(ids, prompts, params_list):
+                self.add_pooling_request(rid, p, pp)
+            while any(r.finish_reason is None for r in results.values()):
+                for out in self.step():
+                    res = results.get(out.request_id)
+                    if res is None:
+                        others.append(out)
+                    else:
+                        res.output, res.finish_reason = out.pooled, out.finish_reason
+                        res.num_cached_tokens = out.num_cached_tokens
+        finally:
+            for rid in ids:
                 self.abort(rid)   # no-op for the finished ones; frees the rest if we were interrupted
             self._pending = others + [o for o in self._pending if o.request_id not in results]
         return [results[rid] for rid in ids]

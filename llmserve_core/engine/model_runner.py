@@ -15,6 +15,7 @@ from llmserve_core.config import EngineConfig
 from llmserve_core.engine.batch_builder import BatchBuilder, HostToDevice
 from llmserve_core.engine.grammar import MaskBuilder
 from llmserve_core.engine.logits_inputs import build_logits_processors
+from llmserve_core.engine.pooling import PoolRows, pool
 from llmserve_core.engine.prompt_logprobs import PromptRows, score
 from llmserve_core.engine.request import PLACEHOLDER, Request
 from llmserve_core.engine.scheduler import ScheduledBatch
@@ -42,6 +43,7 @@ class PreparedBatch:
     samples_every_row: bool          # a decode: sample_rows is 0..S-1, so hidden[:S] needs no gather
     prompt: PromptRows               # rows scoring prompt tokens (prompt logprobs)
     graph_seqs: int | None = None    # sequences loaded into the decode graph (StepGraphs.load), to replay
+    pool: PoolRows | None = None     # rows of pooling requests whose prompt this step completes
 
 
 class ModelRunner:
@@ -50,9 +52,12 @@ class ModelRunner:
     decode graphs."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 lookahead_tokens: int = 0, tp=None):
-        """tp: a distributed.group.TPGroup: hold this rank's shard, and a KV pool of the size every rank fits."""
+                 lookahead_tokens: int = 0, tp=None, pooling: bool = False):
+        """tp: a distributed.group.TPGroup: hold this rank's shard, and a KV pool of the size every rank fits.
+        pooling: the pooling runner (engine/pooling.py): prompts only, so no decode graphs, and a KV pool
+        for the prompts in flight."""
         self.config = config
+        self.pooling = pooling
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = config.resolved_device()
@@ -122,8 +127,13 @@ class ModelRunner:
                 + self.extra_kv_bytes_per_block)
 
     def _kv_blocks_that_fit(self) -> int:
-        # Never more than every sequence slot at full length could use.
+        # Never more than every sequence slot at full length could use; prompts alone hold no more than the
+        # longest prompt and two steps of chunks (one computing, one being read back), each request's last
+        # block partly filled.
         ceiling = self.config.max_num_seqs * self.max_blocks_per_seq + 1
+        if self.pooling:
+            step = -(-self.config.max_num_batched_tokens // self.block_size) + self.config.max_num_seqs
+            ceiling = min(ceiling, self.max_blocks_per_seq + 2 * step)
         if self.device.type != "cuda":
             return max(1, min(ceiling, int(self.config.cpu_kv_cache_gib * 2**30) // self.kv_bytes_per_block()))
         free_for_kv = self._profile_free_memory()
@@ -155,12 +165,13 @@ class ModelRunner:
             reqs.append(r)
         prepared = self.prepare(ScheduledBatch(reqs, lens))
         hidden = self.model(prepared.input_ids, prepared.batch, kv)
-        rows = self.logits_rows
-        logits = self.model.compute_logits(hidden[:1].expand(rows, -1))
-        st = SamplingTensors.from_params([_PROFILE_PARAMS] * rows, self.device)
-        sample(logits, st)
+        if not self.pooling:         # the pooling runner never samples
+            rows = self.logits_rows
+            logits = self.model.compute_logits(hidden[:1].expand(rows, -1))
+            sample(logits, SamplingTensors.from_params([_PROFILE_PARAMS] * rows, self.device))
+            del logits
         torch.cuda.synchronize()
-        del kv, hidden, logits
+        del kv, hidden
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         others = (total - free) - torch.cuda.memory_reserved()   # other processes and the CUDA context
@@ -171,7 +182,7 @@ class ModelRunner:
         return max(0, int(budget))
 
     def _capture_graphs(self) -> StepGraphs | None:
-        if not self.use_graphs:
+        if not self.use_graphs or self.pooling:       # nothing decodes
             return None
         return self.model_graphs("decode", self._decode_forward, 1, self.config.max_num_seqs, self.max_blocks_per_seq,
                                  self.max_model_len, self.device)
@@ -233,7 +244,7 @@ class ModelRunner:
         sample_requests: list[Request] = []
         fill_rows: list[int] = []
         fill_from: list[int] = []
-        prompt = PromptRows()
+        prompt, pooled = PromptRows(), PoolRows()
         for req, n in zip(sched.requests, sched.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             row = b.add(req.block_ids, start, n, req.token_ids[start] if n == 1 else req.token_ids[start:end])
@@ -241,7 +252,9 @@ class ModelRunner:
             if req.token_ids[end - 1] == PLACEHOLDER:    # only ever the last token of a chunk
                 fill_rows.append(row + n - 1)
                 fill_from.append(req.sample_index)
-            if end == req.num_tokens:                    # the chunk reaches the last token: sample the next one
+            if end == req.num_tokens and req.pooling is not None:    # its prompt is done: pool its last row
+                pooled.add(req, row + n - 1)
+            elif end == req.num_tokens:                  # the chunk reaches the last token: sample the next one
                 req.sample_index = len(sample_rows)
                 sample_rows.append(row + n - 1)
                 sample_requests.append(req)
@@ -255,11 +268,14 @@ class ModelRunner:
                                      prompt=prompt, graph_seqs=n)
             fill_at, fill_src = graphs.extra[:k], graphs.extra[k:2 * k]
         else:
-            built = b.finish((sample_rows, fill_rows, fill_from) + prompt.extras())
+            prompt_extras = prompt.extras()
+            built = b.finish((sample_rows, fill_rows, fill_from) + prompt_extras + pooled.extras())
             rows, fill_at, fill_src = built.extras[:3]
-            prompt.placed(built.extras[3:])
+            prompt.placed(built.extras[3:3 + len(prompt_extras)])
+            pooled.placed(built.extras[3 + len(prompt_extras):])
             prepared = PreparedBatch(built.input_ids, built.batch, rows, sample_requests,
-                                     samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt)
+                                     samples_every_row=len(sample_rows) == built.batch.num_tokens, prompt=prompt,
+                                     pool=pooled if pooled.entries else None)
         if fill_rows:
             if index_checks.ENABLED:
                 self._check_fills(sched, fill_from)
@@ -334,6 +350,8 @@ class ModelRunner:
         scores = self.score_prompts(hidden, prepared.prompt)
         if scores is not None:
             handle.set_prompt_scores(prepared.prompt.spans, scores)
+        if prepared.pool is not None:
+            handle.set_pooled(pool(hidden, lambda: self.model.lm_head_weight, prepared.pool, self.pin))
         return handle
 
     def score_prompts(self, hidden: torch.Tensor, prompt: PromptRows) -> SamplerOutput | None:

@@ -11,6 +11,13 @@ from llmserve_core.engine.step_result import TokenLogprobs
 
 
 @dataclass
+class PooledOutput:
+    """A pooling request's answer (empty when it was aborted before its prompt was computed)."""
+    embedding: bytes = b""                    # embed: float32 little-endian values
+    logits: list[float] = field(default_factory=list)    # score: the named tokens' logits, in order
+
+
+@dataclass
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
@@ -19,6 +26,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None     # prompt positions 1 .., on the first output only
+    pooled: PooledOutput | None = None        # set on a pooling request's (final) output, and only there
 
 
 @dataclass
@@ -33,6 +41,16 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprobs] | None = None     # one per prompt token after the first
 
 
+@dataclass
+class PoolingResult:
+    """One pooling request run to completion by Engine.pool()."""
+    request_id: str
+    prompt_token_ids: list[int]
+    output: PooledOutput | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class EngineModelInfo:
     """The model an engine serves, as the daemon announces it (server/daemon.py's model_info_of)."""
@@ -41,3 +59,6 @@ class EngineModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     speculative: bool = False
+    runner: str = "generate"
+    tasks: tuple[str, ...] = ("generate",)
+    hidden_size: int = 0

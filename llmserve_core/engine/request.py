@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from llmserve_proto import SamplingParams
+from llmserve_proto import PoolingParams, SamplingParams
 
 
 # Stands in for a token sampled on the device whose id the host has not read back yet (async scheduling).
@@ -47,6 +47,8 @@ class Request:
     # With params.prompt_logprobs: the scores of prompt positions 1, 2, ... so far (TokenLogprobs), until the
     # request's first output takes them (None from then on: see prompt_logprobs.py).
     prompt_logprobs: list | None = None
+    # A pooling request (engine/pooling.py): its prompt only, then its last position's hidden state or logits.
+    pooling: PoolingParams | None = None
 
     @property
     def ready(self) -> bool:
@@ -98,7 +100,10 @@ class Request:
 
     @property
     def at_limit(self) -> bool:
-        """Counting tokens still in flight, the request may not grow: it only awaits its last results."""
+        """Counting tokens still in flight, the request may not grow: it only awaits its last results (a
+        pooling request once its whole prompt is computed)."""
+        if self.pooling is not None:
+            return self.num_computed_tokens >= self.num_prompt_tokens
         return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len
 
     def add_prompt_logprobs(self, first: int, scores: list) -> None:

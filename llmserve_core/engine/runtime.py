@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from llmserve_core.config import EngineConfig
 from llmserve_core.engine.model_runner import ModelRunner
+from llmserve_core.engine.pooling import resolve_runner
 from llmserve_core.engine.spec.eagle import EagleProposer, load_draft
 from llmserve_core.engine.spec.executor import SpecExecutor
 from llmserve_core.engine.spec.ngram import NgramProposer
@@ -24,6 +25,7 @@ class Runtime:
     spec: SpecExecutor | None
     max_model_len: int
     lookahead: int              # KV slots a drafting request needs beyond its next token
+    kind: str = "generate"      # the runner: generate, or pooling (engine/pooling.py)
 
 
 def max_model_len_of(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -62,9 +64,14 @@ def load_proposer(config: EngineConfig, runner: ModelRunner, max_positions: int)
 def build_runtime(config: EngineConfig, model_config: ModelConfig, tp=None) -> Runtime:
     """tp: this rank's distributed.group.TPGroup under tensor parallelism (the runner holds its shard)."""
     max_model_len = max_model_len_of(config, model_config)
+    kind = resolve_runner(config.runner, model_config)
+    if kind == "pooling" and config.speculative_model is not None:
+        raise ValueError("speculative_model: a Qwen3Model checkpoint runs the pooling runner, which has nothing "
+                         "to draft for")
     # Drafting requests write their drafts' KV past their next token: block tables and the pool make room.
     lookahead = lookahead_tokens(config)
-    runner = ModelRunner(config, model_config, max_model_len, lookahead_tokens=lookahead, tp=tp)
+    runner = ModelRunner(config, model_config, max_model_len, lookahead_tokens=lookahead, tp=tp,
+                         pooling=kind == "pooling")
     try:
         # The proposer loads before the KV pool is sized, so its weights count against
         # gpu_memory_utilization; its KV pool shares the target's block ids, so each block's cost includes
@@ -75,4 +82,4 @@ def build_runtime(config: EngineConfig, model_config: ModelConfig, tp=None) -> R
     except BaseException:
         runner.release_graphs()       # before the caller tears a process group down (see release_graphs)
         raise
-    return Runtime(runner, spec, max_model_len, lookahead)
+    return Runtime(runner, spec, max_model_len, lookahead, kind)

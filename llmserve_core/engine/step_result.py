@@ -54,6 +54,7 @@ class StepHandle:
         self.event = None
         self.prompt_spans: list[tuple[Request, int, int]] = []    # (request, first prompt position, count)
         self.prompt_scores: SamplerOutput | None = None           # their rows in order, host tensors
+        self.pooled = None                                        # pooling.PooledHost: finished pooling requests
         if sampled is not None:
             self.set_sampled(sampled)
 
@@ -68,6 +69,21 @@ class StepHandle:
         just now."""
         self.prompt_spans, self.prompt_scores = spans, scores
         self._record(scores)
+
+    def set_pooled(self, pooled) -> None:
+        """The pooled values of the step's finished pooling requests (pooling.PooledHost), their copies to
+        the host queued just now."""
+        self.pooled = pooled
+        if torch.cuda.is_available() and pooled.on_device:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def pooled_results(self) -> list:
+        """(request, PooledOutput) of each pooling request whose prompt the step completed."""
+        if self.pooled is None:
+            return []
+        self._wait()
+        return self.pooled.results()
 
     def _record(self, copied: SamplerOutput) -> None:
         """The event results() waits on follows every copy queued so far."""

@@ -20,6 +20,8 @@ shapes a served step can have are met here first:
 - a step that mixes decode rows with a prefill chunk;
 - with EAGLE-3, the decode and mixed rounds again drafting at every depth the speculation policy may pick
   (pinned one by one), since a chain the policy shortens verifies outside the captured graphs.
+The pooling runner, which never decodes, runs the prompt lengths and a full budget of prompts as embed
+requests.
 The prefix cache is off meanwhile, and afterwards the counters, the policy and random state are as they were
 (the policy fresh); a Triton compile after the warm-up is logged as a warning naming the kernel.
 """
@@ -36,7 +38,7 @@ import torch
 from llmserve_core.engine.grammar import grammars_available
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.jit_count import jit_compilations
-from llmserve_proto import GuidedDecoding, SamplingParams
+from llmserve_proto import GuidedDecoding, PoolingParams, SamplingParams
 
 log = logging.getLogger("llmserve.warmup")
 
@@ -64,6 +66,7 @@ class Round:
     mixed: bool = False
     late_prompt_len: int = 0
     guided: bool = False
+    pooling: bool = False           # embed requests (prompts only)
 
 
 def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
@@ -120,6 +123,16 @@ def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     return rounds
 
 
+def pooling_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, chunked: bool) -> list[Round]:
+    """The pooling runner's rounds: every prompt length class, and a full token budget of prompts."""
+    budget = max_num_batched_tokens if chunked else min(max_num_batched_tokens, max_model_len)
+    rounds = [Round(1, n, 0, pooling=True) for n in prefill_lengths(budget, max_model_len, chunked)]
+    fill = -(-budget // max_model_len)
+    if 1 < fill <= max_num_seqs:
+        rounds.append(Round(fill, -(-budget // fill), 0, pooling=True))
+    return rounds
+
+
 def draft_rounds(engine, plan: list[Round]) -> list[tuple[int, Round]]:
     """(depth, round) pairs that run the decode rounds' batch sizes, and the mixed round, drafting at every
     depth the speculation policy may pick: the full depth mostly replays captured graphs, but a chain the
@@ -145,8 +158,11 @@ def _run_round(engine, rnd: Round, r: random.Random, tag: int) -> None:
     vocab = engine.model_info.vocab_size
 
     def add(i: int, length: int, params: SamplingParams):
-        engine.add_request(f"__warmup-{tag}-{i}", [r.randrange(vocab) for _ in range(length)],
-                           msgspec.structs.replace(params, max_tokens=rnd.new_tokens))
+        prompt = [r.randrange(vocab) for _ in range(length)]
+        if rnd.pooling:
+            engine.add_pooling_request(f"__warmup-{tag}-{i}", prompt, PoolingParams())
+        else:
+            engine.add_request(f"__warmup-{tag}-{i}", prompt, msgspec.structs.replace(params, max_tokens=rnd.new_tokens))
 
     for i in range(rnd.num_requests):
         # (a mixed round of one request samples: plain greedy rows are the decode rounds')
@@ -170,10 +186,13 @@ def warm_up(engine) -> dict:
     buckets = runner.graphs.buckets if runner.graphs is not None else []
     # A prompt must also fit the KV pool, which a small --num-kv-blocks makes shorter than max_model_len.
     longest = min(engine.max_model_len, bm.num_blocks * bm.block_size)
-    plan = warmup_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens, longest,
-                       engine.config.enable_chunked_prefill, buckets, engine.model_config.num_key_value_heads,
-                       engine.lookahead)
-    if grammars_available(engine.config.tokenizer or engine.config.model):
+    cfg = engine.config
+    if engine.runner_kind == "pooling":
+        plan = pooling_plan(cfg.max_num_seqs, cfg.max_num_batched_tokens, longest, cfg.enable_chunked_prefill)
+    else:
+        plan = warmup_plan(cfg.max_num_seqs, cfg.max_num_batched_tokens, longest, cfg.enable_chunked_prefill,
+                           buckets, engine.model_config.num_key_value_heads, engine.lookahead)
+    if engine.runner_kind != "pooling" and grammars_available(cfg.tokenizer or cfg.model):
         plan += grammar_rounds(engine.config.max_num_seqs)
     drafting = draft_rounds(engine, plan) if engine.policy is not None else []
     caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False

@@ -47,11 +47,18 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    architectures: list[str] = field(default_factory=list)
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has the routed experts, as transformers' Qwen3MoeDecoderLayer decides."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def pooling_only(self) -> bool:
+        """A Qwen3Model checkpoint (Qwen3-Embedding): the decoder without an lm_head, so nothing to sample
+        or score with; its tensors are named without the `model.` prefix."""
+        return "Qwen3Model" in self.architectures and "Qwen3ForCausalLM" not in self.architectures
 
     @property
     def q_size(self) -> int:
@@ -142,6 +149,7 @@ class ModelConfig:
             quantization_config=raw.get("quantization_config"),
             model_type=model_type,
             **(_moe_fields(raw) if model_type == "qwen3_moe" else {}),
+            architectures=[a for a in architectures if isinstance(a, str)],
         )
 
 

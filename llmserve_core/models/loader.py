@@ -125,6 +125,14 @@ def open_checkpoint(file: Path, who: str = "model"):
         raise ValueError(f"{who}: {file} is not a readable safetensors file{hint}") from None
 
 
+def _causal_lm_name(stored: str, cfg: ModelConfig) -> str:
+    """A checkpoint tensor's name as Qwen3ForCausalLM spells it: a Qwen3Model checkpoint (Qwen3-Embedding)
+    names the decoder's tensors without the `model.` prefix."""
+    if cfg.pooling_only and not stored.startswith(("model.", "lm_head.")):
+        return "model." + stored
+    return stored
+
+
 def _checkpoint_names(name: str) -> list[str]:
     """The checkpoint tensor names that make up one of our parameters."""
     for piece, (packed, _) in PACKED_WEIGHTS.items():
@@ -165,7 +173,8 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
     done: set[str] = set()
     for file in checkpoint_files(path):
         with open_checkpoint(file) as f:
-            for hf_name in f.keys():
+            for stored in f.keys():
+                hf_name = _causal_lm_name(stored, cfg)
                 if _IGNORED.match(hf_name) or skips_tensor(hf_name, fp8):
                     continue
                 if experts.owns(hf_name):
@@ -174,18 +183,18 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                 if hf_name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: the embedding is the head
                 if (kv := kv_scale_target(hf_name)) is not None:
-                    load_kv_scale(model, hf_name, f.get_tensor(hf_name), kv)
+                    load_kv_scale(model, hf_name, f.get_tensor(stored), kv)
                     continue
                 name, offset, rows = _target(hf_name, cfg)
                 module_name, _, suffix = name.rpartition(".")
                 module = modules.get(module_name)
                 if isinstance(module, Fp8Linear):
                     if shard is None:
-                        tensor = f.get_tensor(hf_name)
+                        tensor = f.get_tensor(stored)
                     elif suffix == "weight":
-                        tensor = shard.slice_checkpoint(hf_name, f.get_slice(hf_name), full_cfg)
+                        tensor = shard.slice_checkpoint(hf_name, f.get_slice(stored), full_cfg)
                     else:
-                        tensor = shard.slice_weight_scale(hf_name, f.get_tensor(hf_name), full_cfg, module.block)
+                        tensor = shard.slice_weight_scale(hf_name, f.get_tensor(stored), full_cfg, module.block)
                     load_fp8_tensor(module, suffix, hf_name, tensor, offset, rows, fp8)
                     done.add(hf_name)
                     continue
@@ -194,8 +203,8 @@ def load_safetensors(model: Qwen3ForCausalLM, path, fp8: Fp8Scheme | None = None
                                      f"with this config.json")
                 param = params[name]
                 dest = param if offset is None else param[offset:offset + rows]
-                tensor = (f.get_tensor(hf_name) if shard is None else
-                          shard.slice_checkpoint(hf_name, f.get_slice(hf_name), full_cfg))
+                tensor = (f.get_tensor(stored) if shard is None else
+                          shard.slice_checkpoint(hf_name, f.get_slice(stored), full_cfg))
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(f"model: checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                      f"config.json implies {tuple(dest.shape)}")

@@ -160,7 +160,9 @@ class Qwen3ForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = Qwen3Model(cfg, tp, self.make_mlp)
             vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab[1]
-            self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_rows)
+            # A Qwen3Model checkpoint (an embedding model) has no head at all: only pooling reads it.
+            self.has_head = not cfg.pooling_only
+            self.lm_head = None if cfg.tie_word_embeddings or not self.has_head else Linear(cfg.hidden_size, vocab_rows)
         self.to(dtype)
         if fp8 is not None:        # after the cast, which would widen FP8 weights to dtype
             apply_fp8(self, cfg, fp8)

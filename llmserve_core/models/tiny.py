@@ -47,13 +47,14 @@ TINY_MOE_CONFIG = dict(
 )
 
 
-def make_tiny_model(out_dir, seed: int = 0, moe: bool = False, **overrides) -> str:
+def make_tiny_model(out_dir, seed: int = 0, moe: bool = False, embedding: bool = False, **overrides) -> str:
     """Write config.json, generation_config.json, model.safetensors and the tokenizer into out_dir.
 
     overrides are Qwen3Config fields (e.g. num_hidden_layers=4, tie_word_embeddings=False,
     rope_scaling={"rope_type": "yarn", "factor": 4.0}), or with moe=True Qwen3MoeConfig fields (num_experts,
     num_experts_per_tok, mlp_only_layers, ...). vocab_size may exceed the tokenizer's 1024 (padded rows, as
-    real checkpoints have) but not fall below it.
+    real checkpoints have) but not fall below it. embedding: a Qwen3Model checkpoint as Qwen3-Embedding ships
+    (no lm_head, tensors named without `model.`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,16 +63,18 @@ def make_tiny_model(out_dir, seed: int = 0, moe: bool = False, **overrides) -> s
     if config["vocab_size"] < tokenizer.get_vocab_size():
         raise ValueError(f"vocab_size: {config['vocab_size']} is smaller than the tokenizer's "
                          f"{tokenizer.get_vocab_size()} tokens")
-    write_random_qwen3(out, seed, moe=moe, **config)
+    write_random_qwen3(out, seed, moe=moe, embedding=embedding, **config)
     write_tokenizer(tokenizer, out)
     return str(out)
 
 
-def write_random_qwen3(out_dir, seed: int = 0, moe: bool = False, **config) -> str:
+def write_random_qwen3(out_dir, seed: int = 0, moe: bool = False, embedding: bool = False, **config) -> str:
     """A Qwen3 (or Qwen3-MoE) checkpoint with transformers' own seeded init (normal, std initializer_range;
-    norms at 1), in the layout its save_pretrained writes (for MoE each expert apart)."""
+    norms at 1), in the layout its save_pretrained writes (for MoE each expert apart); embedding: transformers'
+    Qwen3Model (the decoder alone) instead of Qwen3ForCausalLM."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     config = dict(config)
     rope = config.pop("rope_scaling", None)
@@ -84,7 +87,7 @@ def write_random_qwen3(out_dir, seed: int = 0, moe: bool = False, **config) -> s
     hf_config = config_class(**config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(hf_config)
+        model = (Qwen3Model if embedding and not moe else model_class)(hf_config)
     model.save_pretrained(out_dir, safe_serialization=True)
     # Qwen3's chat models stop on <|im_end|> and on <|endoftext|>.
     eos = hf_config.eos_token_id

@@ -19,7 +19,7 @@ import queue
 import time
 from dataclasses import dataclass
 
-from llmserve_proto import EngineError, RequestMetrics, Shutdown, ValidationError
+from llmserve_proto import EngineError, Pool, RequestMetrics, Shutdown, ValidationError
 from llmserve_core.server.events import (AbortRequests, Broadcast, ClientGone, ErrorReply, GrammarReady, NewRequest,
                                          SocketFailed, StatsQuery, StatsResult, StepResult)
 from llmserve_core.server.log_safety import printable
@@ -108,9 +108,10 @@ class BusyLoop:
             self._reject(item.client, msg.request_id, "request_id", "already in flight on this connection")
             return
         eid = f"{item.client.hex()}/{next(self._serials)}/{msg.request_id}"
+        add = self.engine.add_pooling_request if isinstance(msg, Pool) else self.engine.add_request
         try:
             # Fair shares and queue caps go by (connection, user): see PROTOCOL.md, "Fair shares".
-            self.engine.add_request(eid, msg.prompt_token_ids, msg.params, client=(item.client, msg.user))
+            add(eid, msg.prompt_token_ids, msg.params, client=(item.client, msg.user))
         except ValidationError as e:       # also QueueFull: the client's waiting queue is at its cap
             self._reject(item.client, msg.request_id, e.field, e.message)
             return

@@ -94,7 +94,8 @@ def model_info_of(engine) -> ModelInfo:
     return ModelInfo(model=path, name=os.path.basename(path.rstrip("/")), vocab_size=mi.vocab_size,
                      max_model_len=mi.max_model_len, eos_token_ids=list(mi.eos_token_ids),
                      speculative=bool(mi.speculative), speculative_model=cfg.speculative_model,
-                     tokenizer=os.path.abspath(cfg.tokenizer) if cfg.tokenizer else None)
+                     tokenizer=os.path.abspath(cfg.tokenizer) if cfg.tokenizer else None,
+                     runner=mi.runner, tasks=list(mi.tasks), hidden_size=mi.hidden_size)
 
 
 def max_request_tokens(engine, max_model_len: int) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve_proto import Generate
+from llmserve_proto import Generate, Pool
 
 # socket thread -> busy loop
 
@@ -11,7 +11,7 @@ from llmserve_proto import Generate
 @dataclass
 class NewRequest:
     client: bytes
-    msg: Generate
+    msg: Generate | Pool
     arrival_time: float
 
 

@@ -8,7 +8,8 @@ import threading
 
 import zmq
 
-from llmserve_proto import (EngineError, Logprobs, OutputBatch, RequestError, RequestOutput, StatsReply, encode)
+from llmserve_proto import (EngineError, Logprobs, OutputBatch, PooledBatch, PoolingOutput, RequestError,
+                            RequestOutput, StatsReply, encode)
 from llmserve_core.server.events import Broadcast, ErrorReply, SocketFailed, StatsResult, StepResult
 
 log = logging.getLogger("llmserve_core.server")
@@ -72,13 +73,21 @@ class OutputThread(threading.Thread):
     def _encode(item):
         if isinstance(item, StepResult):
             per_client: dict[bytes, list[RequestOutput]] = {}
+            pooled: dict[bytes, list[PoolingOutput]] = {}
             for client, rid, so, metrics in item.items:
+                if so.pooled is not None:       # a pooling request's one output (PooledBatch)
+                    pooled.setdefault(client, []).append(PoolingOutput(
+                        request_id=rid, embedding=so.pooled.embedding, logits=so.pooled.logits,
+                        finish_reason=so.finish_reason, metrics=metrics))
+                    continue
                 per_client.setdefault(client, []).append(RequestOutput(
                     request_id=rid, token_ids=so.new_token_ids, finish_reason=so.finish_reason,
                     logprobs=to_wire_logprobs(so.logprobs), metrics=metrics,
                     prompt_logprobs=to_wire_logprobs(so.prompt_logprobs)))
-            return [(c, encode(OutputBatch(outputs=outs, step=item.step, time=item.time)))
-                    for c, outs in per_client.items()]
+            return ([(c, encode(OutputBatch(outputs=outs, step=item.step, time=item.time)))
+                     for c, outs in per_client.items()] +
+                    [(c, encode(PooledBatch(outputs=outs, step=item.step, time=item.time)))
+                     for c, outs in pooled.items()])
         if isinstance(item, ErrorReply):
             return [(item.client, encode(RequestError(request_id=item.request_id, field=item.field,
                                                       message=item.message)))]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 
 from llmserve_proto import (PROTOCOL_VERSION, Abort, BadMessage, EngineError, Generate, Goodbye, Heartbeat,
-                            Hello, RequestError, StatsRequest, ValidationError, Welcome,
+                            Hello, Pool, RequestError, StatsRequest, ValidationError, Welcome,
                             decode_client_checked, encode)
 from llmserve_proto.codec import MAX_FRAME_BYTES
 from llmserve_proto.endpoint import is_ipv6_endpoint
@@ -245,14 +245,14 @@ class SocketThread(threading.Thread):
         error = self._check(msg)
         if error is not None:
             field, message = error
-            if isinstance(msg, Generate):
+            if isinstance(msg, (Generate, Pool)):
                 self._warn(client, "rejected request %s of client %s: %s: %s", printable(msg.request_id),
                            client.hex(), printable(field), printable(message, 300))
                 self._reply(client, RequestError(request_id=msg.request_id, field=field, message=message))
             else:
                 self._bad(client, f"{field}: {message}")
             return
-        if isinstance(msg, Generate):
+        if isinstance(msg, (Generate, Pool)):
             self.in_q.put(NewRequest(client, msg, now))
         elif isinstance(msg, Abort):
             self.in_q.put(AbortRequests(client, list(msg.request_ids)))
@@ -269,13 +269,21 @@ class SocketThread(threading.Thread):
             validate_client_message(msg)
         except ValidationError as e:
             return e.field, e.message
-        if not isinstance(msg, Generate):
+        if not isinstance(msg, (Generate, Pool)):
             return None
         if not self.accepting:
             return "", "the core is shutting down and accepts no new requests"
         ids, info = msg.prompt_token_ids, self.info
         if max(ids) >= info.vocab_size:
             return "prompt_token_ids", f"token ids must be in [0, {info.vocab_size})"
+        if isinstance(msg, Pool):       # the engine checks the rest (dimensions, token ids, the pool)
+            if msg.params.task not in info.tasks:
+                return "task", f"{msg.params.task!r} requests are not served by this core (it serves {info.tasks})"
+            if len(ids) > info.max_model_len:
+                return "prompt_token_ids", f"prompt of {len(ids)} tokens exceeds max_model_len {info.max_model_len}"
+            return None
+        if "generate" not in info.tasks:
+            return "task", "this core runs the pooling runner: it serves embed and score requests, not generation"
         if len(ids) + msg.params.max_tokens > info.max_model_len:
             return "max_tokens", (f"prompt ({len(ids)}) + max_tokens ({msg.params.max_tokens}) exceeds "
                                   f"max_model_len {info.max_model_len}")
