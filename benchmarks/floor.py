@@ -136,6 +136,23 @@ def decode_floor(cfg: dict, contexts, bandwidth: float, peak_flops: float, dtype
                       linear_bytes, kv_dtype_bytes)
 
 
+def prompts_floor(cfg: dict, lengths, budget: int, bandwidth: float, peak_flops: float, head_rows: int = 0,
+                  lm_head: bool = True, dtype_bytes: int = 2) -> Floor:
+    """Prompts that end after their prefill (pooling requests), run in steps of at most `budget` tokens:
+    every step reads every weight once (the lm_head only where the model has one: an embedding model does
+    not), every prompt token goes through the layers and causal attention over its prompt, and each prompt
+    reads `head_rows` rows of the lm_head (a score's named tokens; an embedding none)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    lengths = list(lengths)
+    tokens = sum(lengths)
+    steps = -(-tokens // budget)
+    weights = step_weight_bytes(cfg, dtype_bytes) - (0 if lm_head else dtype_bytes * v * h)
+    kv = kv_bytes_per_token(cfg, dtype_bytes)
+    nbytes = steps * weights + sum(n * h * dtype_bytes + 2 * n * kv + head_rows * h * dtype_bytes for n in lengths)
+    flops = sum(step_flops(cfg, StepShape(prefill_chunks=((0, n),))) for n in lengths) + 2 * h * head_rows * len(lengths)
+    return Floor(bytes=nbytes, flops=flops, memory_ms=nbytes / bandwidth * 1e3, compute_ms=flops / peak_flops * 1e3)
+
+
 # ---- the two rates, measured on the card (CUDA), as medians of many timed repeats -----------------
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -5,6 +5,7 @@
     llmserve-bench compare A.json B.json
     llmserve-bench soak        --duration 1800 --result-json soak.json      # a core + HTTP frontend of its own
     llmserve-bench flood       --model DIR --phase-seconds 40 -- --max-num-seqs 256   # one client's flood beside another's probes
+    llmserve-bench embed       --model DIR --lengths 128,512 --batch-sizes 1,32 --num-documents 256
 
 With --model the bench starts its own core (flags after `--` go to it) and stops it afterwards; otherwise
 it drives the core at --endpoint (default: the core's default endpoint). Exit codes: 0 done, 1 the run failed,
@@ -70,11 +71,34 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {s}")
+    return values
+
+
+def _tasks(s: str) -> tuple[str, ...]:
+    from llmserve_bench.embed import TASKS
+    values = tuple(s.split(","))
+    if not values or any(v not in TASKS for v in values):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(TASKS)}, got {s!r}")
+    return values
+
+
+def _core_source(p: argparse.ArgumentParser):
     g = p.add_argument_group("core")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--endpoint", help="a running core (ipc://PATH or tcp://HOST:PORT); default: the core's default")
     src.add_argument("--model", help="start a core on this model directory for the run (its flags after `--`)")
+    return g
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = _core_source(p)
     g.add_argument("--tokenizer", help="tokenizer directory (default: the one the core announces, else the model's)")
     g.add_argument("--connect-timeout", type=_positive_float,
                    help="seconds to wait for the core to be ready (default: 60 with --endpoint; 300 with --model, "
@@ -168,8 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length of each of the three phases (default: 40)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--result-json", metavar="PATH", help="write config, environment, phases and summary")
-    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp, "soak": s, "flood": f}
+    e = sub.add_parser("embed", help="embedding and rerank throughput (documents/s, tokens/s) over IPC",
+                       description=_embed_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = _core_source(e)
+    g.add_argument("--connect-timeout", type=_positive_float,
+                   help="seconds to wait for the core to be ready (default: 60 with --endpoint, 300 with --model)")
+    e.add_argument("--tasks", type=_tasks, help="embed, rerank or both, comma-separated (default: what the core serves)")
+    e.add_argument("--lengths", type=_int_list, default="512", help="document lengths in tokens (default: 512)")
+    e.add_argument("--batch-sizes", type=_int_list, default="1,32", help="documents per call (default: 1,32)")
+    e.add_argument("--num-documents", type=_positive_int, default=256, help="documents per point (default: 256)")
+    e.add_argument("--concurrency", type=_positive_int, default=1, help="calls in flight (default: 1)")
+    e.add_argument("--dimensions", type=_positive_int, help="embed: keep the first N values (default: all)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the random documents")
+    e.add_argument("--result-json", metavar="PATH", help="write config, environment and every point")
+    e.add_argument("--no-progress", action="store_true", help="no line on stderr per finished point")
+    p.subcommands = {"run": r, "closed-loop": c, "compare": cmp, "soak": s, "flood": f, "embed": e}
     return p
+
+
+def _embed_doc() -> str:
+    from llmserve_bench import embed
+    return embed.__doc__
 
 
 def _flood_doc() -> str:
@@ -408,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         return _soak_main(parser.subcommands["soak"], args, core_args)
     if args.cmd == "flood":
         return _flood_main(parser.subcommands["flood"], args, core_args)
+    if args.cmd == "embed":
+        from llmserve_bench.embed import embed_main
+        return embed_main(parser.subcommands["embed"], args, core_args)
     wl, slo = check_args(parser.subcommands[args.cmd], args, core_args)   # errors name the subcommand
     config = run_config(args, wl, slo, core_args)
     code, result = _run_with_core(args, core_args, args.connect_timeout, (ConfigError,),

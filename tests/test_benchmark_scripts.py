@@ -173,3 +173,18 @@ def test_ngram_cpu(tmp_path):
     assert [(r["setting"], r["batch"]) for r in res["rows"]] == [("plain", 2), ("k3-2..4", 2), ("plain", 1), ("k3-2..4", 1)]
     assert all(r["identical_to_plain"] for r in res["rows"]) and res["device"] == "cpu"
     assert len(res["host_cost"]) == 3 and "acceptance length" in (tmp_path / "ngram_trained_pair_cpu.md").read_text()
+
+
+def test_embed_throughput(tmp_path):
+    out = run("embed_throughput.py", "--smoke", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "embed_throughput.json").read_text())
+    whats = [(r["what"], r["budget"]) for r in res["rows"]]
+    assert whats == [("embed", 32), ("embed", 64), ("rerank", 64), ("generation alone", 8192),
+                     ("generation beside embeddings", 8192), ("generation beside embeddings", 16)]
+    for r in res["rows"][:3]:
+        assert r["docs_per_s"] > 0 and r["tokens_per_s"] == r["docs_per_s"] * r["doc_len"]
+        assert r["floor_ms"] > 0 and 0 < r["fraction_of_floor"] and r["jit_compilations"] == 0
+    gen = res["rows"][3:]
+    assert gen[0]["median_itl_ms"] > 0 and gen[0]["embed_docs_per_s"] is None
+    assert gen[1]["embed_docs_per_s"] > 0
+    assert "generation beside embeddings" in out and (tmp_path / "embed_throughput.md").is_file()

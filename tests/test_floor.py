@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from floor import StepShape, decode_floor, kv_bytes_per_token, step_bytes, step_flops, step_floor, \
+from floor import StepShape, decode_floor, kv_bytes_per_token, prompts_floor, step_bytes, step_flops, step_floor, \
     step_weight_bytes  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG  # noqa: E402
 
@@ -137,3 +137,19 @@ def test_busy_time_is_the_union_of_intervals_in_any_order():
 def test_kernel_kinds(name, kind):
     from kernel_trace import kernel_kind
     assert kernel_kind(name) == kind
+
+
+def test_a_pooling_prompt_costs_its_prefill_and_no_head():
+    """An embedding model's prompts: the layers and causal attention over each, no lm_head at all; a score
+    adds its named rows only. 512-token documents on the 8B shape are compute-bound at any real budget."""
+    one = prompts_floor(SMALL, [10], 16, 1e12, 1e14)
+    assert one.flops == step_flops(SMALL, StepShape(prefill_chunks=((0, 10),)))
+    headless = prompts_floor(SMALL, [10], 16, 1e12, 1e14, lm_head=False)
+    assert one.bytes - headless.bytes == 2 * SMALL["vocab_size"] * SMALL["hidden_size"]
+    scored = prompts_floor(SMALL, [10], 16, 1e12, 1e14, head_rows=2)
+    assert scored.flops - one.flops == 2 * 2 * SMALL["hidden_size"]
+    assert prompts_floor(SMALL, [10, 10], 16, 1e12, 1e14).bytes == 2 * one.bytes      # two steps of weights
+    docs = prompts_floor(QWEN3_8B_CONFIG, [512] * 32, 16384, 3.3e12, 700e12, lm_head=False)
+    assert docs.bound == "compute"
+    # ~2 x 6.95e9 multiply-adds a token in the linears, plus causal attention over 512 tokens.
+    assert docs.flops / (32 * 512) == pytest.approx(2 * 6.95e9 + 36 * 4 * 32 * 128 * 256.5, rel=0.01)

@@ -13,6 +13,7 @@ import torch
 from helpers.models import make_prompts
 from helpers.pooling import hf_embeddings, hf_label_logits, make_embedding_model
 from llmserve_core import Engine, EngineConfig
+from llmserve_core.models.tiny import make_tiny_model
 from llmserve_proto import PoolingParams, SamplingParams, ValidationError
 
 CONFIGS = {
@@ -257,3 +258,38 @@ def test_a_drafting_engine_serves_pooling_requests_with_plain_steps(causal_lm, t
         tokens += [t for o in engine.step() for t in o.new_token_ids]
     assert tokens == hf_greedy(causal_lm, prompts[:1], 8)[0]
     assert engine.stats()["spec_num_steps"] > 0       # drafting resumed once the pooling requests ended
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_pooling_matches_transformers_and_compiles_nothing_after_start_up(tmp_path):
+    """On the GPU (bf16, the fast path's kernels): embeddings within bf16 rounding of transformers' float32
+    ones (cosine), scores within a bf16 logit's, and after the start-up warm-up no kernel compiles for prompts
+    of any length class, chunked or not, beside generation."""
+    from helpers.models import MID
+    embed_dir = make_embedding_model(tmp_path / "embed", seed=2, **MID)
+    engine = Engine(EngineConfig(model=embed_dir, device="cuda", max_num_seqs=32, max_num_batched_tokens=256,
+                                 max_model_len=1024))
+    before = engine.stats()["jit_compilations"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 5, 17, 64, 65, 200, 700, 1024)]
+    got = vectors(engine.pool(prompts, PoolingParams()))
+    want = [w.numpy() for w in hf_embeddings(embed_dir, prompts)]
+    assert min(float(np.dot(a, b)) for a, b in zip(got, want)) > 0.995
+    got8 = vectors(engine.pool(prompts[:3], PoolingParams(dimensions=8)))
+    assert all(v.shape == (8,) and abs(np.linalg.norm(v) - 1) < 1e-3 for v in got8)
+    assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"
+    del engine
+    torch.cuda.empty_cache()
+    causal = make_tiny_model(tmp_path / "causal", seed=2, **MID)
+    engine = Engine(EngineConfig(model=causal, device="cuda", max_num_seqs=32, max_num_batched_tokens=256,
+                                 max_model_len=1024))
+    before = engine.stats()["jit_compilations"]
+    engine.add_request("g", prompts[3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    scores = engine.pool(prompts, PoolingParams(task="score", token_ids=[7, 300]))
+    want = hf_label_logits(causal, prompts, [7, 300])
+    for r, w in zip(scores, want):
+        np.testing.assert_allclose(r.output.logits, w, atol=0.15, rtol=0.05)     # bf16 hidden states
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["jit_compilations"] == before, "a kernel compiled after start-up"

@@ -10,9 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmserve_proto import (Abort, BadMessage, EngineError, Generate, Goodbye, Heartbeat, Hello, Logprobs, ModelInfo,
-                            OutputBatch, Ping, RequestError, RequestMetrics, RequestOutput, SamplingParams, Shutdown,
-                            StatsReply, StatsRequest, Welcome, decode_client, decode_client_checked, decode_core,
-                            encode)
+                            OutputBatch, Ping, Pool, PooledBatch, PoolingOutput, PoolingParams, RequestError,
+                            RequestMetrics, RequestOutput, SamplingParams, Shutdown, StatsReply, StatsRequest, Welcome,
+                            ValidationError, decode_client, decode_client_checked, decode_core, encode)
+from llmserve_proto.messages import validate_client_message
 from llmserve_proto import endpoint as ep
 
 CLIENT_MESSAGES = [
@@ -21,6 +22,9 @@ CLIENT_MESSAGES = [
                                                                                    stop=["\n\n"], logprobs=2)),
     Generate(request_id="r3", prompt_token_ids=[1, 2], params=SamplingParams(prompt_logprobs=0)),
     Generate(request_id="r2", prompt_token_ids=[7]),
+    Pool(request_id="p1", prompt_token_ids=[4, 5]),
+    Pool(request_id="p2", prompt_token_ids=[4], params=PoolingParams(dimensions=32, normalize=False)),
+    Pool(request_id="p3", prompt_token_ids=[4], params=PoolingParams(task="score", token_ids=[9, 8])),
     Abort(request_ids=["r1", "r2"]),
     StatsRequest(nonce=7),
     Ping(time=12.5),
@@ -39,6 +43,14 @@ CORE_MESSAGES = [
         RequestOutput(request_id="c", token_ids=[5], prompt_logprobs=[Logprobs(logprob=-2.0, top_token_ids=[1],
                                                                                top_logprobs=[-0.1])]),
     ], step=3, time=9.0),
+    Welcome(protocol_version=1, model_info=ModelInfo(model="/e", runner="pooling", tasks=["embed"], hidden_size=8),
+            heartbeat_interval_s=0.5, client_timeout_s=15.0),
+    PooledBatch(outputs=[
+        PoolingOutput(request_id="e", embedding=b"\x00\x00\x80\x3f" * 8,
+                      metrics=RequestMetrics(arrival_time=1.0, finish_time=2.0, num_prompt_tokens=5)),
+        PoolingOutput(request_id="s", logits=[1.5, -2.0]),
+        PoolingOutput(request_id="x", finish_reason="abort"),
+    ], step=4, time=9.5),
     RequestError(request_id="a", field="temperature", message="must be >= 0"),
     EngineError(message="malformed frame", fatal=False),
     StatsReply(nonce=7, stats={"running": 1, "kv_usage": 0.5, "name": "x", "flag": True, "none": None}),
@@ -99,6 +111,10 @@ PARAMS = [16, 1.0, 1.0, -1, 0.0, None, [], False, None, [], True, 0.0, 0.0, 1.0,
     (msgspec.msgpack.encode(["generate", "r7", [1], PARAMS[:14] + [{1: "a"}]]), "r7", "logit_bias"),
     (msgspec.msgpack.encode(["generate", "r8", [1], PARAMS + [["regex", 5]]]), "r8", "guided.spec"),
     (msgspec.msgpack.encode(["generate", "r9", [1], PARAMS + [["choice", "", ["a", 5]]]]), "r9", "guided.choices[1]"),
+    (msgspec.msgpack.encode(["pool", "p1", [1], ["embed", True, "32"]]), "p1", "dimensions"),
+    (msgspec.msgpack.encode(["pool", "p2", [1], ["score", True, None, [1, "x"]]]), "p2", "token_ids[1]"),
+    (msgspec.msgpack.encode(["pool", "p3", [1], [7]]), "p3", "task"),
+    (msgspec.msgpack.encode(["pool", "p4"]), "p4", "prompt_token_ids"),
     (msgspec.msgpack.encode(["abort", "r1"]), None, "request_ids"),
     (msgspec.msgpack.encode(["no_such_tag", 1]), None, ""),
     (msgspec.msgpack.encode({"tag": "hello"}), None, ""),
@@ -153,6 +169,41 @@ def test_generate_round_trips_any_values(rid, ids, max_tokens, temperature, seed
     msg = Generate(request_id=rid, prompt_token_ids=ids,
                    params=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop))
     assert decode_client(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("params, field", [
+    (PoolingParams(task="bogus"), "task"),
+    (PoolingParams(task=""), "task"),
+    (PoolingParams(dimensions=0), "dimensions"),
+    (PoolingParams(dimensions=2**31), "dimensions"),
+    (PoolingParams(dimensions=-2**63), "dimensions"),
+    (PoolingParams(task="score"), "token_ids"),
+    (PoolingParams(task="score", token_ids=[2**63]), "token_ids"),
+    (PoolingParams(task="score", token_ids=[-1]), "token_ids"),
+    (PoolingParams(token_ids=[1]), "token_ids"),
+    (PoolingParams(normalize=1), "normalize"),
+])
+def test_pooling_params_out_of_bounds_name_the_field(params, field):
+    msg = Pool(request_id="p", prompt_token_ids=[1], params=params)
+    with pytest.raises(ValidationError) as e:
+        validate_client_message(decode_client(encode(msg)) if field != "normalize" else msg)
+    assert e.value.field == field
+
+
+def test_an_older_peer_reads_a_newer_model_info():
+    """ModelInfo's pooling fields are appended: a decoder that knows only the older fields skips them."""
+    class OldModelInfo(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+        model: str
+        name: str = ""
+        vocab_size: int = 0
+        max_model_len: int = 0
+        eos_token_ids: list[int] = []
+        speculative: bool = False
+        speculative_model: str | None = None
+        tokenizer: str | None = None
+    new = ModelInfo(model="/e", vocab_size=5, runner="pooling", tasks=["embed"], hidden_size=8)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldModelInfo).vocab_size == 5
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(OldModelInfo(model="/o")), type=ModelInfo).tasks == []
 
 
 def test_no_pickle_anywhere_on_the_wire():

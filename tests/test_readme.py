@@ -215,12 +215,14 @@ def test_bench_run_and_closed_loop_flags_documented():
     assert {r["subcommand"] for r in rows} <= {"both", "run", "closed-loop"}
 
 
-def test_bench_soak_and_compare_flags_documented():
+def test_bench_soak_compare_and_embed_flags_documented():
     subs = bench_parsers()
     check_table([r for t in tables(section(CLI, "### soak")) for r in t], subs["soak"], "llmserve-bench soak")
     assert parser_flags(subs["compare"]) == set(), "compare takes flags now: give them a table in docs/cli.md"
     check_table([r for t in tables(section(CLI, "### flood")) for r in t], subs["flood"], "llmserve-bench flood")
-    assert set(subs) == {"run", "closed-loop", "compare", "soak", "flood"}, "a new llmserve-bench subcommand: document it"
+    check_table([r for t in tables(section(CLI, "### embed")) for r in t], subs["embed"], "llmserve-bench embed")
+    assert set(subs) == {"run", "closed-loop", "compare", "soak", "flood", "embed"}, \
+        "a new llmserve-bench subcommand: document it"
 
 
 def test_serve_flags_documented():

@@ -45,6 +45,16 @@ def test_every_field_the_sdk_can_send_is_accepted(endpoint, module, struct):
     assert IGNORED[endpoint] <= sent                                  # the table names only OpenAI's fields
 
 
+def test_every_embeddings_field_the_sdk_can_send_is_accepted():
+    from openai.types.embedding_create_params import EmbeddingCreateParams
+    from llmserve_client.http.pooling import EmbeddingRequest
+    sent = typed_dict_keys(EmbeddingCreateParams)
+    accepted = set(EmbeddingRequest.__struct_fields__) | IGNORED["embeddings"]
+    assert sent - accepted == set()
+    assert not IGNORED["embeddings"] & set(EmbeddingRequest.__struct_fields__)
+    assert IGNORED["embeddings"] <= sent
+
+
 def test_every_nested_chat_field_the_sdk_can_send_is_declared():
     """Nested objects stay strict, so they must declare every field the SDK's types have."""
     from openai.types.chat import (ChatCompletionContentPartParam, ChatCompletionContentPartRefusalParam,

@@ -9,11 +9,11 @@ import torch
 
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.step_graphs import batch_buckets
-from llmserve_core.engine.warmup import decode_sizes, grammar_rounds, prefill_lengths, warmup_plan
+from llmserve_core.engine.warmup import decode_sizes, grammar_rounds, pooling_plan, prefill_lengths, warmup_plan
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits
 from llmserve_core.models.tiny_draft import make_tiny_draft
-from llmserve_proto import GuidedDecoding, SamplingParams
+from llmserve_proto import GuidedDecoding, PoolingParams, SamplingParams
 
 
 def test_plan_covers_small_rows_tile_edges_every_bucket_and_split_count():
@@ -118,6 +118,22 @@ def test_warm_up_fits_a_pool_smaller_than_max_model_len(tiny_model_dir):
                                  max_model_len=128, num_kv_blocks=4, block_size=16, warmup=True))
     assert engine.warmup_report["rounds"] > 10 and not engine.requests
     assert engine.generate([[5, 9, 2]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+
+
+def test_the_pooling_runner_warms_up_on_prompts_alone(tmp_path):
+    """An embedding model's engine runs every prompt length class (up to the whole context: nothing follows a
+    pooling prompt) and a full budget of prompts as embed requests, then reports as a cold one."""
+    from helpers.pooling import make_embedding_model
+    model = make_embedding_model(tmp_path / "embed", seed=1)
+    plan = pooling_plan(4, 64, 128, True)
+    assert [r.prompt_len for r in plan if r.num_requests == 1] == prefill_lengths(64, 128, True)
+    assert all(r.pooling and r.new_tokens == 0 for r in plan) and plan[-1].num_requests * plan[-1].prompt_len >= 64
+    engine = Engine(EngineConfig(model=model, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                                 max_model_len=128, warmup=True))
+    assert engine.warmup_report["rounds"] == len(plan) and not engine.requests
+    stats = engine.stats()
+    assert stats["total_prompt_tokens"] == 0 and stats["used_kv_blocks"] == 0 and stats["cached_kv_blocks"] == 0
+    assert engine.pool([[5, 9, 2]], PoolingParams())[0].finish_reason == "stop"
 
 
 def test_jit_counter_chains_the_hook_it_finds(monkeypatch):

@@ -197,8 +197,12 @@ def _check_text(fe, name: str, text: str) -> None:
 
 
 def _check_lengths(fe, names: list[str], prompts: list[list[int]]) -> None:
-    limit = fe.max_request_tokens
+    """Each prompt fits the context, and its token ids the vocabulary."""
+    limit, vocab = fe.max_request_tokens, fe.client.model_info.vocab_size
     for name, ids in zip(names, prompts):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(f"{name}: token id {_short(bad)} is outside the vocabulary [0, {vocab})", name)
         if len(ids) > limit:
             raise ApiError(f"This model's maximum context length is {limit} tokens, but {name} has {len(ids)} "
                            f"tokens. Shorten {name}.", name, code="context_length_exceeded")

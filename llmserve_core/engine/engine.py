@@ -217,6 +217,7 @@ class Engine:
         need = self.block_manager.blocks_needed(len(prompt) + params.max_tokens + lookahead)
         if need > self.block_manager.num_blocks:
             raise ValidationError("max_tokens", f"needs {need} KV blocks, the whole pool has {self.block_manager.num_blocks}")
+        vocab = self.model_info.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValidationError("stop_token_ids", f"must be below the vocabulary size {vocab}")
         if any(t >= vocab for t in params.logit_bias):
