@@ -186,7 +186,8 @@ def table(rows: list[dict], rates) -> str:
              f"{'TPOT ms':>8} {'ITL ms':>7} {'jit':>4}"]
     for r in rows:
         frac = r.get("fraction_of_floor")
-        lines.append(f"{r['what']:<30} {r['budget']:>6} {_f(r.get('docs_per_s') or r.get('embed_docs_per_s'), '.1f'):>9} "
+        docs_per_s = r.get("docs_per_s") or r.get("embed_docs_per_s")
+        lines.append(f"{r['what']:<30} {r['budget']:>6} {_f(docs_per_s, '.1f'):>9} "
                      f"{_f(r.get('tokens_per_s'), '.0f'):>10} {_f(None if frac is None else 100 * frac, '.0f%'):>9} "
                      f"{_f(r.get('mean_tpot_ms'), '.2f'):>8} {_f(r.get('median_itl_ms'), '.2f'):>7} "
                      f"{r['jit_compilations']:>4}")

@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = _core_source(e)
     g.add_argument("--connect-timeout", type=_positive_float,
                    help="seconds to wait for the core to be ready (default: 60 with --endpoint, 300 with --model)")
-    e.add_argument("--tasks", type=_tasks, help="embed, rerank or both, comma-separated (default: what the core serves)")
+    e.add_argument("--tasks", type=_tasks,
+                   help="embed, rerank or both, comma-separated (default: what the core serves)")
     e.add_argument("--lengths", type=_int_list, default="512", help="document lengths in tokens (default: 512)")
     e.add_argument("--batch-sizes", type=_int_list, default="1,32", help="documents per call (default: 1,32)")
     e.add_argument("--num-documents", type=_positive_int, default=256, help="documents per point (default: 256)")

@@ -461,28 +461,7 @@ class Engine:
     def pool(self, prompts: list[list[int]], params: PoolingParams | list[PoolingParams] | None = None,
              ) -> list[PoolingResult]:
         """Run pooling requests to completion; results in input order (others step along, as in generate())."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValidationError("params", f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")
-        ids = [f"pool-{self.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
-        results = {rid: PoolingResult(rid, list(p)) for rid, p in zip(ids, prompts)}
-        others: list[StepOutput] = []
-        try:
-            for rid, p, pp in zip(ids, prompts, params_list):
-                self.add_pooling_request(rid, p, pp)
-            while any(r.finish_reason is None for r in results.values()):
-                for out in self.step():
-                    res = results.get(out.request_id)
-                    if res is None:
-                        others.append(out)
-                    else:
-                        res.output, res.finish_reason = out.pooled, out.finish_reason
-                        res.num_cached_tokens = out.num_cached_tokens
-        finally:
-            for rid in ids:
-                self.abort(rid)   # no-op for the finished ones; frees the rest if we were interrupted
-            self._pending = others + [o for o in self._pending if o.request_id not in results]
-        return [results[rid] for rid in ids]
+        return pooling.run_to_completion(self, prompts, params)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmserve_core.engine.outputs import PooledOutput
+from llmserve_core.engine.outputs import PooledOutput, PoolingResult, StepOutput
 from llmserve_core.engine.request import Request
 from llmserve_proto import PoolingParams, ValidationError
 
@@ -70,6 +70,33 @@ def refuse_generation(runner: str) -> None:
     if runner == "pooling":
         raise ValidationError("task", "this core runs the pooling runner (an embedding model, or --runner pooling): "
                                       "it serves embed and score requests, not generation")
+
+
+def run_to_completion(engine, prompts: list[list[int]], params) -> list[PoolingResult]:
+    """Engine.pool(): add the requests, step until each has its answer; the outputs of requests added
+    elsewhere are kept for the engine's next step() (as Engine.generate() keeps them)."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise ValidationError("params", f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")
+    ids = [f"pool-{engine.num_steps}-{i}-{id(prompts)}" for i in range(len(prompts))]
+    results = {rid: PoolingResult(rid, list(p)) for rid, p in zip(ids, prompts)}
+    others: list[StepOutput] = []
+    try:
+        for rid, p, pp in zip(ids, prompts, params_list):
+            engine.add_pooling_request(rid, p, pp)
+        while any(r.finish_reason is None for r in results.values()):
+            for out in engine.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    others.append(out)
+                else:
+                    res.output, res.finish_reason = out.pooled, out.finish_reason
+                    res.num_cached_tokens = out.num_cached_tokens
+    finally:
+        for rid in ids:
+            engine.abort(rid)     # no-op for the finished ones; frees the rest if we were interrupted
+        engine._pending = others + [o for o in engine._pending if o.request_id not in results]
+    return [results[rid] for rid in ids]
 
 
 # ---- a step's pooled rows ----------------------------------------------------------------------------------

@@ -56,9 +56,9 @@ class ModelConfig:
 
     @property
     def pooling_only(self) -> bool:
-        """A Qwen3Model checkpoint (Qwen3-Embedding): the decoder without an lm_head, so nothing to sample
-        or score with; its tensors are named without the `model.` prefix."""
-        return "Qwen3Model" in self.architectures and "Qwen3ForCausalLM" not in self.architectures
+        """A base-model checkpoint (Qwen3Model: Qwen3-Embedding): the decoder without an lm_head, so nothing to
+        sample or score with; its tensors are named without the `model.` prefix."""
+        return bool(self.architectures) and not any(a.endswith("ForCausalLM") for a in self.architectures)
 
     @property
     def q_size(self) -> int:
