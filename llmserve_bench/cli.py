@@ -221,15 +221,20 @@ def _flood_doc() -> str:
     return flood.__doc__.split("\n\n", 1)[1]
 
 
-def _flood_main(parser, args, core_args: list[str]) -> int:
-    from llmserve_bench import flood
-    from llmserve_bench.report import environment
+def check_core_and_output(parser, args, core_args: list[str]) -> None:
+    """The checks every subcommand that may start a core and writes a result makes before anything runs."""
     if core_args and not args.model:
         parser.error("flags after `--` go to a core the bench starts; they need --model")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model: {args.model}: not a model directory (no config.json)")
     if args.result_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.result_json))):
         parser.error(f"--result-json: the directory of {args.result_json} does not exist")
+
+
+def _flood_main(parser, args, core_args: list[str]) -> int:
+    from llmserve_bench import flood
+    from llmserve_bench.report import environment
+    check_core_and_output(parser, args, core_args)
     cfg = flood.FloodConfig(flood_concurrency=args.flood_concurrency, input_len=args.input_len,
                             output_len=args.output_len, probe_rate=args.probe_rate,
                             probe_input_len=args.probe_input_len, probe_output_len=args.probe_output_len,

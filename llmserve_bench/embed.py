@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -158,13 +157,8 @@ def result_dict(points: list[Point], config: dict, model_info) -> dict:
 
 def embed_main(parser, args, core_args: list[str]) -> int:
     """`llmserve-bench embed`: exit 0 done, 1 the run failed, 2 bad arguments, 130 interrupted."""
-    from llmserve_bench.cli import _run_with_core
-    if core_args and not args.model:
-        parser.error("flags after `--` go to a core the bench starts; they need --model")
-    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
-        parser.error(f"--model: {args.model}: not a model directory (no config.json)")
-    if args.result_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.result_json))):
-        parser.error(f"--result-json: the directory of {args.result_json} does not exist")
+    from llmserve_bench.cli import _run_with_core, check_core_and_output
+    check_core_and_output(parser, args, core_args)
     timeout = args.connect_timeout or (300.0 if args.model else 60.0)
     cfg = EmbedConfig(tasks=args.tasks or (), lengths=args.lengths, batch_sizes=args.batch_sizes,
                       num_documents=args.num_documents, concurrency=args.concurrency, dimensions=args.dimensions,
