@@ -52,7 +52,9 @@ def engine(model_dir: str, p: dict, **kw):
     return Engine(EngineConfig(model=model_dir, **{**p["engine"], **kw}))
 
 
-def free(*_) -> None:
+def free() -> None:
+    """After `del engine`: collect its cycles and hand its memory back, so the next engine sizes its pool
+    from the whole card."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -95,7 +97,8 @@ def embed_section(args, p, rates, rng, tmp) -> list[dict]:
     for budget in args.budgets:
         eng.scheduler.max_num_batched_tokens = budget      # the profiled peak was the largest budget's
         out.append(throughput("embed", eng, cfg, p, rates, rng, PoolingParams(), p["embed_docs"], budget, 0, False))
-    free(eng)
+    del eng
+    free()
     return out
 
 
@@ -108,7 +111,8 @@ def rerank_section(args, p, rates, rng, tmp) -> list[dict]:
     params = PoolingParams(task="score", token_ids=[p["vocab"][0], p["vocab"][0] + 1])     # "yes", "no"
     # Only the two named rows of the (tied) head are read: no whole lm_head in the floor.
     row = throughput("rerank", eng, cfg, p, rates, rng, params, p["rerank_docs"], budget, 2, False)
-    free(eng)
+    del eng
+    free()
     return [row]
 
 
@@ -124,7 +128,8 @@ def generation_section(args, p, rng, tmp) -> list[dict]:
         rows.append({"what": f"generation {label}", "budget": budget,
                      **closed_loop(eng, p, rng, load, SamplingParams(max_tokens=p["gen_output"], temperature=0.0,
                                                                      ignore_eos=True), PoolingParams())})
-    free(eng)
+    del eng
+    free()
     return rows
 
 
