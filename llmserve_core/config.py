@@ -130,8 +130,6 @@ class EngineConfig:
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "must be auto, safetensors or dummy")
         need(self.runner in RUNNERS, "runner", f"must be one of {', '.join(RUNNERS)}")
-        need(self.runner != "pooling" or self.speculative_model is None, "runner",
-             "pooling runs prompts only: it has nothing to draft for (drop --speculative-model)")
         need(self.quantization in (None, "fp8"), "quantization", "must be fp8 or unset")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         need(not (self.kv_cache_dtype == "fp8_e4m3" and self.attention_backend == "flash-attn"), "kv_cache_dtype",
@@ -151,6 +149,8 @@ class EngineConfig:
         need(0.0 < self.distributed_timeout <= 86400.0, "distributed_timeout", "must be in (0, 86400]")
         self.draft_shape()                # raises naming the speculative_* field at fault
         self._validate_method()
+        need(self.runner != "pooling" or self.resolved_speculative_method() is None, "runner",
+             "pooling runs prompts only: it has nothing to draft for (drop the speculative flags)")
         self.resolved_dtype()
 
     def _validate_method(self) -> None:

@@ -199,6 +199,8 @@ def test_the_pooling_runner_holds_kv_for_prompts_in_flight_only(causal_lm):
                                want, atol=1e-5)
     with pytest.raises(ValueError, match="runner"):
         EngineConfig(**common, runner="pooling", speculative_model=causal_lm).validate()
+    with pytest.raises(ValueError, match="runner"):
+        EngineConfig(**common, runner="pooling", speculative_method="ngram").validate()
 
 
 # ---------------------------------------------------------------- bad input
@@ -242,12 +244,14 @@ def _engine(path):
     return _ENGINES[path]
 
 
-def test_a_drafting_engine_serves_pooling_requests_with_plain_steps(causal_lm, tmp_path):
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_a_drafting_engine_serves_pooling_requests_with_plain_steps(causal_lm, tmp_path, method):
     from llmserve_core.models.tiny_draft import make_tiny_draft
-    draft = make_tiny_draft(tmp_path / "draft", causal_lm, seed=2)
-    engine = Engine(EngineConfig(model=causal_lm, device="cpu", dtype="float32", speculative_model=draft,
-                                 speculative_policy="always"))
+    spec = (dict(speculative_model=make_tiny_draft(tmp_path / "draft", causal_lm, seed=2)) if method == "eagle3"
+            else dict(speculative_method="ngram", prompt_lookup_min=1, prompt_lookup_max=2))
+    engine = Engine(EngineConfig(model=causal_lm, device="cpu", dtype="float32", speculative_policy="always", **spec))
     prompts = make_prompts(1024, seed=4)
+    prompts[0] = prompts[0] * 3                  # repeats: prompt lookup finds drafts in them
     engine.add_request("g", prompts[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     results = engine.pool(prompts[1:], PoolingParams(task="score", token_ids=[8]))
     want = hf_label_logits(causal_lm, prompts[1:], [8])

@@ -65,8 +65,8 @@ def build_runtime(config: EngineConfig, model_config: ModelConfig, tp=None) -> R
     """tp: this rank's distributed.group.TPGroup under tensor parallelism (the runner holds its shard)."""
     max_model_len = max_model_len_of(config, model_config)
     kind = resolve_runner(config.runner, model_config)
-    if kind == "pooling" and config.speculative_model is not None:
-        raise ValueError("speculative_model: a Qwen3Model checkpoint runs the pooling runner, which has nothing "
+    if kind == "pooling" and config.resolved_speculative_method() is not None:
+        raise ValueError("speculative_method: a Qwen3Model checkpoint runs the pooling runner, which has nothing "
                          "to draft for")
     # Drafting requests write their drafts' KV past their next token: block tables and the pool make room.
     lookahead = lookahead_tokens(config)
