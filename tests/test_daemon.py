@@ -333,21 +333,24 @@ def test_sigkill_of_the_core_makes_every_waiting_call_raise(tiny_model_dir, tmp_
         proc.wait()
 
 
-def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir, tmp_path):
+def test_sigterm_drains_then_aborts_and_exits_zero(make_random_qwen3_dir, tmp_path):
+    # A context long enough that the long request cannot end inside the drain window however fast the
+    # machine, and a window long enough for the short one's few steps however busy it is.
+    model = make_random_qwen3_dir(seed=0, max_position_embeddings=1 << 16)
     endpoint = f"ipc://{tmp_path}/core.sock"
     early: list = []
     # A client started before the core waits for it.
     t = threading.Thread(target=lambda: early.append(Client(endpoint, connect_timeout=READY_TIMEOUT)))
     t.start()
     time.sleep(0.3)
-    proc = start_core(tiny_model_dir, endpoint, str(tmp_path / "core.log"), "--drain-timeout", "3",
-                      "--max-model-len", "2048")
+    proc = start_core(model, endpoint, str(tmp_path / "core.log"), "--drain-timeout", "8",
+                      "--max-model-len", str(1 << 16), "--num-kv-blocks", "4200")
     try:
         t.join(READY_TIMEOUT)
         c = early[0]
         c.generate([1, 2, 3], max_tokens=4)      # warm the engine up so the drain window measures steady steps
         short = c.stream([1, 2, 3], max_tokens=6, ignore_eos=True)
-        long = c.stream([4, 5, 6], max_tokens=2000, ignore_eos=True)
+        long = c.stream([4, 5, 6], max_tokens=60_000, ignore_eos=True)
         next(short), next(long)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
