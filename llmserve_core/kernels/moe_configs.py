@@ -1,0 +1,162 @@
+"""Tile configs of the fused-MoE kernels, kept as data.
+
+One JSON file per card, expert count, gate_up weight shape [N = 2I, K = H] and weight dtype, under
+kernels/configs/fused_moe/ (`E=128,N=1536,K=2048,device=NVIDIA_H100_80GB_HBM3,dtype=bf16.json`), written by
+benchmarks/moe_tune.py through `write_table`. Inside, one entry per rows bucket (a power of two: the entry
+for 64 serves 33..64 rows; past the largest key, the largest), each naming the path and its tiles:
+
+    {"path": "decode", "FUSED_SUM": true, "gate_up": {"DOT": false, "BLOCK_N": 8, "BLOCK_K": 512,
+     "num_warps": 4, "num_stages": 1}, "down": {...}}
+    {"path": "grouped", "BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+     "num_warps": 4, "num_stages": 3}, "down": {...}}
+
+Any shape, card or bucket no table covers, and any entry that does not fit the call (a decode entry past
+moe_decode.MAX_ROWS rows, a K tile that straddles a scale block), gets the heuristic default: never an
+error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
+compiles every variant (fused_moe.warmup_row_counts).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import triton
+
+from llmserve_core.kernels.fp8_format import FP8
+from llmserve_core.kernels.moe_decode import MAX_ROWS as DECODE_MAX_ROWS
+from llmserve_core.kernels.moe_decode import default_decode_config
+
+log = logging.getLogger("llmserve.kernels")
+
+CONFIG_DIR = Path(__file__).parent / "configs" / "fused_moe"
+DECODE_ROWS = 8          # the heuristic's decode path: up to this many rows; the tables may take it to MAX_ROWS
+DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+GROUPED_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+DECODE_KEYS = ("DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def dtype_key(weight_dtype: torch.dtype, block: tuple[int, int] | None) -> str:
+    """The table's dtype field: bf16 / fp16 / fp32, fp8_w8a8 (per-channel scales), fp8_w8a8_block128x128."""
+    if weight_dtype == FP8:
+        return "fp8_w8a8" if block is None else f"fp8_w8a8_block{block[0]}x{block[1]}"
+    return DTYPE_KEYS[weight_dtype]
+
+
+def device_key(device: torch.device) -> str:
+    """The card's name as the tables spell it (spaces as underscores); 'cpu' off CUDA."""
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def table_path(device_name: str, num_experts: int, n: int, k: int, dtype: str, root: Path | None = None) -> Path:
+    return (root or CONFIG_DIR) / f"E={num_experts},N={n},K={k},device={device_name},dtype={dtype}.json"
+
+
+@lru_cache(maxsize=None)
+def load_table(path: Path) -> dict[int, dict] | None:
+    """A table's entries by rows bucket, or None where there is no file (or it cannot be read: logged)."""
+    if not path.is_file():
+        return None
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        return {int(bucket): dict(entry) for bucket, entry in rows.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("fused_moe: ignoring the unreadable tile table %s (%s)", path, exc)
+        return None
+
+
+def write_table(path: Path, entries: dict[int, dict], source: dict) -> Path:
+    """Write a table: entries by rows bucket, and where they came from (card, commit, command, times)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"source": source, "rows": {str(b): entries[b] for b in sorted(entries)}}
+    path.write_text(json.dumps(body, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def rows_bucket(rows: int) -> int:
+    return triton.next_power_of_2(max(1, rows))
+
+
+def table_entry(table: dict[int, dict], rows: int) -> tuple[int, dict]:
+    """The entry for the smallest bucket holding `rows`, else the largest bucket's."""
+    bucket = min((b for b in table if b >= rows), default=max(table))
+    return bucket, table[bucket]
+
+
+def default_config(bucket: int, num_experts: int, top_k: int, weight_bytes: int,
+                   block: tuple[int, int] | None) -> dict:
+    """The heuristic for a rows bucket: the decode path up to DECODE_ROWS rows; past it the grouped GEMM in
+    row blocks sized to the rows each expert gets on average (16 to 64: FP8 block scales spill at 128),
+    with vLLM's style of tiles (untuned here)."""
+    if bucket <= DECODE_ROWS:
+        return default_decode_config(bucket, weight_bytes, block)
+    per_expert = bucket * top_k / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    tile = dict(BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=64 if weight_bytes >= 2 else 128,
+                GROUP_M=1 if block_m == 16 else 8, num_warps=4, num_stages=3)
+    if block is not None:
+        tile["BLOCK_K"] = min(tile["BLOCK_K"], block[1])
+    return {"path": "grouped", "BLOCK_M": block_m, "gate_up": dict(tile), "down": dict(tile)}
+
+
+def usable(cfg: dict, rows: int, block: tuple[int, int] | None) -> bool:
+    """Whether a table entry fits a call of `rows` rows: a known path with every tile key, a decode entry
+    only up to DECODE_MAX_ROWS, even column tiles (gate_up pairs gate and up rows), K tiles inside a
+    scale block."""
+    try:
+        keys = DECODE_KEYS if cfg["path"] == "decode" else GROUPED_KEYS
+        if cfg["path"] not in ("decode", "grouped") or (cfg["path"] == "decode" and rows > DECODE_MAX_ROWS):
+            return False
+        if cfg["path"] == "grouped" and cfg["BLOCK_M"] not in (16, 32, 64, 128):
+            return False
+        for part in (cfg["gate_up"], cfg["down"]):
+            if any(key not in part for key in keys) or part["BLOCK_N"] % 2:
+                return False
+            if block is not None and block[1] % part["BLOCK_K"]:
+                return False
+        return True
+    except (KeyError, TypeError):
+        return False
+
+
+def fit_to_device(cfg: dict, a_bytes: int, w_bytes: int, smem_limit: int) -> dict:
+    """A grouped config with fewer pipeline stages (down to 1) where its operand tiles would overfill the
+    card's shared memory per block (a bf16 table entry's tiles, used for float32)."""
+    if cfg["path"] != "grouped":
+        return cfg
+    cfg = {**cfg, "gate_up": dict(cfg["gate_up"]), "down": dict(cfg["down"])}
+    for part in (cfg["gate_up"], cfg["down"]):
+        per_stage = part["BLOCK_K"] * (cfg["BLOCK_M"] * a_bytes + part["BLOCK_N"] * w_bytes)
+        while part["num_stages"] > 1 and part["num_stages"] * per_stage > smem_limit:
+            part["num_stages"] -= 1
+    return cfg
+
+
+def moe_config(rows: int, num_experts: int, n: int, k: int, top_k: int, weight_dtype: torch.dtype,
+               act_dtype: torch.dtype, block: tuple[int, int] | None, device: torch.device) -> dict:
+    """The tiles for a fused_moe call of `rows` rows: the card's table entry for the rows bucket if it has a
+    usable one, else the heuristic default; fitted to the card."""
+    return dict(_config(rows_bucket(rows), num_experts, n, k, top_k, weight_dtype, act_dtype, block, device))
+
+
+@lru_cache(maxsize=None)
+def _config(bucket: int, num_experts: int, n: int, k: int, top_k: int, weight_dtype: torch.dtype,
+            act_dtype: torch.dtype, block: tuple[int, int] | None, device: torch.device) -> dict:
+    table = load_table(table_path(device_key(device), num_experts, n, k, dtype_key(weight_dtype, block)))
+    cfg = None
+    if table:
+        _, cfg = table_entry(table, bucket)
+        if not usable(cfg, bucket, block):
+            log.warning("fused_moe: the table entry for %d rows does not fit (%s); using the default", bucket, cfg)
+            cfg = None
+    weight_bytes = torch.tensor([], dtype=weight_dtype).element_size()
+    cfg = cfg or default_config(bucket, num_experts, top_k, weight_bytes, block)
+    if device.type != "cuda":
+        return cfg
+    from llmserve_core.kernels.tiling import device_smem_limit
+    a_bytes = 1 if weight_dtype == FP8 else torch.tensor([], dtype=act_dtype).element_size()
+    return fit_to_device(cfg, a_bytes, weight_bytes, device_smem_limit(device))
