@@ -229,7 +229,8 @@ def test_tables_are_read_by_rows_bucket_with_the_default_elsewhere(tmp_path, mon
     try:
         assert config(3) == decode_cfg(True)                 # 3 rows: the 4-row bucket
         assert config(33) == entry and config(64) == entry   # 33..64 rows: the 64-row bucket
-        assert config(1000)["path"] == "grouped" and config(1000) != entry    # unusable entry: the default
+        assert config(400) == moe_configs.default_config(512, 8, 2, 4, None)   # unusable entry: the default
+        assert config(1000) == moe_configs.default_config(1024, 8, 2, 4, None)  # past the table: the default
         assert config(2) == decode_cfg(True)
         other = moe_configs.moe_config(3, 16, 64, 32, 2, torch.float32, torch.float32, None, torch.device("cpu"))
         assert other == moe_configs.default_config(4, 16, 2, 4, None)        # no table for E=16

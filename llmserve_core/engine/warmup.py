@@ -7,9 +7,9 @@ split count and so the batch size; the fused q/k + K/V store kernel, per cache d
 that a kernel specializes on; the warm-up drives real requests through the real step (scheduler, batch
 builder, CUDA graphs, speculative draft and verify, sampler), so whatever a kernel specializes on, the
 shapes a served step can have are met here first:
-- a prompt of every length 1..16 (the row counts small-M GEMV kernels specialize on) and lengths at each
-  tile boundary up to a full token budget (several prompts where one cannot fill it), and one longer than
-  the budget (chunked: an extend);
+- a prompt of every length 1..16 (the row counts small-M GEMV kernels specialize on), lengths at each
+  tile boundary and every power of two (the tuned tables' rows buckets) up to a full token budget (several
+  prompts where one cannot fill it), and one longer than the budget (chunked: an extend);
 - a decode batch of every size 1..16, every CUDA-graph bucket and the first size of every split count;
 - the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs, the logits edits:
   penalties, logit_bias, min_tokens) on mixed batches of every small row class (1, 8, 16, 17, 32, 33, 64)
@@ -75,6 +75,9 @@ def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
     if chunked:
         lengths.append(budget + 17)               # a second chunk: an extend over the first
     cap = longest if chunked else min(longest, budget)  # unchunked, a prompt must fit one step
+    # Tuned tables pick their tiles by rows bucket, a power of two (kernels/moe_configs.py): a step in each
+    # meets every variant they name (the longest prompt stands in for the buckets past it).
+    lengths += [min(1 << i, cap) for i in range(budget.bit_length())]
     return sorted({n for n in lengths if 1 <= n <= cap})
 
 

@@ -3,16 +3,16 @@
 One JSON file per card, expert count, gate_up weight shape [N = 2I, K = H] and weight dtype, under
 kernels/configs/fused_moe/ (`E=128,N=1536,K=2048,device=NVIDIA_H100_80GB_HBM3,dtype=bf16.json`), written by
 benchmarks/moe_tune.py through `write_table`. Inside, one entry per rows bucket (a power of two: the entry
-for 64 serves 33..64 rows; past the largest key, the largest), each naming the path and its tiles:
+for 64 serves 33..64 rows, or every count above the next smaller key), each naming the path and its tiles:
 
     {"path": "decode", "FUSED_SUM": true, "gate_up": {"DOT": false, "BLOCK_N": 8, "BLOCK_K": 512,
      "num_warps": 4, "num_stages": 1}, "down": {...}}
     {"path": "grouped", "BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
      "num_warps": 4, "num_stages": 3}, "down": {...}}
 
-Any shape, card or bucket no table covers, and any entry that does not fit the call (a decode entry past
-moe_decode.MAX_ROWS rows, a K tile that straddles a scale block), gets the heuristic default: never an
-error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
+Any shape, card or row count no table covers (past its largest key too), and any entry that does not fit
+the call (a decode entry past moe_decode.MAX_ROWS rows, a K tile that straddles a scale block), gets the
+heuristic default: never an error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
 compiles every variant (fused_moe.warmup_row_counts).
 """
 from __future__ import annotations
@@ -81,10 +81,11 @@ def rows_bucket(rows: int) -> int:
     return triton.next_power_of_2(max(1, rows))
 
 
-def table_entry(table: dict[int, dict], rows: int) -> tuple[int, dict]:
-    """The entry for the smallest bucket holding `rows`, else the largest bucket's."""
-    bucket = min((b for b in table if b >= rows), default=max(table))
-    return bucket, table[bucket]
+def table_entry(table: dict[int, dict], rows: int) -> dict | None:
+    """The entry of the smallest bucket holding `rows`; None past the largest (a sweep that stopped short
+    says nothing of larger batches, whose tiles differ most)."""
+    bucket = min((b for b in table if b >= rows), default=None)
+    return None if bucket is None else table[bucket]
 
 
 def default_config(bucket: int, num_experts: int, top_k: int, weight_bytes: int,
@@ -147,9 +148,8 @@ def moe_config(rows: int, num_experts: int, n: int, k: int, top_k: int, weight_d
 def _config(bucket: int, num_experts: int, n: int, k: int, top_k: int, weight_dtype: torch.dtype,
             act_dtype: torch.dtype, block: tuple[int, int] | None, device: torch.device) -> dict:
     table = load_table(table_path(device_key(device), num_experts, n, k, dtype_key(weight_dtype, block)))
-    cfg = None
-    if table:
-        _, cfg = table_entry(table, bucket)
+    cfg = table_entry(table, bucket) if table else None
+    if cfg is not None:
         if not usable(cfg, bucket, block):
             log.warning("fused_moe: the table entry for %d rows does not fit (%s); using the default", bucket, cfg)
             cfg = None
