@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from decode_layer_bench import Timer  # noqa: E402  (median of graph replays)
 from floor import measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fused_moe import fused_moe, route  # noqa: E402
@@ -103,37 +103,6 @@ class Layers:
         return fused_moe_reference(x, w13, w2, weights, ids, s13, s2, self.block)
 
 
-class Timer:
-    def __init__(self, cuda: bool, reps: int):
-        self.cuda, self.reps = cuda, reps
-
-    def us(self, fn) -> float:
-        """Median microseconds of fn(): captured once in a CUDA graph, replayed (on the CPU: one plain call,
-        whose time means nothing)."""
-        if not self.cuda:
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
-        fn()                                  # compile and warm up outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000)
-        del graph
-        return statistics.median(times)
-
-
 def routing(s: Shape, rows: int, layers: int, device, dtype, seed: int):
     """Per layer: x, router logits and route's (weights, ids)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -163,9 +132,10 @@ def measure_case(s: Shape, weights: Layers, rows: int, timer: Timer, rates: dict
     inputs = routing(s, rows, count, dev, dtype, seed=rows)
     x0, _, w0, ids0 = inputs[0]
     err = rel_err(weights.run(0, x0, w0, ids0), weights.reference(0, x0, w0, ids0))
-    kernels_us = timer.us(lambda: [weights.run(i, x, w, ids) for i, (x, _, w, ids) in enumerate(inputs)]) / count
-    routed_us = timer.us(lambda: [weights.run(i, x, *route(lg, s.top_k, True))
-                                  for i, (x, lg, _, _) in enumerate(inputs)]) / count
+    kernels_us = timer.us([lambda i=i, x=x, w=w, ids=ids: weights.run(i, x, w, ids)
+                           for i, (x, _, w, ids) in enumerate(inputs)])
+    routed_us = timer.us([lambda i=i, x=x, lg=lg: weights.run(i, x, *route(lg, s.top_k, True))
+                          for i, (x, lg, _, _) in enumerate(inputs)])
     distinct = sum(torch.unique(ids).numel() for *_, ids in inputs) / count
     act_bytes = 2 * rows * s.hidden * torch.tensor([], dtype=dtype).element_size()
     layer_bytes = distinct * weights.expert_bytes() + act_bytes

@@ -88,8 +88,8 @@ class Trial:
             if err > self.tol:
                 self.log.append({"config": cfg, "error": f"disagrees with the default: {err:.2e}"})
                 return float("inf")
-            us = self.timer.us(lambda: [self.weights.run(i, x, w, ids, cfg)
-                                        for i, (x, _, w, ids) in enumerate(self.inputs)]) / len(self.inputs)
+            us = self.timer.us([lambda i=i, x=x, w=w, ids=ids: self.weights.run(i, x, w, ids, cfg)
+                                for i, (x, _, w, ids) in enumerate(self.inputs)])
         except Exception as exc:      # a tile that does not compile or fit: not a candidate
             self.log.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             return float("inf")

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from llmserve_core.kernels.moe_gemm import moe_sum, weighted_sum
-from llmserve_core.kernels.silu_mul import gated_rows, silu_mul_halves
+from llmserve_core.kernels.silu_mul import column_block, silu_mul_halves
 
 MAX_ROWS = 16      # the dedup tile below is [T k, T k]; past this, the grouped GEMM sorts the pairs instead
 
@@ -107,11 +107,7 @@ def _moe_decode_kernel(a_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, tw_ptr, sum_ptr, c
     expert = _slot_expert(ids_ptr, tl.program_id(1), T * TOP_K, E, PP)
     if expert >= 0:
         chose, pair = _expert_rows(ids_ptr, expert, T, TOP_K, BLOCK_M, BLOCK_J)
-        if GATED:
-            cols, offs_n, n_mask = gated_rows(pid_n, N, BLOCK_N)
-        else:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < N
+        cols, offs_n, n_mask = column_block(pid_n, N, BLOCK_N, GATED)
         rows = pair if A_BY_PAIR else tl.arange(0, BLOCK_M)
         a_rows = a_ptr + rows.to(tl.int64) * stride_a
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * K

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve_core.kernels.silu_mul import gated_rows, silu_times
+from llmserve_core.kernels.silu_mul import column_block, silu_times
 
 NO_QUANT, PER_CHANNEL, PER_BLOCK = 0, 1, 2
 
@@ -47,11 +47,7 @@ def _moe_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_ex
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         m_mask = pairs < P
         rows = pairs if A_BY_PAIR else pairs // TOP_K
-        if GATED:
-            cols, offs_n, n_mask = gated_rows(pid_n, N, BLOCK_N)
-        else:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < N
+        cols, offs_n, n_mask = column_block(pid_n, N, BLOCK_N, GATED)
         rk = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_a
         w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * K

@@ -45,6 +45,19 @@ def gated_rows(pid, n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def column_block(pid, n, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """Program pid's weight rows [BLOCK_N] and their mask, and the output columns they make: gated_rows' over a
+    packed [gate | up] weight (GATED), else BLOCK_N rows in a row, each its own column."""
+    if GATED:
+        cols, offs_n, n_mask = gated_rows(pid, n, BLOCK_N)
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n
+        cols = offs_n
+    return cols, offs_n, n_mask
+
+
+@triton.jit
 def silu_mul_halves(acc):
     """[BLOCK_N, M] float32 products over gated_rows' rows -> [BLOCK_N / 2, M] SiLU(gate) * up."""
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1])), (1, 2, 0)))
