@@ -45,7 +45,7 @@ def moe_case(rows, num_experts, top_k, hidden, inter, dtype, seed, device=DEVICE
 
 
 def quantize_experts(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [quantize_per_channel(m) if block is None else quantize_per_block(m, block) for m in w.float().cpu()]
+    parts = [quantize_per_channel(m) if block is None else quantize_per_block(m, block) for m in w.float()]
     return torch.stack([q for q, _ in parts]).to(w.device), torch.stack([s for _, s in parts]).to(w.device)
 
 
