@@ -50,7 +50,7 @@ SMS = 132
 HOPPER = tuned.Device("NVIDIA_H100_80GB_HBM3", sms=SMS, smem=SMEM_LIMIT, capability=(9, 0))   # (= the H200 tables)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEAD_DIMS = (64, 128, 256)
-SETS = ("attention", "gemv", "fp8", "chain")
+SETS = ("attention", "gemv", "fp8", "chain", "moe")
 
 
 def compile_launch(fn: JITFunction, args: tuple, kwargs: dict):
@@ -278,6 +278,29 @@ def chain_variants():
     return out
 
 
+def moe_variants():
+    """The fused-MoE kernels at Qwen3-30B-A3B's shape (128 experts, top-8, hidden 2048, intermediate 768) on
+    the heuristic default tiles, bf16 and FP8 (per channel, 128 x 128 blocks): route; the decode path at one
+    row (CUDA cores) and 8 (tensor cores), its sum fused; the grouped path at 256 and 4,096 rows (the
+    alignment, both GEMMs, the activation quantization, the per-token sum)."""
+    from llmserve_core.kernels.fused_moe import fused_moe, route
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    out = [("moe route", lambda: route(torch.empty(8, experts, dtype=bf16), top_k, True), None)]
+    for kind, block in (("bf16", None), ("fp8 channel", None), ("fp8 block", (128, 128))):
+        wd = bf16 if kind == "bf16" else fp8
+        w13, w2 = torch.empty(experts, 2 * inter, hidden, dtype=wd), torch.empty(experts, hidden, inter, dtype=wd)
+        scales = {"bf16": (None, None), "fp8 channel": (torch.empty(experts, 2 * inter), torch.empty(experts, hidden)),
+                  "fp8 block": (torch.empty(experts, 12, 16), torch.empty(experts, 16, 6))}[kind]
+        for rows in (1, 8, 256, 4096):
+            x = torch.empty(rows, hidden, dtype=bf16)
+            weights, ids = torch.empty(rows, top_k), torch.zeros(rows, top_k, dtype=torch.int32)
+            out.append((f"moe {kind} rows {rows}", lambda x=x, w=weights, i=ids, w13=w13, w2=w2, s=scales, b=block:
+                        fused_moe(x, w13, w2, w, i, *s, b), None))
+    return out
+
+
 def ptxas_tool(name: str) -> str:
     import triton.backends.nvidia as nvidia
     return os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
@@ -362,7 +385,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     builders = {"attention": attention_variants, "gemv": gemv_variants, "fp8": fp8_variants,
-                "chain": chain_variants}
+                "chain": chain_variants, "moe": moe_variants}
     rows = []
     for name in args.sets.split(","):
         if name not in builders:

@@ -109,3 +109,21 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
     for variant in ("rmsnorm + residual, fp8 out, pdl", "rmsnorm + residual, fp8 out per token",
                     "silu_mul, fp8 out, pdl", "silu_mul, fp8 out per token"):
         assert all(r["stack_bytes"] == 0 for (v, _), r in rows.items() if v == variant), variant
+
+
+@pytest.mark.skipif(not _ptxas_present(), reason="needs Triton's NVIDIA backend and its ptxas")
+@pytest.mark.timeout(900)
+def test_fused_moe_kernels_compile_for_sm90_without_spilling(tmp_path):
+    """The fused-MoE kernels on their default tiles (decode at 1 and 8 rows, grouped at 256 and 4,096; bf16,
+    FP8 per channel and per block) compile for Hopper, fit its shared memory and keep everything in registers."""
+    out = tmp_path / "sm90_moe.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sm90_compile.py"), "--sets", "moe",
+                           "--check", "--json", str(out)], env=env, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    kernels = {r["kernel"] for r in report["rows"]}
+    assert {"_route_kernel", "_moe_decode_kernel", "_count_kernel", "_scan_kernel", "_place_kernel",
+            "_moe_gemm_kernel", "_moe_sum_kernel", "_quantize_rows_kernel"} <= kernels
+    assert all(r["stack_bytes"] == 0 for r in report["rows"]), [r for r in report["rows"] if r["stack_bytes"]]

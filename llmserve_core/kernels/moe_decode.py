@@ -57,8 +57,10 @@ def _rows_times_expert(a_rows, a_mask, w_rows, n_mask, s_rows, stride_sk, K, ROW
                        BLOCK_SCALED: tl.constexpr, SCALE_K: tl.constexpr, DOT: tl.constexpr,
                        DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N, BLOCK_M] float32: weight rows (pointers w_rows [BLOCK_N]) times input rows (a_rows [BLOCK_M]),
-    the weight widened to the input's dtype (FP8: times its scales, at s_rows [BLOCK_N])."""
+    the weight widened to the input's dtype (FP8: times its scales, at s_rows [BLOCK_N]). The next weight tile
+    is asked for before the current one is multiplied (stream_gemv's DEPTH 1): two tiles in flight a program."""
     rk = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows[:, None] + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     if DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -67,7 +69,8 @@ def _rows_times_expert(a_rows, a_mask, w_rows, n_mask, s_rows, stride_sk, K, ROW
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
-        w = tl.load(w_rows[:, None] + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        w_next = tl.load(w_rows[:, None] + (k + BLOCK_K)[None, :], mask=n_mask[:, None] & (k + BLOCK_K < K)[None, :],
+                         other=0.0)
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask[:, None] & (k < K)[None, :], other=0.0)
         if BLOCK_SCALED:
             s = tl.load(s_rows + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)
@@ -87,6 +90,7 @@ def _rows_times_expert(a_rows, a_mask, w_rows, n_mask, s_rows, stride_sk, K, ROW
                 lanes += wf * a.to(tl.float32)
             else:
                 acc += tl.sum(wf[:, None, :] * a.to(tl.float32)[None, :, :], 2)
+        w = w_next
     if not DOT and BLOCK_M == 1:
         acc = tl.reshape(tl.sum(lanes, 1), (BLOCK_N, 1))
     if ROW_SCALED:
@@ -201,13 +205,17 @@ def moe_decode(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, c
 
 
 def default_decode_config(rows: int, weight_bytes: int, block: tuple[int, int] | None) -> dict:
-    """Untuned tiles: one row on the CUDA cores, 8 weight rows x 512 columns a program (16-bit) as
-    stream_gemv reads a dense row, FP8 twice the rows for the same bytes; more rows as one 16-row
-    tensor-core tile against 32-row weight tiles. Block scales cap BLOCK_K at the block's K side."""
+    """Untuned tiles: one row on the CUDA cores in 4 KB weight tiles (16-bit: 8 rows x 256 columns over 4
+    warps, FP8 16 x 256 or, in 128-column scale blocks, 32 x 128 over 8), 16-32 float32 lanes a thread:
+    with the next tile in flight, 55-80 registers on sm_90 (benchmarks/sm90_compile.py --sets moe), so 4-8
+    programs share a multiprocessor with 32-64 KB of weight in flight; more rows as one 16-row tensor-core
+    tile against 32-row weight tiles. Block scales cap BLOCK_K at the block's K side."""
     if rows > 1:
         tile = dict(DOT=True, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=1)
     else:
-        tile = dict(DOT=False, BLOCK_N=8 if weight_bytes >= 2 else 16, BLOCK_K=512, num_warps=4, num_stages=1)
+        block_k = 256 if block is None else min(256, block[1])
+        tile = dict(DOT=False, BLOCK_N=4096 // (weight_bytes * block_k), BLOCK_K=block_k,
+                    num_warps=4 if weight_bytes >= 2 else 8, num_stages=1)
     if block is not None:
         tile["BLOCK_K"] = min(tile["BLOCK_K"], block[1])
     return {"path": "decode", "gate_up": dict(tile), "down": dict(tile), "FUSED_SUM": True}
