@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from moe_bench import KINDS, QWEN3_30B_A3B, SMOKE, Layers, Shape, Timer, rel_err, routing  # noqa: E402
 from llmserve_core.kernels import moe_configs  # noqa: E402
-from llmserve_core.kernels.moe_decode import MAX_ROWS as DECODE_MAX_ROWS  # noqa: E402
+from llmserve_core.kernels.moe_decode import fits as decode_fits  # noqa: E402
 
 PRIORITY = (1, 8, 64, 256, 4096, 2, 4, 16, 32, 128, 512, 1024, 2048, 8192)
 
@@ -119,7 +119,7 @@ def tune_bucket(weights: Layers, rows: int, timer: Timer, tol: float, deadline: 
     default_us = trial.time(default)
     best, best_us = default, default_us
     starts = []
-    if rows <= DECODE_MAX_ROWS:
+    if decode_fits(rows, s.top_k):
         starts.append((moe_configs.default_decode_config(rows, weight_bytes, block),
                        decode_tiles(rows, weight_bytes == 1, block)))
     for block_m in block_ms(rows, s, block is not None) if rows > 1 else []:

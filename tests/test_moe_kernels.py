@@ -257,10 +257,12 @@ def test_tables_are_read_by_rows_bucket_with_the_default_elsewhere(tmp_path, mon
 
 
 def test_a_table_entry_that_does_not_fit_the_call_falls_back():
-    assert not moe_configs.usable(decode_cfg(True), 32, None)                 # decode past its row limit
-    assert not moe_configs.usable(grouped_cfg(16, 32, 256), 64, (128, 128))   # K tile straddles a scale block
-    assert not moe_configs.usable(grouped_cfg(16, 33), 64, None)              # gate and up rows unpaired
-    assert moe_configs.usable(grouped_cfg(), 64, (128, 128))
+    assert not moe_configs.usable(decode_cfg(True), 32, 2, None)                 # decode past its row limit
+    assert not moe_configs.usable(decode_cfg(True), 16, 16, None)                # or its pairs' dedup tile
+    assert moe_configs.default_config(8, 128, 32, 2, None)["path"] == "grouped"
+    assert not moe_configs.usable(grouped_cfg(16, 32, 256), 64, 2, (128, 128))   # K tile straddles a scale block
+    assert not moe_configs.usable(grouped_cfg(16, 33), 64, 2, None)              # gate and up rows unpaired
+    assert moe_configs.usable(grouped_cfg(), 64, 2, (128, 128))
 
 
 def test_warmup_row_counts_meet_every_bucket():

@@ -20,7 +20,8 @@ from llmserve_core.kernels.fp8_format import FP8
 from llmserve_core.kernels.fp8_quant import quantize_activation
 from llmserve_core.kernels.moe_align import align, route
 from llmserve_core.kernels.moe_configs import moe_config, rows_bucket
-from llmserve_core.kernels.moe_decode import moe_decode
+from llmserve_core.kernels.moe_decode import MAX_PAIRS, moe_decode
+from llmserve_core.kernels.moe_decode import fits as decode_fits
 from llmserve_core.kernels.moe_gemm import moe_gemm, moe_sum
 
 __all__ = ["route", "fused_moe", "warmup_row_counts", "warm_up"]
@@ -74,6 +75,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = config or moe_config(rows, w13.shape[0], w13.shape[1], w13.shape[2], top_k, w13.dtype, x.dtype, block,
                                x.device)
     if cfg["path"] == "decode":
+        if not decode_fits(rows, top_k):
+            raise ValueError(f"fused_moe: the decode path takes up to {MAX_PAIRS} pairs' dedup tile, not "
+                             f"{rows} rows x top-{top_k}")
         return moe_decode(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, cfg, out)
     return _grouped(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, cfg, out)
 

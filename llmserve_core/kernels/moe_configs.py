@@ -11,7 +11,7 @@ for 64 serves 33..64 rows, or every count above the next smaller key), each nami
      "num_warps": 4, "num_stages": 3}, "down": {...}}
 
 Any shape, card or row count no table covers (past its largest key too), and any entry that does not fit
-the call (a decode entry past moe_decode.MAX_ROWS rows, a K tile that straddles a scale block), gets the
+the call (a decode entry past what moe_decode.fits, a K tile that straddles a scale block), gets the
 heuristic default: never an error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
 compiles every variant (fused_moe.warmup_row_counts).
 """
@@ -26,8 +26,8 @@ import torch
 import triton
 
 from llmserve_core.kernels.fp8_format import FP8
-from llmserve_core.kernels.moe_decode import MAX_ROWS as DECODE_MAX_ROWS
 from llmserve_core.kernels.moe_decode import default_decode_config
+from llmserve_core.kernels.moe_decode import fits as decode_fits
 
 log = logging.getLogger("llmserve.kernels")
 
@@ -94,7 +94,7 @@ def default_config(bucket: int, num_experts: int, top_k: int, weight_bytes: int,
     row blocks sized to the rows each expert gets on average (16 to 64: FP8 block scales spill at 128),
     with vLLM's style of tiles (untuned here). Block scales keep a scaled partial product beside the
     accumulator: a 64 x 128 tile took 248 registers over 4 warps on sm_90, so they get 8."""
-    if bucket <= DECODE_ROWS:
+    if bucket <= DECODE_ROWS and decode_fits(bucket, top_k):
         return default_decode_config(bucket, weight_bytes, block)
     per_expert = bucket * top_k / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
@@ -106,13 +106,13 @@ def default_config(bucket: int, num_experts: int, top_k: int, weight_bytes: int,
     return {"path": "grouped", "BLOCK_M": block_m, "gate_up": dict(tile), "down": dict(tile)}
 
 
-def usable(cfg: dict, rows: int, block: tuple[int, int] | None) -> bool:
+def usable(cfg: dict, rows: int, top_k: int, block: tuple[int, int] | None) -> bool:
     """Whether a table entry fits a call of `rows` rows: a known path with every tile key, a decode entry
-    only up to DECODE_MAX_ROWS, even column tiles (gate_up pairs gate and up rows), K tiles inside a
+    only where moe_decode.fits, even column tiles (gate_up pairs gate and up rows), K tiles inside a
     scale block."""
     try:
         keys = DECODE_KEYS if cfg["path"] == "decode" else GROUPED_KEYS
-        if cfg["path"] not in ("decode", "grouped") or (cfg["path"] == "decode" and rows > DECODE_MAX_ROWS):
+        if cfg["path"] not in ("decode", "grouped") or (cfg["path"] == "decode" and not decode_fits(rows, top_k)):
             return False
         if cfg["path"] == "grouped" and cfg["BLOCK_M"] not in (16, 32, 64, 128):
             return False
@@ -152,7 +152,7 @@ def _config(bucket: int, num_experts: int, n: int, k: int, top_k: int, weight_dt
     table = load_table(table_path(device_key(device), num_experts, n, k, dtype_key(weight_dtype, block)))
     cfg = table_entry(table, bucket) if table else None
     if cfg is not None:
-        if not usable(cfg, bucket, block):
+        if not usable(cfg, bucket, top_k, block):
             log.warning("fused_moe: the table entry for %d rows does not fit (%s); using the default", bucket, cfg)
             cfg = None
     weight_bytes = torch.tensor([], dtype=weight_dtype).element_size()

@@ -27,7 +27,13 @@ import triton.language as tl
 from llmserve_core.kernels.moe_gemm import moe_sum, weighted_sum
 from llmserve_core.kernels.silu_mul import column_block, silu_mul_halves
 
-MAX_ROWS = 16      # the dedup tile below is [T k, T k]; past this, the grouped GEMM sorts the pairs instead
+MAX_ROWS = 16      # the dedup tile below is [T k, T k]: up to MAX_PAIRS square (64 registers a thread over 4
+MAX_PAIRS = 128    # warps); past it, the grouped GEMM sorts the pairs instead
+
+
+def fits(rows: int, top_k: int) -> bool:
+    """Whether the decode path takes `rows` rows of top_k pairs each."""
+    return rows <= MAX_ROWS and triton.next_power_of_2(triton.next_power_of_2(rows) * top_k) <= MAX_PAIRS
 
 
 @triton.jit
