@@ -7,16 +7,21 @@ for: the heuristic default first, then on the decode path (up to 16 rows) its ti
 (coordinate descent: each candidate compiles one kernel), and the fused or separate sum; on the grouped
 path each row block that suits the bucket, with gate_up's then down's tiles. A candidate counts only if its
 output matches the default's within the kind's tolerance. Buckets run in priority order (the bench's row
-counts first) until --budget seconds are spent; untried buckets are left out of the table, whose lookup
-then gives them the next larger bucket's entry (or, past the largest, the default).
+counts first) until --budget seconds are spent; untried buckets are left out of the table, where the lookup
+gives them the default.
 
-    python benchmarks/moe_tune.py --kinds bf16 --budget 500 --out $OUT/tune     # one kind per device call
+The table is written to OUT/configs/fused_moe/device=<card>.json, starting from the tree's own table for
+the card, so that copying it back into llmserve_core/kernels/configs/fused_moe/ after each call (one kind
+per call fits a 10-minute device call) keeps what earlier calls found.
+
+    python benchmarks/moe_tune.py --kinds bf16 --budget 500 --out $OUT/tune
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -183,12 +188,16 @@ def main(argv=None) -> int:
             report.append(info)
             print(f"{kind:<12}{rows:>6} rows: default {info['default_us']:9.1f} us, best {info['best_us']:9.1f} us "
                   f"({best['path']}, {info['tried']} tried)", flush=True)
-        name = moe_configs.dtype_key(weights.layers[0][0].dtype, weights.block)
-        dev_name = moe_configs.device_key(device)
-        path = moe_configs.table_path(dev_name, s.experts, 2 * s.inter, s.hidden, name,
-                                      Path(args.out) / "configs" / "fused_moe")
-        moe_configs.write_table(path, entries, {"card": dev_name, "commit": commit(), "tool": "moe_tune.py",
-                                                      "layers": args.layers, "seconds": time.time() - t_start})
+        dtype = moe_configs.dtype_key(weights.layers[0][0].dtype, weights.block)
+        keys = {moe_configs.shape_key(s.experts, 2 * s.inter, s.hidden, rows, dtype): cfg for rows, cfg in entries.items()}
+        out_dir = Path(args.out) / "configs" / "fused_moe"
+        seed = moe_configs.table_path(moe_configs.device_key(device))
+        if seed.is_file() and not moe_configs.table_path(moe_configs.device_key(device), out_dir).is_file():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(seed, out_dir)        # the tree's entries for this card, kept
+        path = moe_configs.write_table(moe_configs.device_key(device), keys,
+                                       f"benchmarks/moe_tune.py --kinds {kind} --layers {args.layers} at {commit()}",
+                                       out_dir)
         with open(os.path.join(args.out, f"tune_{kind}.json"), "w") as f:
             json.dump(report, f, indent=1)
         summary.append((kind, path, sorted(entries)))

@@ -40,15 +40,15 @@ def test_tune_smoke_run_writes_a_table_the_lookup_uses(tmp_path, monkeypatch):
     load("moe_bench", monkeypatch)
     tune = load("moe_tune", monkeypatch)
     assert tune.main(["--smoke", "--kinds", "bf16", "--rows", "1", "--budget", "15", "--out", str(tmp_path)]) == 0
-    path = moe_configs.table_path("cpu", 8, 64, 64, "fp32", tmp_path / "configs" / "fused_moe")
-    table = moe_configs.load_table(path)
-    assert list(table) == [1] and moe_configs.usable(table[1], 1, 2, None)
+    table = moe_configs.load_table(moe_configs.table_path("cpu", tmp_path / "configs" / "fused_moe"))
+    key = moe_configs.shape_key(8, 64, 64, 1, "fp32")
+    assert list(table) == [key] and moe_configs.usable(table[key], 1, 2, None)
     assert json.loads((tmp_path / "tune_bf16.json").read_text())[0]["tried"] >= 2
     monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path / "configs" / "fused_moe")
     moe_configs._config.cache_clear()
     try:
         cfg = moe_configs.moe_config(1, 8, 64, 64, 2, torch.float32, torch.float32, None, torch.device("cpu"))
-        assert cfg == table[1]
+        assert cfg == table[key]
     finally:
         moe_configs._config.cache_clear()
         moe_configs.load_table.cache_clear()

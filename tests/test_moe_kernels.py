@@ -230,27 +230,31 @@ def test_fp8_experts_match_the_dequantized_reference(path, block):
 
 def test_tables_are_read_by_rows_bucket_with_the_default_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
-    moe_configs._config.cache_clear()
-    entry = grouped_cfg(32, 64, 64, 4)
-    path = moe_configs.table_path("cpu", 8, 64, 32, "fp32", tmp_path)
-    moe_configs.write_table(path, {4: decode_cfg(True), 64: entry, 512: {"path": "nonsense"}}, {"card": "test"})
-    assert json.loads(path.read_text())["source"] == {"card": "test"}
-    moe_configs.load_table.cache_clear()
+    entry, decode = grouped_cfg(32, 64, 64, 4), decode_cfg(True)
 
-    def config(rows):
-        return moe_configs.moe_config(rows, 8, 64, 32, 2, torch.float32, torch.float32, None, torch.device("cpu"))
+    def key(rows, experts=8):
+        return moe_configs.shape_key(experts, 64, 32, rows, "fp32")
+
+    def config(rows, experts=8):
+        return moe_configs.moe_config(rows, experts, 64, 32, 2, torch.float32, torch.float32, None,
+                                      torch.device("cpu"))
+
+    def default(bucket, experts=8):
+        return moe_configs.default_config(bucket, experts, 2, 4, None)
     try:
-        assert config(3) == decode_cfg(True)                 # 3 rows: the 4-row bucket
-        assert config(33) == entry and config(64) == entry   # 33..64 rows: the 64-row bucket
-        assert config(400) == moe_configs.default_config(512, 8, 2, 4, None)   # unusable entry: the default
-        assert config(1000) == moe_configs.default_config(1024, 8, 2, 4, None)  # past the table: the default
-        assert config(2) == decode_cfg(True)
-        other = moe_configs.moe_config(3, 16, 64, 32, 2, torch.float32, torch.float32, None, torch.device("cpu"))
-        assert other == moe_configs.default_config(4, 16, 2, 4, None)        # no table for E=16
+        path = moe_configs.write_table("cpu", {key(4): decode, key(512): {"path": "nonsense"}}, "first sweep")
+        moe_configs.write_table("cpu", {key(64): entry}, "second sweep")          # merged into the file
+        body = json.loads(path.read_text())
+        assert body["keys"] == ["E", "N", "K", "rows", "dtype"] and body["sources"] == ["first sweep", "second sweep"]
+        assert config(3) == decode                               # 3 rows: the 4-row bucket
+        assert config(33) == entry and config(64) == entry       # 33..64 rows: the 64-row bucket
+        assert config(2) == default(2) and config(1000) == default(1024)     # buckets the table does not name
+        assert config(400) == default(512)                       # an unusable entry: the default
+        assert config(3, experts=16) == default(4, experts=16)   # another shape
         path.write_text("{not json")
         moe_configs.load_table.cache_clear()
         moe_configs._config.cache_clear()
-        assert config(3) == moe_configs.default_config(4, 8, 2, 4, None)      # unreadable: the default, no error
+        assert config(3) == default(4)                           # unreadable: the default, no error
     finally:
         moe_configs.load_table.cache_clear()
         moe_configs._config.cache_clear()

@@ -1,24 +1,26 @@
 """Tile configs of the fused-MoE kernels, kept as data.
 
-One JSON file per card, expert count, gate_up weight shape [N = 2I, K = H] and weight dtype, under
-kernels/configs/fused_moe/ (`E=128,N=1536,K=2048,device=NVIDIA_H100_80GB_HBM3,dtype=bf16.json`), written by
-benchmarks/moe_tune.py through `write_table`. Inside, one entry per rows bucket (a power of two: the entry
-for 64 serves 33..64 rows, or every count above the next smaller key), each naming the path and its tiles:
+One JSON table per card, kernels/configs/fused_moe/device=<card>.json (`device=NVIDIA_H100_80GB_HBM3.json`),
+in the layout of the project's other kernel tables (kernel, device, keys, sources, configs), written by
+benchmarks/moe_tune.py through `write_table`. An entry's shape key names the expert count, the gate_up
+weight [N = 2I, K = H], the rows bucket (a power of two: rows=64 serves 33..64 rows) and the weights'
+dtype (bf16, fp16, fp32, fp8_w8a8 for per-channel scales, fp8_w8a8_128x128 for block scales):
 
-    {"path": "decode", "FUSED_SUM": true, "gate_up": {"DOT": false, "BLOCK_N": 8, "BLOCK_K": 512,
-     "num_warps": 4, "num_stages": 1}, "down": {...}}
-    {"path": "grouped", "BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
-     "num_warps": 4, "num_stages": 3}, "down": {...}}
+    "E=128,N=1536,K=2048,rows=1,dtype=bf16": {"path": "decode", "FUSED_SUM": true,
+        "gate_up": {"DOT": false, "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}, "down": {...}}
+    "E=128,N=1536,K=2048,rows=4096,dtype=bf16": {"path": "grouped", "BLOCK_M": 64,
+        "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}, "down": {...}}
 
-Any shape, card or row count no table covers (past its largest key too), and any entry that does not fit
-the call (a decode entry past what moe_decode.fits, a K tile that straddles a scale block), gets the
-heuristic default: never an error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
+A card, shape or bucket the table does not name, and an entry that does not fit the call (a decode entry
+past what moe_decode.fits, a K tile that straddles a scale block), gets the heuristic default: never an
+error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
 compiles every variant (fused_moe.warmup_row_counts).
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from llmserve_core.kernels.moe_decode import fits as decode_fits
 log = logging.getLogger("llmserve.kernels")
 
 CONFIG_DIR = Path(__file__).parent / "configs" / "fused_moe"
+KEYS = ("E", "N", "K", "rows", "dtype")
 DECODE_ROWS = 8          # the heuristic's decode path: up to this many rows; the tables may take it to MAX_ROWS
 DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 GROUPED_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -39,53 +42,70 @@ DECODE_KEYS = ("DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 def dtype_key(weight_dtype: torch.dtype, block: tuple[int, int] | None) -> str:
-    """The table's dtype field: bf16 / fp16 / fp32, fp8_w8a8 (per-channel scales), fp8_w8a8_block128x128."""
+    """The table's dtype field: bf16 / fp16 / fp32, fp8_w8a8 (per-channel scales), fp8_w8a8_128x128 (blocks)."""
     if weight_dtype == FP8:
-        return "fp8_w8a8" if block is None else f"fp8_w8a8_block{block[0]}x{block[1]}"
+        return "fp8_w8a8" if block is None else f"fp8_w8a8_{block[0]}x{block[1]}"
     return DTYPE_KEYS[weight_dtype]
 
 
+def device_name(name: str) -> str:
+    """A card's name as the tables' file names spell it: each run of characters other than letters, digits,
+    '.' and '-' one '_' ("NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3")."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_")
+
+
 def device_key(device: torch.device) -> str:
-    """The card's name as the tables spell it (spaces as underscores); 'cpu' off CUDA."""
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    """The table name of a torch device: 'cpu' off CUDA."""
+    return device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
 
 
-def table_path(device_name: str, num_experts: int, n: int, k: int, dtype: str, root: Path | None = None) -> Path:
-    return (root or CONFIG_DIR) / f"E={num_experts},N={n},K={k},device={device_name},dtype={dtype}.json"
+def table_path(device: str, directory: Path | None = None) -> Path:
+    return Path(directory or CONFIG_DIR) / f"device={device_name(device)}.json"
+
+
+def shape_key(num_experts: int, n: int, k: int, bucket: int, dtype: str) -> str:
+    return f"E={num_experts},N={n},K={k},rows={bucket},dtype={dtype}"
 
 
 @lru_cache(maxsize=None)
-def load_table(path: Path) -> dict[int, dict] | None:
-    """A table's entries by rows bucket, or None where there is no file (or it cannot be read: logged)."""
+def load_table(path: Path) -> dict[str, dict] | None:
+    """A table's configs by shape key, or None where there is no file (or it cannot be read: logged)."""
     if not path.is_file():
         return None
     try:
-        rows = json.loads(path.read_text())["rows"]
-        return {int(bucket): dict(entry) for bucket, entry in rows.items()}
+        table = json.loads(path.read_text())
+        if tuple(table["keys"]) != KEYS:
+            raise ValueError(f"keyed by {table['keys']}, not {list(KEYS)}")
+        return {key: dict(entry) for key, entry in table["configs"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("fused_moe: ignoring the unreadable tile table %s (%s)", path, exc)
         return None
 
 
-def write_table(path: Path, entries: dict[int, dict], source: dict) -> Path:
-    """Write a table: entries by rows bucket, and where they came from (card, commit, command, times)."""
+def write_table(device: str, entries: dict[str, dict], source: str, directory: Path | None = None) -> Path:
+    """Merge entries (shape key -> config) into the card's table under `directory` (default CONFIG_DIR), one
+    entry a line, sorted; `source` (the command or result file that measured them) joins its sources."""
+    path = table_path(device, directory)
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    configs = {**old.get("configs", {}), **entries}
+    sources = [*old.get("sources", []), *([source] if source not in old.get("sources", []) else [])]
+    head = {"kernel": "fused_moe", "device": device_name(device), "keys": list(KEYS), "sources": sources}
+    lines = [f"    {json.dumps(key)}: {json.dumps(configs[key])}" for key in sorted(configs, key=_key_order)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"source": source, "rows": {str(b): entries[b] for b in sorted(entries)}}
-    path.write_text(json.dumps(body, indent=1, sort_keys=False) + "\n")
+    path.write_text("{\n" + "".join(f"  {json.dumps(k)}: {json.dumps(v)},\n" for k, v in head.items())
+                    + '  "configs": {\n' + ",\n".join(lines) + "\n  }\n}\n")
+    load_table.cache_clear()
+    _config.cache_clear()
     return path
+
+
+def _key_order(key: str) -> tuple:
+    """Shape keys field by field, numbers as numbers."""
+    return tuple((0, int(v), "") if v.isdigit() else (1, 0, v) for v in (f.split("=", 1)[1] for f in key.split(",")))
 
 
 def rows_bucket(rows: int) -> int:
     return triton.next_power_of_2(max(1, rows))
-
-
-def table_entry(table: dict[int, dict], rows: int) -> dict | None:
-    """The entry of the smallest bucket holding `rows`; None past the largest (a sweep that stopped short
-    says nothing of larger batches, whose tiles differ most)."""
-    bucket = min((b for b in table if b >= rows), default=None)
-    return None if bucket is None else table[bucket]
 
 
 def default_config(bucket: int, num_experts: int, top_k: int, weight_bytes: int,
@@ -149,8 +169,8 @@ def moe_config(rows: int, num_experts: int, n: int, k: int, top_k: int, weight_d
 @lru_cache(maxsize=None)
 def _config(bucket: int, num_experts: int, n: int, k: int, top_k: int, weight_dtype: torch.dtype,
             act_dtype: torch.dtype, block: tuple[int, int] | None, device: torch.device) -> dict:
-    table = load_table(table_path(device_key(device), num_experts, n, k, dtype_key(weight_dtype, block)))
-    cfg = table_entry(table, bucket) if table else None
+    table = load_table(table_path(device_key(device))) or {}
+    cfg = table.get(shape_key(num_experts, n, k, bucket, dtype_key(weight_dtype, block)))
     if cfg is not None:
         if not usable(cfg, bucket, top_k, block):
             log.warning("fused_moe: the table entry for %d rows does not fit (%s); using the default", bucket, cfg)
