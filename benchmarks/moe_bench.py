@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from decode_layer_bench import Timer  # noqa: E402  (median of graph replays)
 from floor import measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
+from peer_compare import commit_of  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
 from llmserve_core.kernels.fused_moe import fused_moe, route  # noqa: E402
 from llmserve_core.kernels.moe_configs import moe_config  # noqa: E402
@@ -179,11 +180,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=150.0, help="seconds: start no new case after this")
     ap.add_argument("--tune", action="store_true", help="run benchmarks/moe_tune.py's sweep instead")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    ap.add_argument("--commit", default=None, help="the tree's commit (default: .commit, else git)")
     args, rest = ap.parse_known_args(argv)
+    args.commit = args.commit or commit_of(ROOT)
     if args.tune:
         import moe_tune
         return moe_tune.main(["--out", args.out, "--kinds", args.kinds, "--budget", str(args.budget),
-                              "--layers", str(args.layers), *(["--rows", args.rows] if args.rows else []),
+                              "--layers", str(args.layers), "--commit", args.commit,
+                              *(["--rows", args.rows] if args.rows else []),
                               *(["--smoke"] if args.smoke else []), *rest])
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -202,7 +206,7 @@ def main(argv=None) -> int:
     timer = Timer(cuda, reps=20)
     result = {"meta": {"gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
                        "torch": torch.__version__, "python": platform.python_version(), "shape": asdict(s),
-                       "layers_per_graph": layers, "rates": rates, "commit": os.environ.get("COMMIT", "")},
+                       "layers_per_graph": layers, "rates": rates, "commit": args.commit},
               "cases": [], "skipped": []}
     for kind in args.kinds.split(","):
         if time.time() - t_start > args.budget:

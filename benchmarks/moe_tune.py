@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from peer_compare import commit_of  # noqa: E402
 from moe_bench import KINDS, QWEN3_30B_A3B, SMOKE, Layers, Shape, Timer, rel_err, routing  # noqa: E402
 from llmserve_core.kernels import moe_configs  # noqa: E402
 from llmserve_core.kernels.moe_decode import fits as decode_fits  # noqa: E402
@@ -144,14 +144,6 @@ def tune_bucket(weights: Layers, rows: int, timer: Timer, tol: float, deadline: 
                   "tried": len(trial.log), "log": trial.log}
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or os.environ.get("COMMIT", "")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("COMMIT", "")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory: configs/fused_moe/*.json and tune_<kind>.json")
@@ -161,7 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="layers of distinct weights per timed graph")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds for the whole sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    ap.add_argument("--commit", default=None, help="the tree's commit (default: .commit, else git)")
     args = ap.parse_args(argv)
+    args.commit = args.commit or commit_of(ROOT)
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -196,7 +190,7 @@ def main(argv=None) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
             shutil.copy(seed, out_dir)        # the tree's entries for this card, kept
         path = moe_configs.write_table(moe_configs.device_key(device), keys,
-                                       f"benchmarks/moe_tune.py --kinds {kind} --layers {args.layers} at {commit()}",
+                                       f"benchmarks/moe_tune.py --kinds {kind} --layers {args.layers} at {args.commit}",
                                        out_dir)
         with open(os.path.join(args.out, f"tune_{kind}.json"), "w") as f:
             json.dump(report, f, indent=1)
