@@ -35,7 +35,7 @@ log = logging.getLogger("llmserve.kernels")
 
 CONFIG_DIR = Path(__file__).parent / "configs" / "fused_moe"
 KEYS = ("E", "N", "K", "rows", "dtype")
-DECODE_ROWS = 8          # the heuristic's decode path: up to this many rows; the tables may take it to MAX_ROWS
+DECODE_ROWS = 8          # the heuristic's decode path: up to this many rows; a table may take it to moe_decode.MAX_ROWS
 DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 GROUPED_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DECODE_KEYS = ("DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
