@@ -39,8 +39,7 @@ from decode_layer_bench import Timer  # noqa: E402  (median of graph replays)
 from floor import measure_bf16_peak, measure_copy_bandwidth  # noqa: E402
 from peer_compare import commit_of  # noqa: E402
 from llmserve_core.kernels.fp8_format import quantize_per_block, quantize_per_channel  # noqa: E402
-from llmserve_core.kernels.fused_moe import fused_moe, route  # noqa: E402
-from llmserve_core.kernels.moe_configs import moe_config  # noqa: E402
+from llmserve_core.kernels.fused_moe import fused_moe, moe_config, route  # noqa: E402
 from llmserve_core.kernels.moe_reference import fused_moe_reference  # noqa: E402
 
 KINDS = {"bf16": None, "fp8_channel": "channel", "fp8_block": (128, 128)}

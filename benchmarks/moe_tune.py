@@ -1,5 +1,5 @@
 """Sweep the fused-MoE kernels' tiles on a GPU and write the best per rows bucket as JSON tables
-(kernels/moe_configs.py's format), for llmserve_core/kernels/configs/fused_moe/.
+(kernels/tuned.py's fused_moe family), for llmserve_core/kernels/configs/fused_moe/.
 
 Per kind (bf16, fp8_channel, fp8_block) and rows bucket (a power of two; each timed at the bucket's top),
 fused_moe runs over `--layers` layers' weights in one CUDA graph (moe_bench's timer, routing and weights),
@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from peer_compare import commit_of  # noqa: E402
 from moe_bench import KINDS, QWEN3_30B_A3B, SMOKE, Layers, Shape, Timer, rel_err, routing  # noqa: E402
-from llmserve_core.kernels import moe_configs  # noqa: E402
+from llmserve_core.kernels import fused_moe, tuned  # noqa: E402
+from llmserve_core.kernels.moe_decode import default_decode_config  # noqa: E402
 from llmserve_core.kernels.moe_decode import fits as decode_fits  # noqa: E402
 
 PRIORITY = (1, 8, 64, 256, 4096, 2, 4, 16, 32, 128, 512, 1024, 2048, 8192)
@@ -120,12 +121,12 @@ def tune_bucket(weights: Layers, rows: int, timer: Timer, tol: float, deadline: 
     s, block = weights.s, weights.block
     weight_bytes = 2 if weights.kind == "bf16" else 1
     trial = Trial(weights, rows, timer, tol, deadline)
-    default = moe_configs.default_config(rows, s.experts, s.top_k, weight_bytes, block)
+    default = fused_moe.default_config(rows, s.experts, weight_bytes, block, s.top_k)
     default_us = trial.time(default)
     best, best_us = default, default_us
     starts = []
     if decode_fits(rows, s.top_k):
-        starts.append((moe_configs.default_decode_config(rows, weight_bytes, block),
+        starts.append((default_decode_config(rows, weight_bytes, block),
                        decode_tiles(rows, weight_bytes == 1, block)))
     for block_m in block_ms(rows, s, block is not None) if rows > 1 else []:
         tiles = grouped_tiles(weight_bytes == 1, block)
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     s = QWEN3_30B_A3B if not args.smoke else SMOKE
     kinds = args.kinds.split(",")
     rows = args.rows or ("1,8" if args.smoke else ",".join(map(str, PRIORITY)))
-    buckets = list(dict.fromkeys(moe_configs.rows_bucket(int(r)) for r in rows.split(",")))
+    buckets = list(dict.fromkeys(fused_moe.rows_bucket(int(r)) for r in rows.split(",")))
     timer = Timer(cuda, reps=10)
     summary = []
     for n, kind in enumerate(kinds):
@@ -182,16 +183,18 @@ def main(argv=None) -> int:
             report.append(info)
             print(f"{kind:<12}{rows:>6} rows: default {info['default_us']:9.1f} us, best {info['best_us']:9.1f} us "
                   f"({best['path']}, {info['tried']} tried)", flush=True)
-        dtype = moe_configs.dtype_key(weights.layers[0][0].dtype, weights.block)
-        keys = {moe_configs.shape_key(s.experts, 2 * s.inter, s.hidden, rows, dtype): cfg for rows, cfg in entries.items()}
-        out_dir = Path(args.out) / "configs" / "fused_moe"
-        seed = moe_configs.table_path(moe_configs.device_key(device))
-        if seed.is_file() and not moe_configs.table_path(moe_configs.device_key(device), out_dir).is_file():
-            out_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy(seed, out_dir)        # the tree's entries for this card, kept
-        path = moe_configs.write_table(moe_configs.device_key(device), keys,
-                                       f"benchmarks/moe_tune.py --kinds {kind} --layers {args.layers} at {args.commit}",
-                                       out_dir)
+        table_dtype = fused_moe.dtype_key(weights.layers[0][0].dtype, weights.block)
+        shapes = [(dict(E=s.experts, N=2 * s.inter, K=s.hidden, rows=rows, dtype=table_dtype), cfg)
+                  for rows, cfg in entries.items()]
+        card = tuned.device_spec(device).name
+        out_dir = Path(args.out) / "configs"
+        seed = tuned.config_path("fused_moe", card)
+        if seed.is_file() and not tuned.config_path("fused_moe", card, out_dir).is_file():
+            tuned.config_path("fused_moe", card, out_dir).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(seed, tuned.config_path("fused_moe", card, out_dir))   # the tree's entries for this card, kept
+        path = tuned.write_configs("fused_moe", card, shapes,
+                                   f"benchmarks/moe_tune.py --kinds {kind} --layers {args.layers} at {args.commit}",
+                                   out_dir)
         with open(os.path.join(args.out, f"tune_{kind}.json"), "w") as f:
             json.dump(report, f, indent=1)
         summary.append((kind, path, sorted(entries)))

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from llmserve_core.kernels import moe_configs
+from llmserve_core.kernels import fused_moe, tuned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,15 +40,14 @@ def test_tune_smoke_run_writes_a_table_the_lookup_uses(tmp_path, monkeypatch):
     load("moe_bench", monkeypatch)
     tune = load("moe_tune", monkeypatch)
     assert tune.main(["--smoke", "--kinds", "bf16", "--rows", "1", "--budget", "15", "--out", str(tmp_path)]) == 0
-    table = moe_configs.load_table(moe_configs.table_path("cpu", tmp_path / "configs" / "fused_moe"))
-    key = moe_configs.shape_key(8, 64, 64, 1, "fp32")
-    assert list(table) == [key] and moe_configs.usable(table[key], 1, 2, None)
+    table = json.loads(tuned.config_path("fused_moe", "cpu", tmp_path / "configs").read_text())
+    key = "E=8,N=64,K=64,rows=1,dtype=fp32"
+    assert list(table["configs"]) == [key] and fused_moe.usable(table["configs"][key], 1, 2, None)
     assert json.loads((tmp_path / "tune_bf16.json").read_text())[0]["tried"] >= 2
-    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path / "configs" / "fused_moe")
-    moe_configs._config.cache_clear()
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path / "configs")
+    tuned.clear_cache()
     try:
-        cfg = moe_configs.moe_config(1, 8, 64, 64, 2, torch.float32, torch.float32, None, torch.device("cpu"))
-        assert cfg == table[key]
+        cfg = fused_moe.moe_config(1, 8, 64, 64, 2, torch.float32, torch.float32, None, torch.device("cpu"))
+        assert cfg == table["configs"][key]
     finally:
-        moe_configs._config.cache_clear()
-        moe_configs.load_table.cache_clear()
+        tuned.clear_cache()

@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import llmserve_core.kernels  # noqa: F401  (chooses the interpreter on CPU before any kernel is built)
-from llmserve_core.kernels import moe_configs
+from helpers.kernels import rel_err
+from helpers.tuned import CARD, fake_card  # noqa: F401  (the fixture)
+from llmserve_core.kernels import fused_moe as fused_moe_module
+from llmserve_core.kernels import tuned
 from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel
 from llmserve_core.kernels.fp8_quant import quantize_activation_reference
-from llmserve_core.kernels.fused_moe import fused_moe, route, warm_up, warmup_row_counts
+from llmserve_core.kernels.fused_moe import fused_moe, route, rows_bucket, warm_up, warmup_row_counts
 from llmserve_core.kernels.moe_align import align, align_reference
 from llmserve_core.kernels.moe_reference import fused_moe_reference, route_reference
-from test_kernels import rel_err
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -228,52 +230,45 @@ def test_fp8_experts_match_the_dequantized_reference(path, block):
 
 # ---------------------------------------------------------------- tables, warm-up, bad arguments
 
-def test_tables_are_read_by_rows_bucket_with_the_default_elsewhere(tmp_path, monkeypatch):
-    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
+def test_tables_are_read_by_rows_bucket_with_the_default_elsewhere(fake_card):
     entry, decode = grouped_cfg(32, 64, 64, 4), decode_cfg(True)
 
-    def key(rows, experts=8):
-        return moe_configs.shape_key(experts, 64, 32, rows, "fp32")
+    def shape(rows, experts=8):
+        return dict(E=experts, N=64, K=32, rows=rows, dtype="fp32")
 
-    def config(rows, experts=8):
-        return moe_configs.moe_config(rows, experts, 64, 32, 2, torch.float32, torch.float32, None,
-                                      torch.device("cpu"))
+    def config(rows, experts=8, top_k=2):
+        return fused_moe_module.moe_config(rows, experts, 64, 32, top_k, torch.float32, torch.float32, None,
+                                           torch.device("cpu"))
 
-    def default(bucket, experts=8):
-        return moe_configs.default_config(bucket, experts, 2, 4, None)
-    try:
-        path = moe_configs.write_table("cpu", {key(4): decode, key(512): {"path": "nonsense"}}, "first sweep")
-        moe_configs.write_table("cpu", {key(64): entry}, "second sweep")          # merged into the file
-        body = json.loads(path.read_text())
-        assert body["keys"] == ["E", "N", "K", "rows", "dtype"] and body["sources"] == ["first sweep", "second sweep"]
-        assert config(3) == decode                               # 3 rows: the 4-row bucket
-        assert config(33) == entry and config(64) == entry       # 33..64 rows: the 64-row bucket
-        assert config(2) == default(2) and config(1000) == default(1024)     # buckets the table does not name
-        assert config(400) == default(512)                       # an unusable entry: the default
-        assert config(3, experts=16) == default(4, experts=16)   # another shape
-        path.write_text("{not json")
-        moe_configs.load_table.cache_clear()
-        moe_configs._config.cache_clear()
-        assert config(3) == default(4)                           # unreadable: the default, no error
-    finally:
-        moe_configs.load_table.cache_clear()
-        moe_configs._config.cache_clear()
+    def default(bucket, experts=8, top_k=2):
+        return fused_moe_module.default_config(bucket, experts, 4, None, top_k)
+    fake_card({"fused_moe": [(shape(4), decode), (shape(512), {"path": "nonsense"})]})
+    path = tuned.write_configs("fused_moe", CARD, [(shape(64), entry)], "second sweep")    # merged into the file
+    body = json.loads(path.read_text())
+    assert body["keys"] == ["E", "N", "K", "rows", "dtype"] and body["sources"] == ["tests", "second sweep"]
+    assert config(3) == decode                               # 3 rows: the 4-row bucket
+    assert config(33) == entry and config(64) == entry       # 33..64 rows: the 64-row bucket
+    assert config(2) == default(2) and config(1000) == default(1024)     # buckets the table does not name
+    assert config(400) == default(512)                       # an unusable entry: the default
+    assert config(3, experts=16) == default(4, experts=16)   # another shape
+    assert config(8, top_k=32) == default(8, top_k=32)       # a decode default past its dedup tile: grouped
+    assert config(8, top_k=32)["path"] == "grouped"
 
 
 def test_a_table_entry_that_does_not_fit_the_call_falls_back():
-    assert not moe_configs.usable(decode_cfg(True), 32, 2, None)                 # decode past its row limit
-    assert not moe_configs.usable(decode_cfg(True), 16, 16, None)                # or its pairs' dedup tile
-    assert moe_configs.default_config(8, 128, 32, 2, None)["path"] == "grouped"
-    assert not moe_configs.usable(grouped_cfg(16, 32, 256), 64, 2, (128, 128))   # K tile straddles a scale block
-    assert not moe_configs.usable(grouped_cfg(16, 33), 64, 2, None)              # gate and up rows unpaired
-    assert moe_configs.usable(grouped_cfg(), 64, 2, (128, 128))
+    usable = fused_moe_module.usable
+    assert not usable(decode_cfg(True), 32, 2, None)                 # decode past its row limit
+    assert not usable(decode_cfg(True), 16, 16, None)                # or its pairs' dedup tile
+    assert not usable(grouped_cfg(16, 32, 256), 64, 2, (128, 128))   # K tile straddles a scale block
+    assert not usable(grouped_cfg(16, 33), 64, 2, None)              # gate and up rows unpaired
+    assert usable(grouped_cfg(), 64, 2, (128, 128))
 
 
 def test_warmup_row_counts_meet_every_bucket():
     counts = warmup_row_counts(3000)
     assert counts == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
-    buckets = {moe_configs.rows_bucket(n) for n in range(1, 3001)}
-    assert {moe_configs.rows_bucket(n) for n in counts} == buckets
+    buckets = {rows_bucket(n) for n in range(1, 3001)}
+    assert {rows_bucket(n) for n in counts} == buckets
     assert warmup_row_counts(1) == [1]
 
 
@@ -331,8 +326,8 @@ def test_gpu_fused_moe_at_qwen3_30b_shapes(kind):
         assert torch.equal(ids, ref_ids) and torch.allclose(weights, ref_w, rtol=1e-5, atol=1e-6)
         out = fused_moe(x[:rows], w13, w2, weights, ids, *scales, block)
         ref = fused_moe_reference(x[:rows], w13, w2, weights, ids, *scales, block)
-        path = moe_configs.moe_config(rows, s["num_experts"], 2 * s["inter"], s["hidden"], s["top_k"], w13.dtype,
-                                      torch.bfloat16, block, x.device)["path"]
+        path = fused_moe_module.moe_config(rows, s["num_experts"], 2 * s["inter"], s["hidden"], s["top_k"],
+                                           w13.dtype, torch.bfloat16, block, x.device)["path"]
         tol = 0.08 if kind != "bf16" and path == "grouped" else TOL[torch.bfloat16]     # W8A8 rounds rows to e4m3
         assert rel_err(out, ref) < tol, f"{kind}, {rows} rows"
         assert torch.equal(out, fused_moe(x[:rows], w13, w2, weights, ids, *scales, block)), f"{rows} rows"

@@ -10,8 +10,7 @@ import torch
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.step_graphs import batch_buckets
 from llmserve_core.engine.warmup import decode_sizes, grammar_rounds, pooling_plan, prefill_lengths, warmup_plan
-from llmserve_core.kernels.fused_moe import warmup_row_counts
-from llmserve_core.kernels.moe_configs import rows_bucket
+from llmserve_core.kernels.fused_moe import rows_bucket, warmup_row_counts
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits
 from llmserve_core.models.tiny_draft import make_tiny_draft

@@ -75,7 +75,7 @@ def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
     if chunked:
         lengths.append(budget + 17)               # a second chunk: an extend over the first
     cap = longest if chunked else min(longest, budget)  # unchunked, a prompt must fit one step
-    # Tuned tables pick their tiles by rows bucket, a power of two (kernels/moe_configs.py): a step in each
+    # Tuned tables pick their tiles by rows bucket, a power of two (kernels/fused_moe.py): a step in each
     # meets every variant they name (the longest prompt stands in for the buckets past it).
     lengths += [min(1 << i, cap) for i in range(budget.bit_length())]
     return sorted({n for n in lengths if 1 <= n <= cap})
