@@ -139,7 +139,7 @@ def test_every_staged_and_graph_input_is_16_byte_aligned():
             assert t.data_ptr() % 16 == 0, (seqs, t)
     graphs = StepGraphs("test", Recorder(3), 3, max_batch=5, max_blocks_per_seq=3, max_seq_len=64, device="cpu",
                         hidden_size=2, dtype=torch.float32, capture=False)
-    for name in ("input_ids", "positions", "slot_mapping", "extra", "seq_lens", "block_tables"):
+    for name in ("input_ids", "positions", "slot_mapping", "extra", "seq_lens", "live_rows", "block_tables"):
         assert getattr(graphs, name).data_ptr() % 16 == 0, name
 
 
@@ -202,7 +202,8 @@ class Recorder:
                                positions=batch.positions.clone(), slots=batch.slot_mapping.clone(),
                                seq_lens=batch.seq_lens.clone(), tables=batch.block_tables.clone(),
                                mask=None if batch.tree_mask is None else batch.tree_mask.clone(),
-                               uniform=batch.uniform_query_len, num_seqs=batch.num_seqs))
+                               uniform=batch.uniform_query_len, num_seqs=batch.num_seqs,
+                               live_rows=batch.live_rows.tolist()))
         per_row = ids * 10 + batch.positions
         last = per_row[self.rows - 1::self.rows]                  # one row per sequence, like the catch-up
         return per_row, last
@@ -234,6 +235,7 @@ def test_padding_up_to_the_bucket_and_cutting_back(rows):
     assert call["slots"][:3 * rows].tolist() == batch.slot_mapping.tolist()
     assert call["slots"][3 * rows:].tolist() == [-1] * rows                  # padding writes no KV
     assert call["seq_lens"].tolist() == batch.seq_lens.tolist() + [rows]     # and reads a few slots
+    assert call["live_rows"] == [3 * rows]                                    # the MoE router's count
     assert call["tables"][:3, :3].tolist() == batch.block_tables.tolist()
     if rows > 1:
         assert torch.equal(call["mask"][:3 * rows], batch.tree_mask)          # the mask is an input
@@ -281,6 +283,7 @@ def test_load_from_host_spans_gives_the_graph_what_run_gives_it():
         for i, table in enumerate(tables):      # past a sequence's own blocks nothing is read
             assert got["tables"][i, :len(table)].tolist() == want["tables"][i, :len(table)].tolist() == table
         assert got["num_seqs"] == want["num_seqs"] == bucket
+        assert got["live_rows"] == want["live_rows"] == [len(tables) * rows]
         assert graphs.extra[:len(extra)].tolist() == extra.tolist()
         assert per_row.shape[0] == n * rows
     assert graphs.replays == 6

@@ -104,6 +104,20 @@ def test_route_sends_padding_rows_nowhere():
     assert (out[2:] == 0).all()
 
 
+def test_route_names_an_expert_parallel_ranks_experts_locally():
+    """experts=(first, count): ids as indices into the rank's share, -1 for another rank's, weights kept;
+    padding rows still -1."""
+    logits = torch.randn(5, 16).to(DEVICE)
+    ref_w, ref_ids = route_reference(logits, 4, True)
+    live = torch.tensor(4, dtype=torch.int32, device=DEVICE)
+    for first in (0, 4, 12):
+        weights, ids = route(logits, 4, True, valid_rows=live, experts=(first, 4))
+        local = ref_ids - first
+        expected = torch.where((local >= 0) & (local < 4), local, -1)
+        assert torch.equal(ids[:4], expected[:4]) and (ids[4] == -1).all()
+        torch.testing.assert_close(weights[:4], ref_w[:4], rtol=1e-6, atol=1e-7)
+
+
 def test_route_rejects_a_top_k_past_the_experts():
     with pytest.raises(ValueError, match="top_k"):
         route(torch.zeros(2, 4, device=DEVICE), 5, True)

@@ -283,7 +283,8 @@ class _OneRankOf:
 @pytest.mark.parametrize("fused", [False, True])
 def test_expert_parallel_ranks_sum_to_the_whole_layer(fused):
     """Each rank holds a quarter of the experts and masks the router's other picks; the four partial sums
-    add up to the layer that holds them all (on the fast path too, whose kernels skip id -1)."""
+    add up to the layer that holds them all (on the fast path too, whose kernels skip id -1, and which
+    routes a CUDA graph's padding rows, past live_rows, to no expert)."""
     if fused:
         pytest.importorskip("llmserve_core.kernels.fused_moe", reason="kernels/fused_moe.py is not in this tree")
     cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -294,6 +295,7 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(fused):
     for p in whole.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(11, 32)
+    live = torch.tensor([8], dtype=torch.int32) if fused else None     # 3 padding rows
     total = torch.zeros(11, 32)
     for rank in range(4):
         part = SparseMoeBlock(cfg, _OneRankOf((2 * rank, 2)))
@@ -302,6 +304,11 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(fused):
         part.w13.copy_(whole.w13[2 * rank:2 * rank + 2])
         part.w2.copy_(whole.w2[2 * rank:2 * rank + 2])
         part.fused = fused
-        total += part(x)
+        total += part(x, live_rows=live)
     whole.fused = fused
-    torch.testing.assert_close(total, whole(x), atol=1e-5, rtol=1e-5)
+    want = whole(x, live_rows=live)
+    torch.testing.assert_close(total, want, atol=1e-5, rtol=1e-5)
+    if fused:
+        assert (want[8:] == 0).all()
+        whole.fused = False
+        torch.testing.assert_close(want[:8], whole(x)[:8], atol=1e-5, rtol=1e-5)

@@ -5,7 +5,8 @@ forward (1 + gamma rows, or the tree's nodes), one graph per batch bucket.
 A small model's step is dozens of short kernels; launching them one by one from Python costs more than
 running them. Each bucket's forward is captured once over static device buffers and replayed with fresh
 inputs copied in. Batches are padded up to the next bucket with sequences whose rows write no KV
-(slot -1) and attend to a few cached slots, so padding never touches live state. Every length the
+(slot -1) and attend to a few cached slots, so padding never touches live state; the count of live rows
+rides along (ForwardBatch.live_rows) for the MoE router, which routes padding rows to no expert. Every length the
 kernels read comes from device tensors, and a tree mask is a buffer too, copied in each replay (a
 dynamic tree's differs per request and step; padding rows keep an earlier valid mask).
 
@@ -50,7 +51,7 @@ class StepGraphs:
         # the host arrives in one copy from a pinned mirror of it (load); `extra` carries a caller's indices,
         # up to two a row (a decode's placeholder rows and the rows of the last step's tokens that fill them).
         sections = [("input_ids", i64, (total,)), ("positions", i64, (total,)), ("slot_mapping", i64, (total,)),
-                    ("extra", i64, (2 * total,)), ("seq_lens", i32, (max_batch,)),
+                    ("extra", i64, (2 * total,)), ("seq_lens", i32, (max_batch,)), ("live_rows", i32, (1,)),
                     ("block_tables", i32, (max_batch, max_blocks_per_seq))]
         self._offsets, nbytes = {}, 0
         for section, kind, shape in sections:
@@ -66,6 +67,7 @@ class StepGraphs:
         self._loads = 0
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(rows)
+        self.live_rows.fill_(total)
         self.query_start_loc = torch.arange(0, (max_batch + 1) * rows, rows, dtype=i32, device=device)
         self.hidden = torch.zeros(total, hidden_size, dtype=dtype, device=device) if hidden_size else None
         self.tree_mask = tree_mask.to(device).repeat(max_batch, 1) if tree_mask is not None else None
@@ -87,7 +89,7 @@ class StepGraphs:
         return ForwardBatch(self.positions[:t], self.slot_mapping[:t], self.query_start_loc[:n + 1], self.seq_lens[:n],
                             self.block_tables[:n], max_query_len=self.rows, max_seq_len=self.max_seq_len,
                             tree_mask=self.tree_mask[:t] if self.tree_mask is not None else None,
-                            uniform_query_len=self.rows)
+                            uniform_query_len=self.rows, live_rows=self.live_rows)
 
     def _call(self, n: int) -> tuple[torch.Tensor, ...]:
         t = n * self.rows
@@ -145,6 +147,7 @@ class StepGraphs:
         m["slot_mapping"][t:bucket * self.rows] = -1
         m["seq_lens"][:n] = spans.seq_lens
         m["seq_lens"][n:bucket] = self.rows
+        m["live_rows"][0] = t
         width = spans.block_tables.shape[1]
         m["block_tables"][:n, :width] = spans.block_tables
         if extra is not None:
@@ -197,4 +200,5 @@ class StepGraphs:
             self.input_ids[t:padded].zero_()
             self.slot_mapping[t:padded].fill_(-1)
             self.seq_lens[n:bucket].fill_(self.rows)
+        self.live_rows.fill_(t)
         return self.replay(n)

@@ -26,9 +26,9 @@ BLOCK_TILE = 64      # row blocks per step of the scan's block -> expert pass
 
 
 @triton.jit(do_not_specialize=["T"])
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, valid_ptr, T, E, stride_l, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, MASK_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, valid_ptr, T, E, stride_l, first, count, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, MASK_ROWS: tl.constexpr, LOCAL: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     live = (t < T)[:, None] & (e < E)[None, :]
@@ -53,6 +53,8 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, valid_ptr, T, E, stride_l, TOP_K: 
         p = tl.where(chosen, -2.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 1)[:, None]      # (columns past TOP_K hold zeros)
+    if LOCAL:          # expert parallelism: this rank's experts first .. first + count - 1 as 0 .. count - 1
+        top_i = tl.where((top_i >= first) & (top_i < first + count), top_i - first, -1)
     if MASK_ROWS:      # rows past the step's real ones (graph padding) route nowhere
         real = t < tl.load(valid_ptr)
         top_w = tl.where(real[:, None], top_w, 0.0)
@@ -63,13 +65,15 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, valid_ptr, T, E, stride_l, TOP_K: 
     tl.store(ids_ptr + out, top_i, mask=mask)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, valid_rows: torch.Tensor | None = None,
+          experts: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (topk_weights [T, k] float32, topk_ids [T, k] int32):
     moe_reference.route_reference's arithmetic and tie rule (equal probabilities lowest expert first).
 
     valid_rows: an int32 device scalar; rows from it on (a CUDA graph's padding rows) get ids -1 and weights
-    0, so fused_moe reads no expert for them (otherwise each padding row adds its k experts' weights)."""
+    0, so fused_moe reads no expert for them (otherwise each padding row adds its k experts' weights).
+    experts: (first, count), expert parallelism's share of this rank: ids as indices into it, -1 for an
+    expert another rank holds (its weight kept: the ranks' outputs add up to the whole layer's)."""
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"route: router_logits must be [T, E] with contiguous rows, got {tuple(router_logits.shape)}")
     t, e = router_logits.shape
@@ -83,7 +87,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     block_t = max(1, min(16, 2048 // block_e))
     _route_kernel[(triton.cdiv(t, block_t),)](
         router_logits, weights, ids, valid_rows if valid_rows is not None else ids, t, e, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, MASK_ROWS=valid_rows is not None, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        *(experts or (0, e)), TOP_K=top_k, RENORMALIZE=renormalize, MASK_ROWS=valid_rows is not None,
+        LOCAL=experts is not None, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4)
     return weights, ids
 
 

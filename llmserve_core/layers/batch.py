@@ -31,6 +31,10 @@ class ForwardBatch:
     # When every sequence brings the same number R of query rows (a verify of 1 + gamma rows, a padded
     # draft catch-up, a decode), R; else 0. Attention may then run these rows through its decode kernel.
     uniform_query_len: int = 0
+    # [1] int32 on the device: how many rows are live, those after them a CUDA graph's padding (their ids
+    # and slots are placeholders, their outputs dropped). The MoE router sends padding rows to no expert, so
+    # a padded decode step reads no expert weights for them. None: every row is live.
+    live_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -65,18 +65,23 @@ class SparseMoeBlock(nn.Module):
         quantize_rows_into(getattr(self, name)[expert], getattr(self, name + "_scale")[expert], self.block, w,
                            row_offset)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. live_rows ([1] int32 on the device, ForwardBatch's): rows from it on are a CUDA
+        graph's padding, which the fused path routes to no expert (their output is then 0; the reference
+        path computes them, to be dropped)."""
         logits = self.gate(x)
         if self.fused:
             from llmserve_core.kernels.fused_moe import fused_moe, route
+            # Another rank's experts (expert parallelism) get id -1, which adds nothing here.
+            weights, ids = route(logits, self.top_k, self.renormalize, valid_rows=live_rows,
+                                 experts=self.expert_range if self.expert_parallel else None)
         else:
-            route, fused_moe = route_reference, fused_moe_reference
-        weights, ids = route(logits, self.top_k, self.renormalize)
-        if self.expert_parallel:    # another rank's experts: id -1, which adds nothing here
-            first, count = self.expert_range
-            local = ids - first
-            ids = torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
+            fused_moe = fused_moe_reference
+            weights, ids = route_reference(logits, self.top_k, self.renormalize)
+            if self.expert_parallel:
+                first, count = self.expert_range
+                local = ids - first
+                ids = torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, self.block)
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -129,6 +129,8 @@ class Qwen3DecoderLayer(nn.Module):
         # Another MLP (layers/moe.py's) takes its rows as they are.
         mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, Qwen3MLP) else None
         h, residual = self.post_attention_layernorm(h, residual, quant=_input_quant(mlp_in, rows, h.dtype))
+        if mlp_in is None:      # the MoE router leaves a graph's padding rows out (ForwardBatch.live_rows)
+            return self.mlp(h, live_rows=batch.live_rows), residual
         return self.mlp(h), residual
 
 

@@ -294,11 +294,13 @@ class EagleProposer(Proposer):
         return logits, h, batch.seq_lens.long(), live
 
     def continued_batch(self, batch: ForwardBatch, first: torch.Tensor, rows: int, live: torch.Tensor,
-                        rope: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> ForwardBatch:
+                        rope: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                        count_live: bool = False) -> ForwardBatch:
         """`rows` rows per sequence at KV positions first .. first + rows - 1, in `batch`'s blocks, causal
         or under `tree_mask` ([B * rows, rows]), at rotary positions `rope` ([B, rows]; default: the KV
         positions); sequences not `live` write nothing. Built on the device (no host copy), as
-        BatchBuilder.add / add_rows would."""
+        BatchBuilder.add / add_rows would. count_live (the target's verify): the batch carries its live
+        rows' count (the padding sequences come last), for the MoE router."""
         block_size = self.ctx.runner.block_size
         kv = first[:, None] + self.offsets[:rows]                                          # [B, rows]
         tables = batch.block_tables
@@ -310,4 +312,5 @@ class EagleProposer(Proposer):
             positions=rope.clamp(max=self.ctx.builder.max_position - 1).flatten(), slot_mapping=slots.flatten(),
             query_start_loc=torch.arange(0, (n + 1) * rows, rows, dtype=torch.int32, device=first.device),
             seq_lens=(first + rows).int(), block_tables=tables, max_query_len=rows, max_seq_len=batch.max_seq_len,
-            tree_mask=tree_mask, uniform_query_len=rows)
+            tree_mask=tree_mask, uniform_query_len=rows,
+            live_rows=(live.sum(dtype=torch.int32) * rows).view(1) if count_live else None)

@@ -59,7 +59,8 @@ class ChainDrafter:
             tokens.append(greedy_propose(logits, e.draft.d2t))
         drafts = torch.stack(tokens, 1)
         verify_ids = torch.cat([ids.view(n, width)[:, -1:], drafts], 1).flatten()
-        logits, *aux = e.ctx.verify_forward(verify_ids, None, e.continued_batch(batch, context, width, live))
+        verify = e.continued_batch(batch, context, width, live, count_live=True)
+        logits, *aux = e.ctx.verify_forward(verify_ids, None, verify)
         out = greedy_verify(logits, drafts, torch.full((n,), self.depth, dtype=torch.long, device=drafts.device))
         return drafts, logits, e.draft.combine_aux(aux), out.packed()
 

@@ -79,7 +79,7 @@ class TreeDrafter:
         trees, nodes = self.grow(logits, h, ids.view(n, width)[:, -1], run_level)
         depths, masks = self.verify_layout(trees, n, on_device=True)
         verify = e.continued_batch(batch, context, nodes.shape[1], live, rope=context[:, None] + depths,
-                                   tree_mask=masks.flatten(0, 1))
+                                   tree_mask=masks.flatten(0, 1), count_live=True)
         logits, *aux = e.ctx.verify_forward(nodes.flatten(), None, verify)
         out = tree_greedy_verify(trees, logits, nodes)
         return nodes, trees.parents, logits, e.draft.combine_aux(aux), out.packed()
