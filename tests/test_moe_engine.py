@@ -91,3 +91,21 @@ def test_eagle3_over_a_moe_target_keeps_greedy_output(moe_case, tmp_path_factory
     if "preempting" in schedule:
         assert engine.stats()["num_preemptions"] > 0
     assert_all_blocks_free(engine)
+
+
+def test_warm_up_meets_every_rows_bucket_of_the_experts(make_random_qwen3_dir, monkeypatch):
+    """The MoE kernels pick tiles per power-of-two rows bucket: the warm-up runs the experts at every bucket
+    up to the token budget, also where no single prompt can be that long (several fill a step)."""
+    from llmserve_core.kernels.fused_moe import rows_bucket
+    from llmserve_core.layers import moe as moe_layer
+    seen = set()
+    forward = moe_layer.SparseMoeBlock.forward
+
+    def recording(self, x, live_rows=None):
+        seen.add(rows_bucket(x.shape[0]))
+        return forward(self, x, live_rows)
+    monkeypatch.setattr(moe_layer.SparseMoeBlock, "forward", recording)
+    path = make_random_qwen3_dir(seed=7, moe=True, **MOE_CONFIGS["e8-top2-mlp-only"])
+    Engine(EngineConfig(model=path, device="cpu", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=40,
+                        warmup=True))
+    assert seen >= {1 << i for i in range(9)}, sorted(seen)

@@ -42,6 +42,10 @@ def test_plan_respects_short_models_lookahead_and_unchunked_budgets():
     assert max(max(r.prompt_len, r.late_prompt_len) + r.new_tokens + 4 for r in plan) <= 100
     assert max(prefill_lengths(64, 93, chunked=False)) == 64      # no extend round without chunking
     assert decode_sizes(3, [1, 2, 3], 8) == [1, 2, 3]
+    # A 37-token prompt at most, a 256-token budget: several prompts fill a step to each rows bucket past 37.
+    short = warmup_plan(8, 256, 40, True, [], 2)
+    prefills = {rows_bucket(r.num_requests * r.prompt_len) for r in short}
+    assert prefills >= {1 << i for i in range(9)} and max(r.prompt_len + r.new_tokens for r in short) <= 40
 
 
 def generate(engine, prompts):

@@ -8,8 +8,9 @@ that a kernel specializes on; the warm-up drives real requests through the real 
 builder, CUDA graphs, speculative draft and verify, sampler), so whatever a kernel specializes on, the
 shapes a served step can have are met here first:
 - a prompt of every length 1..16 (the row counts small-M GEMV kernels specialize on), lengths at each
-  tile boundary and every power of two (the tuned tables' rows buckets) up to a full token budget (several
-  prompts where one cannot fill it), and one longer than the budget (chunked: an extend);
+  tile boundary and every power of two up to a full token budget, and one longer than the budget (chunked:
+  an extend); where a prompt cannot be that long, several fill a step to each power of two (the tuned
+  tables' rows buckets, which the fused-MoE kernels pick tiles by) and to the whole budget;
 - a decode batch of every size 1..16, every CUDA-graph bucket and the first size of every split count;
 - the sampler's paths (greedy, temperature with top-k / top-p / min-p, seeded, logprobs, the logits edits:
   penalties, logit_bias, min_tokens) on mixed batches of every small row class (1, 8, 16, 17, 32, 33, 64)
@@ -76,9 +77,21 @@ def prefill_lengths(budget: int, longest: int, chunked: bool) -> list[int]:
         lengths.append(budget + 17)               # a second chunk: an extend over the first
     cap = longest if chunked else min(longest, budget)  # unchunked, a prompt must fit one step
     # Tuned tables pick their tiles by rows bucket, a power of two (kernels/fused_moe.py): a step in each
-    # meets every variant they name (the longest prompt stands in for the buckets past it).
+    # meets every variant they name (bucket_rounds' steps of several prompts, the buckets past the longest).
     lengths += [min(1 << i, cap) for i in range(budget.bit_length())]
     return sorted({n for n in lengths if 1 <= n <= cap})
+
+
+def bucket_rounds(budget: int, cap: int, max_num_seqs: int, new_tokens: int) -> list[Round]:
+    """Steps of every power of two of rows past the longest prompt (cap) up to the budget: as few prompts as
+    reach it, each as long as keeps the step inside that power of two."""
+    rounds = []
+    for i in range(budget.bit_length()):
+        rows = 1 << i
+        n = -(-rows // cap)
+        if rows > cap and n <= max_num_seqs:
+            rounds.append(Round(n, rows // n, new_tokens))
+    return rounds
 
 
 def decode_sizes(max_num_seqs: int, buckets: list[int], num_kv_heads: int) -> list[int]:
@@ -113,6 +126,8 @@ def warmup_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     fill = -(-budget // longest)                  # prompts that fill a whole token budget in one step
     if 1 < fill <= max_num_seqs:
         rounds.append(Round(fill, -(-budget // fill), new_tokens))
+    # (unchunked, several prompts still share a step up to max_num_batched_tokens)
+    rounds += bucket_rounds(max_num_batched_tokens, min(longest, budget), max_num_seqs, new_tokens)
     for n in decode_sizes(max_num_seqs, buckets, num_kv_heads):
         # Prompts of 2 tokens: n rows decode together after a short prefill of 2n tokens (if it fits).
         rounds.append(Round(n, 2, new_tokens))
