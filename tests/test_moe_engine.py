@@ -9,6 +9,7 @@ import torch
 from helpers.engine import SCHEDULES, assert_all_blocks_free, hf_greedy
 from helpers.models import make_prompts
 from llmserve_core import Engine, EngineConfig
+from llmserve_core.kernels.moe_reference import route_reference
 from llmserve_core.models.tiny_draft import make_tiny_draft
 from llmserve_proto import SamplingParams
 
@@ -91,6 +92,60 @@ def test_eagle3_over_a_moe_target_keeps_greedy_output(moe_case, tmp_path_factory
     if "preempting" in schedule:
         assert engine.stats()["num_preemptions"] > 0
     assert_all_blocks_free(engine)
+
+
+# ---- the speculation policy prices a MoE verify step ------------------------------------------------------
+
+class ExpertClock:
+    """The engine's clock on a made-up device that prices each sparse layer's call at `per_layer` plus
+    `per_expert` for each distinct expert its routing selected: with per_expert dominant, a memory-bound
+    MoE, where a step costs the experts it reads (a verify of k + 1 rows a request reads more than a
+    decode step's k experts); with per_expert 0, a dense model's flat step cost."""
+
+    def __init__(self, per_layer: float, per_expert: float):
+        self.per_layer, self.per_expert, self.now = per_layer, per_expert, 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def route(self, logits, top_k, renormalize):
+        weights, ids = route_reference(logits, top_k, renormalize)
+        self.now += self.per_layer + self.per_expert * ids.unique().numel()
+        return weights, ids
+
+
+@pytest.mark.parametrize("priced", ["experts", "flat"])
+def test_the_policy_prices_verify_steps_by_the_experts_they_read(make_random_qwen3_dir, tmp_path, monkeypatch,
+                                                                  priced):
+    """The adaptive policy times every steady step per (batch bucket, verify width): on a MoE target whose
+    steps cost the experts they read, a verify of 2-4 rows reads more experts a layer than a decode's 2 and
+    costs more than drafts accepted 40% of the time emit, so the policy stops drafting (probes aside); with
+    the same acceptance and flat step costs it keeps drafting."""
+    from llmserve_core.engine import engine as engine_module
+    from llmserve_core.layers import moe as moe_layer
+    from llmserve_core.speculative.policy import AcceptanceModel
+    path = make_random_qwen3_dir(seed=7, moe=True, initializer_range=0.1, **MOE_CONFIGS["e8-top2-mlp-only"])
+    draft = make_tiny_draft(tmp_path / "draft", path, seed=1)
+    clock = ExpertClock(*((0.1, 1.0) if priced == "experts" else (1.0, 0.0)))
+    monkeypatch.setattr(moe_layer, "route_reference", clock.route)
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = Engine(EngineConfig(model=path, device="cpu", dtype="float32", speculative_model=draft,
+                                 speculative_gamma=3, speculative_policy="adaptive"))
+    # 40% of each draft accepted, whatever the random draft does: 1.4, 1.56, 1.62 tokens a step at depth 1-3.
+    engine.policy.acceptance = AcceptanceModel(3, prior=0.4, prior_weight=1e9)
+    engine.generate([[5, 9, 2, 7, 11]], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    policy, costs = engine.policy, engine.step_costs.median
+    drafted, plain = policy.num_drafted_steps, policy.num_plain_steps
+    measured = [(depth, costs[(1, width)] / costs[(1, 1)]) for depth, width in policy.widths.items()
+                if (1, width) in costs]
+    assert measured
+    if priced == "experts":
+        for depth, ratio in measured:                    # each depth tried was measured to lose
+            assert ratio * (1 + policy.switch_margin) > policy.acceptance.expected_emitted(depth), depth
+        assert plain > 3 * drafted and policy.last.gamma == 0
+    else:
+        assert all(ratio == 1.0 for _, ratio in measured)
+        assert drafted > 3 * plain and policy.last.gamma > 0
 
 
 def test_warm_up_meets_every_rows_bucket_of_the_experts(make_random_qwen3_dir, monkeypatch):
