@@ -153,6 +153,63 @@ def prompts_floor(cfg: dict, lengths, budget: int, bandwidth: float, peak_flops:
     return Floor(bytes=nbytes, flops=flops, memory_ms=nbytes / bandwidth * 1e3, compute_ms=flops / peak_flops * 1e3)
 
 
+# ---- Qwen3-MoE: what a step reads is the experts its routing selected ----------------------------------
+
+def moe_layer_params(cfg: dict) -> dict:
+    """One sparse layer's weights: attention's projections (and their output rows), the router, one expert."""
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    return {"attention": h * (q + 2 * kv) + q * h, "attention_rows": q + 2 * kv + h,
+            "router": cfg["num_experts"] * h, "expert": 3 * h * i, "expert_rows": 2 * i + h}
+
+
+def moe_step_bytes(cfg: dict, shape: StepShape, experts_read: float, dtype_bytes: int = 2,
+                   linear_bytes: int | None = None, kv_dtype_bytes: int | None = None) -> float:
+    """A Qwen3-MoE step (every layer sparse): attention's projections, the router and the norms of every
+    layer, each (layer, expert) pair the step's routing selected once (experts_read: their count, summed over
+    layers), the final norm, the lm_head, an embedding row a token, and the K/V read and written.
+    linear_bytes 1: projections and experts in FP8 with a float32 scale per output row (the router, norms,
+    embeddings and lm_head stay in the model dtype)."""
+    p, L = moe_layer_params(cfg), cfg["num_hidden_layers"]
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    if linear_bytes is None or linear_bytes == dtype_bytes:
+        attention, expert = dtype_bytes * p["attention"], dtype_bytes * p["expert"]
+    else:
+        attention = linear_bytes * p["attention"] + 4 * p["attention_rows"]
+        expert = linear_bytes * p["expert"] + 4 * p["expert_rows"]
+    per_layer = attention + dtype_bytes * (p["router"] + norm_params_per_layer(cfg))
+    kv = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
+    kv_read = sum(shape.decode_contexts) + sum(cached + new for cached, new in shape.prefill_chunks)
+    return (L * per_layer + experts_read * expert + dtype_bytes * (h + v * h)
+            + shape.num_tokens * h * dtype_bytes + kv * (kv_read + shape.num_tokens))
+
+
+def moe_step_flops(cfg: dict, shape: StepShape) -> tuple[int, int]:
+    """(the projections', router's, experts' and lm_head's FLOPs, attention's): 2 per active weight per
+    token (each token's top-k experts), the lm_head's per sampled row, and QK^T and PV."""
+    p, L = moe_layer_params(cfg), cfg["num_hidden_layers"]
+    active = p["attention"] + p["router"] + cfg["num_experts_per_tok"] * p["expert"]
+    linear = 2 * L * active * shape.num_tokens + 2 * cfg["vocab_size"] * cfg["hidden_size"] * shape.num_sampled
+    keys = sum(shape.decode_contexts)
+    for cached, new in shape.prefill_chunks:
+        keys += new * cached + new * (new + 1) // 2
+    return linear, attention_flops(cfg, keys)
+
+
+def moe_step_floor(cfg: dict, shape: StepShape, experts_read: float, bandwidth: float, peak_flops: float,
+                   dtype_bytes: int = 2, linear_bytes: int | None = None, kv_dtype_bytes: int | None = None,
+                   linear_peak: float | None = None) -> Floor:
+    """max(moe_step_bytes / bandwidth, FLOPs / peak), the projections' and experts' FLOPs over linear_peak
+    where given (FP8 products on FP8 tensor cores), attention's over the bf16 peak."""
+    if bandwidth <= 0 or peak_flops <= 0:
+        raise ValueError(f"bandwidth and peak_flops must be positive, got {bandwidth}, {peak_flops}")
+    b = moe_step_bytes(cfg, shape, experts_read, dtype_bytes, linear_bytes, kv_dtype_bytes)
+    linear, attention = moe_step_flops(cfg, shape)
+    compute_s = linear / (linear_peak or peak_flops) + attention / peak_flops
+    return Floor(bytes=int(b), flops=linear + attention, memory_ms=b / bandwidth * 1e3, compute_ms=compute_s * 1e3)
+
+
 # ---- the two rates, measured on the card (CUDA), as medians of many timed repeats -----------------
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -27,6 +27,9 @@
 #   moe      tests/test_moe_kernels.py whole (its interpreter tests on the GPU, the Qwen3-30B-A3B shapes bf16 and
 #            FP8, graphs against eager), then benchmarks/moe_bench.py (the kernels alone against their floors,
 #            about 2-3 minutes)  -> $OUT/moe_tests.log, $OUT/moe_bench.json
+#   moee2e   benchmarks/moe_e2e.py: Qwen3-30B-A3B through the engine, bf16 then FP8 (decode at batch 1-256, prefill,
+#            the EAGLE-3 step and the policy's choice, against floors of the same run; about 5 minutes, ~70 GB)
+#            -> $OUT/moe_e2e/moe_e2e.{json,md}, $OUT/moe_e2e.log
 #   fp8      the FP8 kernel and engine GPU tests, then the open FP8 measurement: fp8_tma_tiles.py (one-row a8
 #            tiles with TMA weight loads against the engine's kernels, then the batch-1 FP8 step with any
 #            winner patched in), and fp8_block_gemm_tiles.py (the block-scaled W8A8 GEMM: cuBLAS's block
@@ -168,6 +171,9 @@ for stage in $stages; do
       python3 benchmarks/moe_bench.py --commit "$commit" --out "$out/moe_bench.json" > "$out/moe_bench.log" 2>&1 \
         || status[$stage]=1
       tail -25 "$out/moe_bench.log" ;;
+    moee2e)
+      python3 benchmarks/moe_e2e.py --commit "$commit" --out "$out/moe_e2e" > "$out/moe_e2e.log" 2>&1
+      status[$stage]=$?; tail -32 "$out/moe_e2e.log" ;;
     fp8)
       python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_gpu_fp8.py > "$out/fp8_tests.log" 2>&1
       status[$stage]=$?; tail -3 "$out/fp8_tests.log"
@@ -193,7 +199,7 @@ for stage in $stages; do
       left=$(( ${CALL_BUDGET:-570} - (SECONDS - start) - 20 ))
       FUZZ_BUDGET=${FUZZ_BUDGET:-$(( left > 60 ? left : 60 ))} fuzz
       [ "$suite_status" = 0 ] && [ "${status[$stage]}" = 0 ]; status[$stage]=$? ;;
-    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8, moe, kv1, gpusuite, fuzz, issue62)"; status[$stage]=2 ;;
+    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8, moe, moee2e, kv1, gpusuite, fuzz, issue62)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done

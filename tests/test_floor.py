@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from floor import StepShape, decode_floor, kv_bytes_per_token, prompts_floor, step_bytes, step_flops, step_floor, \
-    step_weight_bytes  # noqa: E402
+from floor import StepShape, decode_floor, kv_bytes_per_token, moe_step_bytes, moe_step_floor, prompts_floor, \
+    step_bytes, step_flops, step_floor, step_weight_bytes  # noqa: E402
 from qwen3_8b import QWEN3_8B_CONFIG  # noqa: E402
+from qwen3_moe import QWEN3_30B_A3B_CONFIG  # noqa: E402
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)
@@ -153,3 +154,30 @@ def test_a_pooling_prompt_costs_its_prefill_and_no_head():
     assert docs.bound == "compute"
     # ~2 x 6.95e9 multiply-adds a token in the linears, plus causal attention over 512 tokens.
     assert docs.flops / (32 * 512) == pytest.approx(2 * 6.95e9 + 36 * 4 * 32 * 128 * 256.5, rel=0.01)
+
+
+def test_moe_floor_reads_the_selected_experts():
+    """Qwen3-30B-A3B's batch-1 decode reads about 6.1 GB in bf16 (the issue's figure): every layer's attention,
+    router and norms, 8 experts a layer, the lm_head; against transformers' parameter count of a small MoE,
+    all experts read is every parameter but the embedding table."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    one = StepShape(decode_contexts=(1,))
+    c = QWEN3_30B_A3B_CONFIG
+    layers = c["num_hidden_layers"]
+    kv = kv_bytes_per_token(c)
+    assert moe_step_bytes(c, one, 8 * layers) - 2 * c["hidden_size"] - 2 * kv == pytest.approx(6.084e9, rel=1e-3)
+    small = dict(SMALL, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**small, tie_word_embeddings=False))
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    empty = StepShape()
+    assert moe_step_bytes(small, empty, 8 * 2) == 2 * params
+    # FP8: one byte a projection or expert weight and a float32 scale per output row; the rest stays 2 bytes
+    fp8 = moe_step_bytes(small, empty, 8 * 2, linear_bytes=1)
+    attention, experts = 2 * (64 * (64 + 2 * 32) + 64 * 64), 16 * 3 * 64 * 32     # 2 layers, 8 experts each
+    scale_rows = 2 * ((64 + 2 * 32) + 64) + 16 * (2 * 32 + 64)
+    assert fp8 == 2 * params - attention - experts + 4 * scale_rows
+    f = moe_step_floor(c, one, 8 * layers, 3.0e12, 800e12)
+    assert f.bound == "memory" and f.ms == pytest.approx(f.bytes / 3.0e9)
+    prefill = moe_step_floor(c, StepShape(prefill_chunks=((0, 4096),), sampled_chunks=1), 128 * layers, 3.0e12,
+                             800e12, linear_peak=1600e12)
+    assert prefill.bound == "compute" and prefill.compute_ms < prefill.flops / 800e12 * 1e3

@@ -51,3 +51,25 @@ def test_tune_smoke_run_writes_a_table_the_lookup_uses(tmp_path, monkeypatch):
         assert cfg == table["configs"][key]
     finally:
         tuned.clear_cache()
+
+
+def test_e2e_smoke_run_measures_every_stage(tmp_path, capsys, monkeypatch):
+    """benchmarks/moe_e2e.py on a tiny MoE shape, CPU: decode at batch 1 and 2, both prefills, the EAGLE-3
+    step at every depth with the policy's choices, for bf16 (float32 here) and FP8 experts; the experts
+    each step read come from its routing ids (top-4 of 16: 4 a layer at batch 1)."""
+    e2e = load("moe_e2e", monkeypatch)
+    assert e2e.main(["--smoke", "--batches", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "moe_e2e.json").read_text())
+    assert [r["kind"] for r in result["kinds"]] == ["bf16", "fp8"]
+    for res in result["kinds"]:
+        assert [r["batch"] for r in res["decode"]] == [1, 2] and res["decode"][0]["experts_per_layer"] == 4
+        assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and 4 <= r["experts_per_layer"] <= 8 for r in res["decode"])
+        assert [(r["prompts"], r["length"]) for r in res["prefill"]] == [(1, 32), (2, 16)]
+        assert all(r["bound"] == "compute" and r["tokens_per_s"] > 0 for r in res["prefill"])
+        for spec in res["spec"]:
+            assert [d["depth"] for d in spec["depths"]] == [1, 2, 3]
+            assert all(4 <= d["verify_experts_per_layer"] <= 16 for d in spec["depths"])
+            assert set(spec["policy_choice"]) == {"measured", "acceptance 0.5", "acceptance 0.7", "acceptance 0.9"}
+        assert res["timed_window_compiles"] and not res["skipped"]
+    assert "compiled inside timed windows" in capsys.readouterr().out
+    assert (tmp_path / "moe_e2e.md").is_file()
