@@ -114,8 +114,8 @@ def test_every_tile_compiles_for_sm90_and_fits(tmp_path):
 @pytest.mark.skipif(not _ptxas_present(), reason="needs Triton's NVIDIA backend and its ptxas")
 @pytest.mark.timeout(900)
 def test_fused_moe_kernels_compile_for_sm90_without_spilling(tmp_path):
-    """The fused-MoE kernels on their default tiles (decode at 1 and 8 rows, grouped at 256 and 4,096; bf16,
-    FP8 per channel and per block) compile for Hopper, fit its shared memory and keep everything in registers."""
+    """The fused-MoE kernels on their default tiles (decode at 1 and 8 rows, grouped at 4,096; bf16, FP8 per
+    channel and per block) compile for Hopper, fit its shared memory and keep everything in registers."""
     out = tmp_path / "sm90_moe.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)
