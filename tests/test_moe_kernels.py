@@ -16,7 +16,7 @@ from llmserve_core.kernels import fused_moe as fused_moe_module
 from llmserve_core.kernels import tuned
 from llmserve_core.kernels.fp8_format import dequantize_weight, quantize_per_block, quantize_per_channel
 from llmserve_core.kernels.fp8_quant import quantize_activation_reference
-from llmserve_core.kernels.fused_moe import fused_moe, route, rows_bucket, warm_up, warmup_row_counts
+from llmserve_core.kernels.fused_moe import fused_moe, route
 from llmserve_core.kernels.moe_align import align, align_reference
 from llmserve_core.kernels.moe_reference import fused_moe_reference, route_reference
 
@@ -242,7 +242,7 @@ def test_fp8_experts_match_the_dequantized_reference(path, block):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-# ---------------------------------------------------------------- tables, warm-up, bad arguments
+# ---------------------------------------------------------------- tables, bad arguments
 
 def test_tables_are_read_by_rows_bucket_with_the_default_elsewhere(fake_card):
     entry, decode = grouped_cfg(32, 64, 64, 4), decode_cfg(True)
@@ -276,19 +276,6 @@ def test_a_table_entry_that_does_not_fit_the_call_falls_back():
     assert not usable(grouped_cfg(16, 32, 256), 64, 2, (128, 128))   # K tile straddles a scale block
     assert not usable(grouped_cfg(16, 33), 64, 2, None)              # gate and up rows unpaired
     assert usable(grouped_cfg(), 64, 2, (128, 128))
-
-
-def test_warmup_row_counts_meet_every_bucket():
-    counts = warmup_row_counts(3000)
-    assert counts == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
-    buckets = {rows_bucket(n) for n in range(1, 3001)}
-    assert {rows_bucket(n) for n in counts} == buckets
-    assert warmup_row_counts(1) == [1]
-
-
-def test_warm_up_runs_every_bucket_on_a_layer():
-    _, w13, w2, _, _ = moe_case(1, 4, 2, 32, 16, torch.float32, 0)
-    assert warm_up(w13, w2, top_k=2, max_rows=12) == [1, 2, 4, 8, 12]
 
 
 @pytest.mark.parametrize("change,field", [

@@ -10,7 +10,7 @@ import torch
 from llmserve_core import Engine, EngineConfig
 from llmserve_core.engine.step_graphs import batch_buckets
 from llmserve_core.engine.warmup import decode_sizes, grammar_rounds, pooling_plan, prefill_lengths, warmup_plan
-from llmserve_core.kernels.fused_moe import rows_bucket, warmup_row_counts
+from llmserve_core.kernels.fused_moe import rows_bucket
 from llmserve_core.kernels import jit_count
 from llmserve_core.kernels.paged_decode import choose_num_splits
 from llmserve_core.models.tiny_draft import make_tiny_draft
@@ -24,7 +24,7 @@ def test_plan_covers_small_rows_tile_edges_every_bucket_and_split_count():
     assert set(range(1, 17)) <= single                           # every small row count
     assert {64, 65, 128, 129, 1921, 2048} <= single               # tile edges
     # every rows bucket of the MoE kernels' tables up to the longest prompt (the fill round holds the budget's)
-    assert {rows_bucket(n) for n in warmup_row_counts(4093)} <= {rows_bucket(n) for n in single}
+    assert {1 << i for i in range(13)} <= {rows_bucket(n) for n in single}
     assert any(r.num_requests > 1 and r.num_requests * r.prompt_len >= 8192 for r in plan)  # fills a step
     longer = warmup_plan(8, 2048, 16384, True, [], 8)
     assert {2048, 2048 + 17} <= {r.prompt_len for r in longer}    # a whole budget, then an extend over it

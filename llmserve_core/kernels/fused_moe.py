@@ -20,7 +20,7 @@ for per-channel scales, fp8_w8a8_128x128 for block scales):
 A card, shape or bucket without an entry gets the heuristic (_heuristic), and so does an entry that does not
 fit the call (a decode entry past what moe_decode.fits, a K tile that straddles a scale block): never an
 error. Every choice depends on the rows bucket only, never the exact row count, so one call per bucket
-compiles every variant (warmup_row_counts).
+compiles every variant (the engine's warm-up runs a step in each: engine/warmup.py).
 
 FP8 experts (float8_e4m3fn, per-channel or block scales, as the reference takes them): the decode path
 widens the weight in registers against the rows as they are; the grouped GEMM quantizes its rows
@@ -43,7 +43,7 @@ from llmserve_core.kernels.moe_decode import MAX_PAIRS, default_decode_config, m
 from llmserve_core.kernels.moe_decode import fits as decode_fits
 from llmserve_core.kernels.moe_gemm import moe_gemm, moe_sum
 
-__all__ = ["route", "fused_moe", "moe_config", "warmup_row_counts", "warm_up"]
+__all__ = ["route", "fused_moe", "moe_config"]
 
 log = logging.getLogger("llmserve.kernels")
 
@@ -231,28 +231,3 @@ def _grouped(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, cfg
              top_k, gated=False, by_pair=True, block=block, cfg=dict(cfg["down"], BLOCK_M=block_m))
     return moe_sum(y, topk_weights, topk_ids, num_experts, out)
 
-
-def warmup_row_counts(max_rows: int) -> list[int]:
-    """Row counts that meet every kernel variant fused_moe launches for 1..max_rows rows: every choice
-    depends on the rows bucket (a power of two) only, so one count per bucket, the bucket's top."""
-    counts, bucket = set(), 1
-    while bucket < rows_bucket(max_rows):
-        counts.add(bucket)
-        bucket *= 2
-    return sorted(counts | {max_rows})
-
-
-def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_rows: int, w13_scale: torch.Tensor | None = None,
-            w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None, renormalize: bool = True,
-            dtype: torch.dtype | None = None) -> list[int]:
-    """Compile every variant of route and fused_moe for one layer shape up to max_rows rows, on random rows
-    (dtype: the activations', needed for FP8 weights, else the weights'). Returns the row counts run."""
-    dtype = dtype or w13.dtype
-    counts = warmup_row_counts(max_rows)
-    gen = torch.Generator(device=w13.device).manual_seed(0)
-    for rows in counts:
-        x = torch.randn(rows, w13.shape[2], generator=gen, device=w13.device).to(dtype)
-        logits = torch.randn(rows, w13.shape[0], generator=gen, device=w13.device).to(dtype)
-        weights, ids = route(logits, top_k, renormalize)
-        fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, block)
-    return counts
