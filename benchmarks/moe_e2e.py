@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -311,7 +312,7 @@ def run_kind(kind: str, target: str, draft: str, cfg: dict, p: dict, rates: dict
         enable_prefix_caching=False, warmup=False, speculative_model=draft, speculative_gamma=GAMMA,
         speculative_policy="adaptive"))
     res = {"kind": kind, "build_s": time.time() - t0, "decode": [], "prefill": [], "spec": [], "skipped": [],
-           "timed_window_compiles": []}
+           "errors": [], "timed_window_compiles": []}
     if torch.cuda.is_available():
         res["memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     rng = torch.Generator().manual_seed(0)
@@ -327,7 +328,13 @@ def run_kind(kind: str, target: str, draft: str, cfg: dict, p: dict, rates: dict
                 res["skipped"].append(f"{name} {what}")
                 continue
             t1 = time.time()
-            row = stage()
+            try:
+                row = stage()
+            except Exception as e:       # reported; the other stages still run
+                traceback.print_exc()
+                res["errors"].append(f"{name} {what}: {type(e).__name__}: {e}"[:500])
+                finish(engine, list(engine.requests))
+                continue
             row["seconds"] = time.time() - t1
             res[name].append(row)
             print(f"  {kind} {name} {what}: {json.dumps(row, default=float)[:300]}", flush=True)
@@ -366,6 +373,7 @@ def report(result: dict) -> str:
                          f"experts); {depths}; policy {r['policy_choice']}")
         lines.append(f"  kernels compiled in timed windows: {sum(res['timed_window_compiles'])}"
                      + (f"; skipped (budget): {res['skipped']}" if res["skipped"] else ""))
+        lines += [f"  ERROR {e}" for e in res["errors"]]
     r = result["meta"]["rates"]
     lines.append(f"copy {r['copy_bandwidth'] / 1e12:.2f} TB/s, bf16 {r['bf16_peak'] / 1e12:.0f} TFLOP/s, fp8 "
                  f"{(r.get('fp8_peak') or 0) / 1e12:.0f} TFLOP/s; * = compute-bound floor")
@@ -406,7 +414,16 @@ def main(argv=None) -> int:
         for i, kind in enumerate(kinds):
             # each kind gets its share of what is left of the budget
             deadline = t_start + args.budget * (i + 1) / len(kinds)
-            result["kinds"].append(run_kind(kind, target, draft, cfg, p, rates, args, deadline))
+            try:
+                result["kinds"].append(run_kind(kind, target, draft, cfg, p, rates, args, deadline))
+            except Exception as e:       # the engine did not build (out of memory, say): the next kind still runs
+                traceback.print_exc()
+                result["kinds"].append({"kind": kind, "build_s": float("nan"), "decode": [], "prefill": [], "spec": [],
+                                        "skipped": [], "errors": [f"build: {type(e).__name__}: {e}"[:500]],
+                                        "timed_window_compiles": []})
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             (out / "moe_e2e.json").write_text(json.dumps(result, indent=1, default=float))
     result["meta"]["seconds"] = time.time() - t_start
     text = report(result)
@@ -414,9 +431,10 @@ def main(argv=None) -> int:
     (out / "moe_e2e.md").write_text(f"commit {args.commit}, {result['meta']['gpu']}\n\n```\n{text}\n```\n")
     print(text)
     compiled = sum(sum(res["timed_window_compiles"]) for res in result["kinds"])
-    print(f"{'no kernel' if not compiled else f'{compiled} kernels'} compiled inside timed windows; "
+    errors = sum(len(res["errors"]) for res in result["kinds"])
+    print(f"{'no kernel' if not compiled else f'{compiled} kernels'} compiled inside timed windows, {errors} errors; "
           f"{result['meta']['seconds']:.0f} s; {out / 'moe_e2e.json'}")
-    return 0 if compiled == 0 else 1
+    return 0 if compiled == 0 and errors == 0 else 1
 
 
 if __name__ == "__main__":
