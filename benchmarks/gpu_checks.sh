@@ -199,7 +199,7 @@ for stage in $stages; do
       left=$(( ${CALL_BUDGET:-570} - (SECONDS - start) - 20 ))
       FUZZ_BUDGET=${FUZZ_BUDGET:-$(( left > 60 ? left : 60 ))} fuzz
       [ "$suite_status" = 0 ] && [ "${status[$stage]}" = 0 ]; status[$stage]=$? ;;
-    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, serving, grammar, profile, fp8, moe, moee2e, kv1, gpusuite, fuzz, issue62)"; status[$stage]=2 ;;
+    *) echo "unknown stage $stage (tests, suite, kernels, peers, layer, spec, ngram, serving, grammar, profile, fp8, moe, moee2e, kv1, gpusuite, fuzz, issue62)"; status[$stage]=2 ;;
   esac
   echo "== $stage: exit ${status[$stage]} in $((SECONDS - start)) s (commit $commit)"
 done
